@@ -1,0 +1,63 @@
+"""shardadopt: train models that transformers sharded at load time with accelerate, Trainer and Optuna.
+
+    import shardadopt
+    shardadopt.enable()
+
+``enable()`` patches only what the installed upstream lacks (each patch probes upstream first), lazily: nothing
+from transformers or accelerate is imported here. ``disable()`` restores every original object. The fixes are
+also plain functions for code that prefers no monkeypatching.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from typing import Any
+
+from shardadopt.registry import PatchStatus, Registry
+
+__version__ = "0.1.0.dev0"
+
+__all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm"]
+
+_REGISTRY: Registry | None = None
+
+# Public functions that live in modules importing torch: loaded on first use so `import shardadopt` stays cheap.
+_LAZY = {
+    "clip_grad_norm_": "shardadopt.gradnorm",
+    "total_norm": "shardadopt.gradnorm",
+}
+
+
+def _registry() -> Registry:
+    global _REGISTRY
+    if _REGISTRY is None:
+        from shardadopt.patches import ALL_PATCHES
+
+        _REGISTRY = Registry(ALL_PATCHES)
+    return _REGISTRY
+
+
+def enable(only: Iterable[str] | None = None, exclude: Iterable[str] | None = None) -> list[PatchStatus]:
+    """Enable the patches (all, or ``only`` these ids, minus ``exclude`` and ``$SHARDADOPT_DISABLE``).
+
+    Idempotent. Returns the status of every patch; patches whose upstream modules are not imported yet are
+    ``pending`` and apply when those modules are imported.
+    """
+    return _registry().enable(only=only, exclude=exclude)
+
+
+def disable() -> list[PatchStatus]:
+    """Revert every applied patch, restoring the original upstream objects."""
+    return _registry().disable()
+
+
+def status() -> list[PatchStatus]:
+    """One record per patch: ``id``, ``state`` (applied, not-needed, unsupported, off, pending) and ``reason``."""
+    return _registry().status()
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardadopt' has no attribute {name!r}")

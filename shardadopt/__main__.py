@@ -1,0 +1,3 @@
+from shardadopt.cli import _entry
+
+_entry()

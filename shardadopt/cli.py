@@ -1,0 +1,114 @@
+"""The ``shardadopt`` command: ``doctor`` and ``selftest``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def doctor(as_json: bool = False) -> int:
+    """Print versions, backends and each patch's state for this installation; non-zero when something is broken.
+
+    Broken means: a dependency missing or outside the supported range, an upstream module that fails to import,
+    or a patch that is ``unsupported``.
+    """
+    import shardadopt
+    from shardadopt import versions
+
+    rows = versions.report()
+    backends = _backends()
+    shardadopt.enable()
+    import_errors = {}
+    try:
+        for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules}):
+            try:
+                importlib.import_module(module)  # lets every patch's probe look at the real upstream
+            except Exception as exc:
+                import_errors[module] = f"{type(exc).__name__}: {exc}"
+        patches = [s.as_dict() for s in shardadopt.status()]
+    finally:
+        shardadopt.disable()
+    broken = (any(not r["ok"] for r in rows) or bool(import_errors)
+              or any(p["state"] == "unsupported" for p in patches))
+    if as_json:
+        print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "backends": backends,
+                          "import_errors": import_errors, "patches": patches, "ok": not broken}, indent=2))
+        return 1 if broken else 0
+    print(f"shardadopt {shardadopt.__version__}")
+    for row in rows:
+        mark = "ok " if row["ok"] else "BAD"
+        print(f"  {mark} {row['name']:<13} {row['installed'] or 'not installed':<16} supported {row['supported']}")
+    print("backends: " + ", ".join(f"{name}={'yes' if ok else 'no'}" for name, ok in backends.items()))
+    for module, error in import_errors.items():
+        print(f"  BAD import {module}: {error}")
+    print(f"patches ({len(patches)}):")
+    for p in patches:
+        print(f"  {p['id']:<32} {p['state']:<12} {p['reason']}")
+    if not patches:
+        print("  (none registered)")
+    print("status: " + ("BROKEN: see the BAD/unsupported lines above" if broken else "ok"))
+    return 1 if broken else 0
+
+
+def _backends() -> dict[str, bool]:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return {"torch.distributed": False}
+    return {"gloo": dist.is_available() and dist.is_gloo_available(),
+            "nccl": dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available(),
+            "cuda": torch.cuda.is_available()}
+
+
+def selftest(nproc: int, device: str, only: Sequence[str] | None, timeout: float) -> int:
+    from shardadopt.selftest import run_selftest
+
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < nproc:
+            print(f"selftest --device cuda needs {nproc} GPUs, found {torch.cuda.device_count()}; "
+                  f"pass --nproc {max(torch.cuda.device_count(), 1)} or --device cpu", file=sys.stderr)
+            return 2
+    print(f"shardadopt selftest: {nproc} ranks on {device}")
+    outcomes = run_selftest(nproc=nproc, device=device, only=only, timeout=timeout)
+    failed = [o for o in outcomes if not o.ok]
+    print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardadopt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doc = sub.add_parser("doctor", help="versions, backends and the state of every patch")
+    doc.add_argument("--json", action="store_true", help="machine-readable output")
+    test = sub.add_parser("selftest", help="run every capability on worker processes against one process")
+    test.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    test.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    test.add_argument("--only", nargs="+", metavar="SCENARIO", help="run only these scenarios")
+    test.add_argument("--timeout", type=float, default=300.0, help="seconds per scenario before it fails")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        return doctor(as_json=args.json)
+    try:
+        return selftest(args.nproc, args.device, args.only, args.timeout)
+    except ValueError as exc:
+        print(f"shardadopt selftest: {exc}", file=sys.stderr)
+        return 2
+
+
+def _entry(argv: Any = None) -> None:
+    sys.exit(main(argv))
+
+
+if __name__ == "__main__":
+    _entry()

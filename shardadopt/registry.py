@@ -1,0 +1,274 @@
+"""The patch contract and the registry that applies patches lazily and reversibly.
+
+A patch names the upstream objects it replaces (``Target``), a version gate per upstream distribution, and a
+``probe`` that inspects the installed upstream once its modules are imported. ``enable()`` never imports upstream
+itself: it registers wrapt post-import hooks, so a patch is applied the moment its last target module finishes
+importing (immediately, when it is already imported). Every replaced object is remembered and ``disable()`` puts
+the original back, so ``getattr(owner, name) is original`` holds again afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import wrapt
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+APPLIED = "applied"
+NOT_NEEDED = "not-needed"
+UNSUPPORTED = "unsupported"
+OFF = "off"
+PENDING = "pending"  # enabled, waiting for its upstream modules to be imported
+
+DISABLE_ENV = "SHARDADOPT_DISABLE"
+
+# A wrapper in wrapt's convention: wrapper(wrapped, instance, args, kwargs).
+Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
+
+
+@dataclass(frozen=True)
+class Target:
+    """An upstream object to replace: ``module`` plus a dotted ``qualname`` inside it."""
+
+    module: str
+    qualname: str
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a probe found: whether the installed upstream still needs the patch, and why."""
+
+    needed: bool
+    reason: str
+
+
+@dataclass
+class Patch:
+    """One fix for one upstream shortcoming.
+
+    ``requires`` maps a distribution name to the version range the patch was written and tested against; outside
+    it the patch is ``unsupported``. Inside it, ``probe()`` decides (upstream backports fixes, so versions alone go
+    stale). ``wrappers`` maps each target to the wrapt wrapper that replaces it.
+    """
+
+    id: str
+    summary: str
+    upstream: str
+    requires: dict[str, str]
+    wrappers: dict[Target, Wrapper]
+    probe: Callable[[], Probe]
+    # Modules that must be imported before the probe can look (defaults to the targets' modules).
+    probe_modules: tuple[str, ...] = ()
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        return tuple(self.wrappers)
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        names = [t.module for t in self.wrappers] + list(self.probe_modules)
+        return tuple(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    id: str
+    state: str
+    reason: str
+    summary: str = ""
+    upstream: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return {"id": self.id, "state": self.state, "reason": self.reason, "summary": self.summary,
+                "upstream": self.upstream}
+
+
+@dataclass
+class _Applied:
+    owner: Any
+    attribute: str
+    original: Any
+
+
+@dataclass
+class _Entry:
+    patch: Patch
+    state: str = OFF
+    reason: str = "not enabled"
+    applied: list[_Applied] = field(default_factory=list)
+
+
+def installed_version(distribution: str) -> Version | None:
+    try:
+        return Version(importlib.metadata.version(distribution))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_gate(requires: dict[str, str]) -> str | None:
+    """The reason the installed versions fall outside ``requires``, or None when they are inside."""
+    for distribution, spec in requires.items():
+        version = installed_version(distribution)
+        if version is None:
+            return f"{distribution} is not installed (needs {distribution}{spec})"
+        if version not in SpecifierSet(spec):
+            return (f"{distribution} {version} is outside the range this patch supports ({spec}); "
+                    f"install a supported release: pip install '{distribution}{spec}'")
+    return None
+
+
+def _resolve(target: Target) -> tuple[Any, str, Any]:
+    """(owner, attribute, raw original) for a target whose module is imported."""
+    owner: Any = sys.modules[target.module]
+    *path, attribute = target.qualname.split(".")
+    for name in path:
+        owner = getattr(owner, name)
+    # The raw class-dict entry keeps staticmethod/classmethod wrappers, so restoring it is exact.
+    raw = owner.__dict__[attribute] if isinstance(owner, type) and attribute in owner.__dict__ else getattr(
+        owner, attribute)
+    return owner, attribute, raw
+
+
+class Registry:
+    """Applies a fixed list of patches. The process-wide instance lives in ``shardadopt._registry()``."""
+
+    def __init__(self, patches: Sequence[Patch]):
+        ids = [p.id for p in patches]
+        duplicates = {i for i in ids if ids.count(i) > 1}
+        if duplicates:
+            raise ValueError(f"duplicate patch ids: {sorted(duplicates)}")
+        self._entries = {p.id: _Entry(p) for p in patches}
+        self._lock = threading.RLock()
+        self._hooked_modules: set[str] = set()
+        self._enabled = False
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._entries)
+
+    def select(self, only: Iterable[str] | None, exclude: Iterable[str] | None) -> tuple[set[str], dict[str, str]]:
+        """The ids to enable, and for each id left out the reason it is off."""
+        only = self._checked(only, "only")
+        exclude = self._checked(exclude, "exclude")
+        env_off = self._env_disabled()
+        off: dict[str, str] = {}
+        for pid in self._entries:
+            if only is not None and pid not in only:
+                off[pid] = "not selected (enable(only=...))"
+            elif exclude and pid in exclude:
+                off[pid] = "excluded (enable(exclude=...))"
+            elif pid in env_off:
+                off[pid] = f"switched off by {DISABLE_ENV}"
+        return set(self._entries) - set(off), off
+
+    def enable(self, only: Iterable[str] | None = None, exclude: Iterable[str] | None = None) -> list[PatchStatus]:
+        selected, off = self.select(only, exclude)
+        with self._lock:
+            self._enabled = True
+            for pid, reason in off.items():
+                self._revert(self._entries[pid], OFF, reason)
+            for pid in selected:
+                entry = self._entries[pid]
+                if entry.state == OFF:
+                    entry.state, entry.reason = PENDING, "waiting for " + ", ".join(
+                        m for m in entry.patch.modules if m not in sys.modules)
+                    gate = version_gate(entry.patch.requires)
+                    if gate is not None:
+                        entry.state, entry.reason = UNSUPPORTED, gate
+            for module in sorted({m for pid in selected for m in self._entries[pid].patch.modules}):
+                self._hook(module)
+            self._on_import(None)  # modules imported before this call, or hooked in an earlier enable()
+            return self.status()
+
+    def disable(self) -> list[PatchStatus]:
+        with self._lock:
+            self._enabled = False
+            for entry in self._entries.values():
+                self._revert(entry, OFF, "disabled")
+            return self.status()
+
+    def status(self) -> list[PatchStatus]:
+        with self._lock:
+            return [PatchStatus(e.patch.id, e.state, e.reason, e.patch.summary, e.patch.upstream)
+                    for e in self._entries.values()]
+
+    def patches(self) -> list[Patch]:
+        return [e.patch for e in self._entries.values()]
+
+    # -- internals -------------------------------------------------------------------------------------------------
+
+    def _checked(self, ids: Iterable[str] | None, argument: str) -> set[str] | None:
+        if ids is None:
+            return None
+        if isinstance(ids, str):
+            ids = [ids]
+        ids = set(ids)
+        unknown = ids - set(self._entries)
+        if unknown:
+            raise ValueError(f"unknown patch id(s) in {argument}: {sorted(unknown)}; valid ids: {self.ids}")
+        return ids
+
+    def _env_disabled(self) -> set[str]:
+        raw = os.environ.get(DISABLE_ENV, "").strip()
+        if not raw:
+            return set()
+        names = {n.strip() for n in raw.split(",") if n.strip()}
+        if "all" in names:
+            return set(self._entries)
+        unknown = names - set(self._entries)
+        if unknown:
+            raise ValueError(f"unknown patch id(s) in {DISABLE_ENV}={raw!r}: {sorted(unknown)}; "
+                             f"valid ids: {self.ids} (or 'all')")
+        return names
+
+    def _hook(self, module: str) -> None:
+        # wrapt cannot unregister a hook; each module is hooked once and the callback consults current state.
+        if module not in self._hooked_modules:
+            self._hooked_modules.add(module)
+            wrapt.register_post_import_hook(self._on_import, module)
+
+    def _on_import(self, _module: ModuleType | None) -> None:
+        with self._lock:
+            if not self._enabled:
+                return
+            for entry in self._entries.values():
+                if entry.state == PENDING and all(m in sys.modules for m in entry.patch.modules):
+                    self._apply(entry)
+
+    def _apply(self, entry: _Entry) -> None:
+        patch = entry.patch
+        try:
+            found = patch.probe()
+        except Exception as exc:  # a probe must never break the user's import
+            entry.state, entry.reason = UNSUPPORTED, f"probe failed: {type(exc).__name__}: {exc}"
+            return
+        if not found.needed:
+            entry.state, entry.reason = NOT_NEEDED, found.reason
+            return
+        try:
+            for target, wrapper in patch.wrappers.items():
+                owner, attribute, original = _resolve(target)
+                setattr(owner, attribute, wrapt.FunctionWrapper(original, wrapper))
+                entry.applied.append(_Applied(owner, attribute, original))
+        except Exception as exc:
+            self._revert(entry, UNSUPPORTED, f"could not patch {target}: {type(exc).__name__}: {exc}")
+            return
+        entry.state, entry.reason = APPLIED, found.reason
+
+    @staticmethod
+    def _revert(entry: _Entry, state: str, reason: str) -> None:
+        for applied in reversed(entry.applied):
+            setattr(applied.owner, applied.attribute, applied.original)
+        entry.applied.clear()
+        entry.state, entry.reason = state, reason

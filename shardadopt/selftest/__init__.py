@@ -1,0 +1,107 @@
+"""``shardadopt selftest``: run each capability on real worker processes and compare it with one process.
+
+A scenario computes a single-process reference in the launcher process, runs on ``nproc`` ranks of a
+``RankPool`` and compares rank 0's result with the reference. Scenarios that need the same world size share one
+pool, so imports are paid once per world size.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardadopt.testing import RankError, RankPool, RankTimeout, tiny_checkpoints
+
+
+@dataclass(frozen=True)
+class Context:
+    models: dict[str, str]
+    nproc: int
+    device: str
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    # Module-level function run on every rank: run(ctx) -> result (rank 0's is compared).
+    run: Callable[[Context], Any]
+    # Single-process reference, run in the launcher: reference(ctx) -> expected.
+    reference: Callable[[Context], Any]
+    # compare(result, expected) -> None when they agree, else a message saying what differs.
+    compare: Callable[[Any, Any], str | None]
+    # Why the scenario cannot run with this world size, or None.
+    unsupported: Callable[[int], str | None] = lambda nproc: None
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    ok: bool
+    seconds: float
+    detail: str
+
+
+def _scenarios() -> list[Scenario]:
+    from shardadopt.selftest import loading
+
+    return [*loading.SCENARIOS]
+
+
+def run_selftest(nproc: int = 2, device: str = "cpu", only: Sequence[str] | None = None,
+                 timeout: float = 300.0, out: Any = None) -> list[Outcome]:
+    out = out or sys.stdout
+    # Loading bars from every rank would bury the table.
+    quiet = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+             "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    os.environ.update(quiet)
+    scenarios = _scenarios()
+    if only:
+        unknown = set(only) - {s.name for s in scenarios}
+        if unknown:
+            raise ValueError(f"unknown scenario(s) {sorted(unknown)}; known: {[s.name for s in scenarios]}")
+        scenarios = [s for s in scenarios if s.name in only]
+    outcomes: list[Outcome] = []
+    with tempfile.TemporaryDirectory(prefix="shardadopt-selftest-") as root:
+        ctx = Context(models=tiny_checkpoints(root), nproc=nproc, device=device)
+        pool: RankPool | None = None
+        try:
+            for scenario in scenarios:
+                reason = scenario.unsupported(nproc)
+                if reason:
+                    outcomes.append(Outcome(scenario.name, True, 0.0, f"skipped: {reason}"))
+                    continue
+                start = time.monotonic()
+                try:
+                    expected = scenario.reference(ctx)
+                    if pool is None:
+                        pool = RankPool(nproc, device=device, env=quiet)
+                    result = pool.run(scenario.run, ctx, timeout=timeout)[0]
+                    problem = scenario.compare(result, expected)
+                    outcome = Outcome(scenario.name, problem is None, time.monotonic() - start,
+                                      problem or scenario.description)
+                except (RankError, RankTimeout) as exc:
+                    pool = None  # the pool shut itself down; the next scenario gets a fresh one
+                    outcome = Outcome(scenario.name, False, time.monotonic() - start, str(exc))
+                except Exception:
+                    outcome = Outcome(scenario.name, False, time.monotonic() - start, traceback.format_exc())
+                outcomes.append(outcome)
+                print(_row(outcome), file=out, flush=True)
+        finally:
+            if pool is not None:
+                pool.close()
+    return outcomes
+
+
+def _row(outcome: Outcome) -> str:
+    first, *rest = outcome.detail.strip().splitlines() or [""]
+    text = f"{'PASS' if outcome.ok else 'FAIL'}  {outcome.scenario:<28} {outcome.seconds:6.1f}s  {first}"
+    if not outcome.ok and rest:
+        text += "\n" + "\n".join("      " + line for line in rest)
+    return text

@@ -1,0 +1,76 @@
+"""Tiny random checkpoints that load offline with ``from_pretrained``, for tests, selftest and benchmarks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+VOCAB_SIZE = _COMMON["vocab_size"]
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**_COMMON))
+
+
+def _qwen3moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_COMMON, moe_intermediate_size=32, num_experts=4,
+                                              num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=True))
+
+
+BUILDERS: dict[str, Callable] = {"qwen3": _qwen3, "qwen3moe": _qwen3moe, "llama": _llama}
+MOE_MODELS = frozenset({"qwen3moe"})
+
+
+def tiny_checkpoints(root: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, str]:
+    """Write (once) tiny random checkpoints under ``root``; name -> checkpoint directory.
+
+    Each is written to a temporary directory and renamed into place, so concurrent callers and interrupted runs
+    never see a half-written checkpoint.
+    """
+    import torch
+
+    root = os.fspath(root)
+    os.makedirs(root, exist_ok=True)
+    paths = {}
+    for name in names or BUILDERS:
+        if name not in BUILDERS:
+            raise ValueError(f"unknown tiny model {name!r}; known: {sorted(BUILDERS)}")
+        path = os.path.join(root, f"tiny-{name}")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                model = BUILDERS[name]()
+            staging = tempfile.mkdtemp(prefix=f".tiny-{name}-", dir=root)
+            model.save_pretrained(staging)
+            try:
+                os.rename(staging, path)
+            except OSError:  # another process won the race; its copy is identical
+                shutil.rmtree(staging, ignore_errors=True)
+        paths[name] = path
+    return paths
+
+
+def token_batch(seed: int, batch_size: int, seq_len: int = 16):
+    """A deterministic batch of token ids (the same on every process for the same seed)."""
+    import torch
+
+    return torch.randint(0, VOCAB_SIZE, (batch_size, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+def full(tensor):
+    """The full value of a DTensor (a collective on its mesh), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

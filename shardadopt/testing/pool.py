@@ -1,0 +1,157 @@
+"""A pool of worker processes that form one torch.distributed process group, started once and reused.
+
+Starting ranks costs seconds of imports each time; tests and ``shardadopt selftest`` start a pool once and run
+many functions on it. Functions are pickled by reference, so they must be importable module-level functions.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+_STOP = "stop"
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks; ``failures`` maps rank -> formatted traceback."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        details = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+        super().__init__(f"raised on rank(s) {sorted(failures)}:\n{details}")
+
+
+class RankTimeout(TimeoutError):
+    """Some ranks did not answer in time; the pool was shut down."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend: str, device: str,
+            env: dict[str, str], inbox: Any, outbox: Any) -> None:
+    sys.path[:] = sys_path
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    # Several ranks share few cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(int(env.get("SHARDADOPT_THREADS_PER_RANK", "1")))
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        outbox.put((rank, "ready", None))
+    except Exception:
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            task = inbox.get()  # unpickling imports the function's module, which may fail
+            if task == _STOP:
+                break
+            fn, args, kwargs = task
+            outbox.put((rank, "ok", fn(*args, **kwargs)))
+        except BaseException:
+            outbox.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``nproc`` ranks in one process group (gloo on CPU, nccl on CUDA), reused across ``run`` calls.
+
+    >>> with RankPool(2) as pool:
+    ...     results = pool.run(my_module.fn, arg)   # fn(arg) on every rank; list of the ranks' return values
+    """
+
+    def __init__(self, nproc: int, *, device: str = "cpu", env: dict[str, str] | None = None,
+                 start_timeout: float = 180.0):
+        if nproc < 1:
+            raise ValueError(f"nproc must be >= 1, got {nproc}")
+        self.nproc = nproc
+        backend = "nccl" if device == "cuda" else "gloo"
+        ctx = mp.get_context("spawn")
+        self._inboxes = [ctx.Queue() for _ in range(nproc)]
+        self._outbox = ctx.Queue()
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True, name=f"shardadopt-rank{rank}",
+                        args=(rank, nproc, port, list(sys.path), backend, device, dict(env or {}),
+                              self._inboxes[rank], self._outbox))
+            for rank in range(nproc)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._broken = False
+        self._collect("start", start_timeout)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; the ranks' return values, in rank order."""
+        if self._broken:
+            raise RuntimeError("this RankPool was shut down after an earlier failure; start a new one")
+        for inbox in self._inboxes:
+            inbox.put((fn, args, kwargs))
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout)
+
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(failures) < self.nproc:
+            remaining = deadline - time.monotonic()
+            if failures:
+                # Peers of a failed rank often wait in a collective forever: give them a short grace only.
+                remaining = min(remaining, 10.0)
+            try:
+                rank, kind, payload = self._outbox.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                missing = sorted(set(range(self.nproc)) - set(results) - set(failures))
+                dead = [r for r in missing if not self._procs[r].is_alive()]
+                self.close(force=True)
+                if failures:
+                    failures.update({r: "did not finish after another rank failed (pool shut down)" for r in missing})
+                    raise RankError(failures) from None
+                raise RankTimeout(f"{what}: rank(s) {missing} gave no answer within {timeout:.0f}s"
+                                  + (f"; rank(s) {dead} exited" if dead else "")) from None
+            if kind == "error":
+                failures[rank] = payload
+            else:
+                results[rank] = payload
+        if failures:
+            self.close(force=True)
+            raise RankError(failures)
+        return [results[r] for r in range(self.nproc)]
+
+    def close(self, force: bool = False) -> None:
+        if not self._procs:
+            return
+        self._broken = True
+        if not force:
+            for inbox in self._inboxes:
+                inbox.put(_STOP)
+            for proc in self._procs:
+                proc.join(timeout=30)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        self._procs = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=exc[0] is not None)

@@ -1,0 +1,29 @@
+"""The upstream versions shardadopt supports, and what is installed."""
+
+from __future__ import annotations
+
+import platform
+
+from packaging.specifiers import SpecifierSet
+
+from shardadopt.registry import installed_version
+
+# Mirrors pyproject.toml's dependency ranges; torch is tested on 2.13 only.
+SUPPORTED: dict[str, str] = {
+    "torch": ">=2.13,<2.14",
+    "transformers": ">=5.15,<5.25",
+    "accelerate": ">=1.13,<1.16",
+    "optuna": ">=4,<6",
+    "wrapt": ">=2",
+}
+
+
+def report() -> list[dict[str, str | bool | None]]:
+    """One row per dependency: name, installed version (or None), supported range, whether it is inside."""
+    rows: list[dict[str, str | bool | None]] = [
+        {"name": "python", "installed": platform.python_version(), "supported": ">=3.10", "ok": True}]
+    for name, spec in SUPPORTED.items():
+        version = installed_version(name)
+        rows.append({"name": name, "installed": str(version) if version else None, "supported": spec,
+                     "ok": version is not None and version in SpecifierSet(spec)})
+    return rows

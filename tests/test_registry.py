@@ -1,0 +1,246 @@
+"""The patch contract: lazy, probe-gated, idempotent, reversible, switchable by environment."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import shardadopt
+from shardadopt.registry import (APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Patch, Probe, Registry,
+                                 Target)
+
+REPO = Path(__file__).resolve().parents[1]
+_counter = itertools.count()
+
+UPSTREAM_SOURCE = textwrap.dedent("""
+    def compute(x):
+        return x + 1
+
+    class Engine:
+        def step(self, x):
+            return x * 2
+
+        @staticmethod
+        def helper(x):
+            return x - 1
+""")
+
+
+@pytest.fixture
+def upstream(tmp_path, monkeypatch):
+    """A fresh fake upstream module name per test (written to disk, not imported yet)."""
+    name = f"fake_upstream_{next(_counter)}"
+    (tmp_path / f"{name}.py").write_text(UPSTREAM_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def add_ten(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) + 10
+
+
+def make_patch(module: str, pid: str = "fix-compute", needed: bool = True, requires=None, probe=None) -> Patch:
+    return Patch(
+        id=pid, summary="adds ten", upstream="example/upstream#1", requires=requires or {"wrapt": ">=2"},
+        wrappers={Target(module, "compute"): add_ten, Target(module, "Engine.step"): add_ten,
+                  Target(module, "Engine.helper"): add_ten},
+        probe=probe or (lambda: Probe(needed, "upstream lacks it" if needed else "upstream has it")),
+    )
+
+
+def states(registry: Registry) -> dict[str, str]:
+    return {s.id: s.state for s in registry.status()}
+
+
+def test_enable_before_import_patches_on_import(upstream):
+    registry = Registry([make_patch(upstream)])
+    assert states(registry) == {"fix-compute": OFF}
+    assert states_after(registry.enable()) == {"fix-compute": PENDING}
+    assert upstream not in sys.modules, "enable() must not import upstream itself"
+    module = importlib.import_module(upstream)
+    assert states(registry) == {"fix-compute": APPLIED}
+    assert module.compute(1) == 12
+    assert module.Engine().step(3) == 16
+    assert module.Engine.helper(5) == 14
+    registry.disable()
+
+
+def states_after(statuses) -> dict[str, str]:
+    return {s.id: s.state for s in statuses}
+
+
+def test_enable_after_import_patches_immediately(upstream):
+    module = importlib.import_module(upstream)
+    registry = Registry([make_patch(upstream)])
+    assert states_after(registry.enable()) == {"fix-compute": APPLIED}
+    assert module.compute(1) == 12
+    registry.disable()
+
+
+def test_enable_twice_is_a_no_op(upstream):
+    module = importlib.import_module(upstream)
+    registry = Registry([make_patch(upstream)])
+    registry.enable()
+    patched = (module.compute, module.Engine.__dict__["step"], module.Engine.__dict__["helper"])
+    first = registry.status()
+    registry.enable()
+    assert registry.status() == first
+    assert (module.compute, module.Engine.__dict__["step"], module.Engine.__dict__["helper"]) == patched
+    assert patched[0] is module.compute
+    assert module.compute(1) == 12, "a second enable() must not wrap twice"
+    registry.disable()
+
+
+def test_disable_restores_every_original_object(upstream):
+    module = importlib.import_module(upstream)
+    originals = (module.compute, module.Engine.__dict__["step"], module.Engine.__dict__["helper"])
+    registry = Registry([make_patch(upstream)])
+    registry.enable()
+    assert module.compute is not originals[0]
+    assert states_after(registry.disable()) == {"fix-compute": OFF}
+    assert module.compute is originals[0]
+    assert module.Engine.__dict__["step"] is originals[1]
+    assert module.Engine.__dict__["helper"] is originals[2]
+    assert isinstance(module.Engine.__dict__["helper"], staticmethod)
+    # and enable() works again after disable()
+    assert states_after(registry.enable()) == {"fix-compute": APPLIED}
+    assert module.compute(1) == 12
+    registry.disable()
+    assert module.compute is originals[0]
+
+
+def test_disable_before_import_leaves_module_untouched(upstream):
+    registry = Registry([make_patch(upstream)])
+    registry.enable()
+    registry.disable()
+    module = importlib.import_module(upstream)
+    assert module.compute(1) == 2
+    assert states(registry) == {"fix-compute": OFF}
+
+
+def test_not_needed_touches_nothing(upstream):
+    module = importlib.import_module(upstream)
+    original = module.compute
+    registry = Registry([make_patch(upstream, needed=False)])
+    status = registry.enable()[0]
+    assert (status.state, status.reason) == (NOT_NEEDED, "upstream has it")
+    assert module.compute is original
+
+
+def test_probe_that_raises_is_unsupported_not_a_crash(upstream):
+    def broken_probe():
+        raise AttributeError("upstream renamed things")
+
+    registry = Registry([make_patch(upstream, probe=broken_probe)])
+    registry.enable()
+    module = importlib.import_module(upstream)  # must not raise
+    status = registry.status()[0]
+    assert status.state == UNSUPPORTED and "upstream renamed things" in status.reason
+    assert module.compute(1) == 2
+
+
+def test_missing_target_is_unsupported_and_rolled_back(upstream):
+    module = importlib.import_module(upstream)
+    original = module.compute
+    patch = make_patch(upstream)
+    patch.wrappers[Target(upstream, "Engine.vanished")] = add_ten
+    registry = Registry([patch])
+    status = registry.enable()[0]
+    assert status.state == UNSUPPORTED and "Engine.vanished" in status.reason
+    assert module.compute is original, "targets patched before the failure must be restored"
+
+
+@pytest.mark.parametrize("requires, fragment", [
+    ({"wrapt": "<1"}, "outside the range"),
+    ({"surely-not-installed-dist": ">=1"}, "is not installed"),
+])
+def test_unsupported_version_is_reported_with_reason(upstream, requires, fragment):
+    module = importlib.import_module(upstream)
+    original = module.compute
+    status = Registry([make_patch(upstream, requires=requires)]).enable()[0]
+    assert status.state == UNSUPPORTED and fragment in status.reason
+    assert module.compute is original
+
+
+def test_env_var_switches_patches_off(upstream, monkeypatch):
+    module = importlib.import_module(upstream)
+    registry = Registry([make_patch(upstream, "a"), make_patch(upstream, "b", needed=False)])
+    monkeypatch.setenv("SHARDADOPT_DISABLE", "a")
+    assert states_after(registry.enable()) == {"a": OFF, "b": NOT_NEEDED}
+    assert module.compute(1) == 2
+    monkeypatch.setenv("SHARDADOPT_DISABLE", "all")
+    assert states_after(registry.enable()) == {"a": OFF, "b": OFF}
+
+
+def test_only_and_exclude_select_patches(upstream):
+    module = importlib.import_module(upstream)
+    registry = Registry([make_patch(upstream, "a"), make_patch(upstream, "b", needed=False)])
+    assert states_after(registry.enable(only=["b"])) == {"a": OFF, "b": NOT_NEEDED}
+    assert module.compute(1) == 2
+    assert states_after(registry.enable(exclude=["b"])) == {"a": APPLIED, "b": OFF}
+    assert module.compute(1) == 12
+    # narrowing the selection reverts what is no longer selected
+    assert states_after(registry.enable(only=["b"])) == {"a": OFF, "b": NOT_NEEDED}
+    assert module.compute(1) == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"only": ["nope"]}, {"exclude": ["nope"]}])
+def test_unknown_ids_name_the_valid_ones(upstream, kwargs):
+    registry = Registry([make_patch(upstream, "a")])
+    with pytest.raises(ValueError, match=r"unknown patch id.*'nope'.*valid ids: \['a'\]"):
+        registry.enable(**kwargs)
+
+
+def test_unknown_id_in_env_var(upstream, monkeypatch):
+    monkeypatch.setenv("SHARDADOPT_DISABLE", "a,typo")
+    with pytest.raises(ValueError, match=r"SHARDADOPT_DISABLE.*'typo'.*valid ids: \['a'\]"):
+        Registry([make_patch(upstream, "a")]).enable()
+
+
+def test_duplicate_ids_are_refused(upstream):
+    with pytest.raises(ValueError, match="duplicate patch ids"):
+        Registry([make_patch(upstream, "a"), make_patch(upstream, "a")])
+
+
+def test_public_api_rejects_unknown_ids():
+    with pytest.raises(ValueError, match="valid ids"):
+        shardadopt.enable(only=["no-such-patch"])
+
+
+def test_enable_imports_no_upstream():
+    code = ("import sys, shardadopt; shardadopt.enable(); "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'optuna', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.strip() == "[]"
+
+
+def test_patches_folder_matches_registry():
+    diffs = {p.stem for p in (REPO / "patches").glob("*.diff")}
+    ids = {p.id for p in shardadopt._registry().patches()}
+    assert diffs == ids, f"patches/ has {sorted(diffs - ids)} without a patch; patches without a diff: {sorted(ids - diffs)}"
+
+
+def test_every_diff_names_upstream_reference_and_version():
+    for diff in (REPO / "patches").glob("*.diff"):
+        header = diff.read_text().split("\n---", 1)[0]
+        assert "Upstream:" in header and "Against:" in header, f"{diff.name} lacks its Upstream:/Against: header"
+
+
+def test_every_patch_targets_exist_in_installed_upstream():
+    """Each registered patch resolves all its targets against what is installed (or reports why not)."""
+    shardadopt.enable()
+    try:
+        for patch in shardadopt._registry().patches():
+            for module in patch.modules:
+                importlib.import_module(module)
+        for status in shardadopt.status():
+            assert status.state in {APPLIED, NOT_NEEDED}, f"{status.id}: {status.state}: {status.reason}"
+    finally:
+        shardadopt.disable()
