@@ -1,0 +1,149 @@
+"""Gradient norm and clipping over gradients on any mix of device meshes, with one collective per call.
+
+Drop-in for ``torch.nn.utils.get_total_norm`` / ``clip_grads_with_norm_`` / ``clip_grad_norm_`` that accepts
+FSDP2 shards, TP shards, EP experts on their own (sub-)mesh, ``_StridedShard``, uneven shards and plain replicated
+tensors in one call. Each rank reduces its local pieces, weighted by how many ranks hold them (see
+:mod:`shardadopt.gradnorm.core`), and a single all-reduce over the world (or ``group``) gives the norm; every rank
+gets the same value and clips by the same coefficient.
+
+Differences from torch, on purpose:
+
+- the norm is returned in fp32 (fp64 if any gradient is fp64), not in the gradients' dtype: bf16 grads get an
+  exact-to-fp32 norm and a clip coefficient that does not jump in bf16 steps;
+- ``norm_type=0`` counts nonzero elements (the 0-"norm" of the concatenated gradients); torch's
+  ``get_total_norm`` counts the tensors that have any nonzero element instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
+
+from shardadopt.gradnorm.core import check_norm_type, finish, local_payload, poisoned_payload, reduce_op
+from shardadopt.gradnorm.layout import Group, LayoutError, PlainReplication, to_pieces
+
+__all__ = ["total_norm", "clip_grads_with_norm_", "clip_grad_norm_", "LayoutError"]
+
+TensorOrTensors = Tensor | Iterable[Tensor]
+
+
+def _group(group: dist.ProcessGroup | None) -> tuple[Group, dist.ProcessGroup | None]:
+    """The reducing group, or a one-rank group (and no process group) when there is nothing to reduce over."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Group([0], 0), None
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    rank = dist.get_rank()
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in the process group passed as group= (ranks {sorted(ranks)}); "
+                         f"call total_norm/clip_grad_norm_ only on the ranks of that group.")
+    return Group(ranks, rank), group
+
+
+def _payload_device(first: torch.device | None, group: dist.ProcessGroup | None) -> torch.device:
+    """Where the all-reduce can run: the grads' device if the backend supports it (gloo: CPU and CUDA, NCCL:
+    CUDA only), else the backend's device (e.g. CPU-offloaded grads under NCCL)."""
+    supported = dist.distributed_c10d._device_capability(group)
+    if first is not None and first.type in supported:
+        return first
+    kind = next((d for d in supported if d != "cpu"), supported[0]) if supported else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _result_dtype(tensors: list[Tensor]) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+@torch.no_grad()
+def total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+               foreach: bool | None = None, *, group: dist.ProcessGroup | None = None,
+               plain_replication: PlainReplication | None = None) -> Tensor:
+    """The ``norm_type``-norm of all ``tensors`` viewed as one vector, the same on every rank of ``group``.
+
+    Call on every rank of ``group`` (default: the world) with that rank's tensors in the same order (DTensors
+    as they are, plain tensors as they are). ``plain_replication(t)`` says how many ranks of the group hold an
+    identical copy of the plain tensor ``t`` (default: all of them); old transformers keep TP/EP shards as plain
+    tensors, and only the model's topology knows that.
+
+    Exactly one all-reduce on ``group`` (none when torch.distributed is not initialised or the group has one
+    rank), plus one redistribution per DTensor with a ``Partial`` placement. A gradient that cannot be counted
+    raises :class:`LayoutError` on the ranks that found it, after the collective, while the other ranks get NaN;
+    no rank hangs and none uses a wrong norm.
+    """
+    p = check_norm_type(norm_type)
+    tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    grp, pg = _group(group)
+    pieces, errors = to_pieces(tensors, grp, plain_replication)
+    first = tensors[0].device if tensors else None
+    if pg is None or grp.size == 1:
+        if errors:
+            raise errors[0]
+        payload = local_payload(pieces, p, first, foreach)
+    else:
+        device = _payload_device(first, pg)
+        payload = poisoned_payload(device) if errors else local_payload(pieces, p, device, foreach)
+        dist.all_reduce(payload, op=dist.ReduceOp.MAX if reduce_op(p) == "max" else dist.ReduceOp.SUM, group=pg)
+        if errors:
+            more = f" ({len(errors) - 1} more such gradients)" if len(errors) > 1 else ""
+            raise LayoutError(f"{errors[0]}{more}") from errors[0]
+    result = finish(payload, p).to(device=payload.device if first is None else first, dtype=_result_dtype(tensors))
+    if error_if_nonfinite and not torch.isfinite(result):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            f"clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            f"`error_if_nonfinite=False`")
+    return result
+
+
+def _grads(parameters: TensorOrTensors) -> list[Tensor]:
+    parameters = [parameters] if isinstance(parameters, Tensor) else parameters
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_norm: Tensor,
+                          foreach: bool | None = None) -> None:
+    """Scale every gradient in place by ``min(max_norm / (total_norm + 1e-6), 1)``, torch's formula.
+
+    DTensor gradients are scaled through their local tensors (any placement, Partial included: scaling is
+    linear), with foreach kernels per (device, dtype); no collective.
+    """
+    grads = [g._local_tensor if isinstance(g, DTensor) else g for g in _grads(parameters)]
+    if not grads:
+        return
+    # Always multiply, even by 1: a `coef < 1` test would sync with the device.
+    coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([grads]).items():
+        if (foreach is None and _has_foreach_support(device_grads, device)) or (
+                foreach and _device_has_foreach_support(device)):
+            torch._foreach_mul_(device_grads, coef.to(device))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            device_coef = coef.to(device)
+            for g in device_grads:
+                g.mul_(device_coef)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
+                    group: dist.ProcessGroup | None = None,
+                    plain_replication: PlainReplication | None = None) -> Tensor:
+    """Clip the gradients of ``parameters`` to a total norm of ``max_norm``; returns the total norm before
+    clipping (the same on every rank). :func:`total_norm` then :func:`clip_grads_with_norm_`."""
+    parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+    norm = total_norm(_grads(parameters), norm_type, error_if_nonfinite, foreach, group=group,
+                      plain_replication=plain_replication)
+    clip_grads_with_norm_(parameters, max_norm, norm, foreach)
+    return norm

@@ -1,0 +1,131 @@
+"""The pure core of the grad norm: local pieces with replication counts, reduced to a one-collective payload.
+
+Nothing here touches ``torch.distributed``: a "world" can be simulated in one process by calling
+:func:`local_payload` once per virtual rank, combining the payloads with :func:`combine` (what the all-reduce
+does) and calling :func:`finish`. The distributed entry points in :mod:`shardadopt.gradnorm` do exactly that with
+a real all-reduce.
+
+The maths. For a finite ``p > 0`` the global norm is ``(sum over distinct elements of |x|^p)^(1/p)``. A rank
+knows only its local pieces; a piece that ``r`` ranks of the group hold identically (replicated mesh dims,
+copies of a sub-mesh, plain replicated tensors) is weighted ``1/r``, so summing every rank's weighted local sum
+counts each distinct element exactly once: one SUM all-reduce. ``p = 0`` counts nonzeros the same way (no root).
+``p = inf`` is a MAX, where replicas do not matter. The payload is ``[value, nan_flag]``: MAX reductions (gloo,
+NCCL) may drop NaN, so NaN travels as a flag in the same collective and every rank sees the same NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+
+__all__ = ["Piece", "check_norm_type", "reduce_op", "local_payload", "poisoned_payload", "combine", "finish"]
+
+# The payload and the cross-tensor accumulation are fp64: it is a handful of scalars, and it keeps the sum of
+# p-th powers exact well beyond fp32's range (a fp32 norm of 1e20 has a square of 1e40).
+PAYLOAD_DTYPE = torch.float64
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A tensor this rank holds and the number of ranks of the group that hold an identical copy of it."""
+
+    tensor: Tensor
+    replicas: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be a positive int, got {self.replicas!r}")
+
+
+def check_norm_type(norm_type: float) -> float:
+    p = float(norm_type)
+    if math.isnan(p) or p < 0:
+        raise ValueError(f"norm_type must be >= 0 or inf, got {norm_type!r} (negative orders have no sharded form)")
+    return p
+
+
+def reduce_op(norm_type: float) -> str:
+    """``"max"`` for p = inf, else ``"sum"``: the one all-reduce the payload needs."""
+    return "max" if math.isinf(check_norm_type(norm_type)) else "sum"
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Per-tensor norms in fp32 at least (bf16/fp16 grads are upcast inside the kernel), fp64 grads stay fp64.
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _norms(tensors: list[Tensor], p: float, device: torch.device, dtype: torch.dtype,
+           foreach: bool | None) -> list[Tensor]:
+    acc = _accumulation_dtype(dtype)
+    if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
+        return list(torch._foreach_norm(tensors, p, dtype=acc))
+    if foreach:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    return [torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors]
+
+
+def local_payload(pieces: Iterable[Piece], norm_type: float, device: torch.device | str | None = None,
+                  foreach: bool | None = None) -> Tensor:
+    """This rank's contribution: a fp64 tensor ``[value, nan_flag]`` on ``device`` (default: the first piece's).
+
+    ``value`` is the replica-weighted sum of local p-th powers (p finite) or the local max (p = inf), with NaN
+    replaced by 0 and reported in ``nan_flag`` instead.
+    """
+    p = check_norm_type(norm_type)
+    groups: dict[tuple[torch.device, torch.dtype, int], list[Tensor]] = {}
+    for piece in pieces:
+        t = piece.tensor
+        if t.numel():  # uneven shards leave empty pieces; torch's inf-norm refuses them, and they add nothing
+            groups.setdefault((t.device, t.dtype, piece.replicas), []).append(t)
+    if device is None:
+        device = next(iter(groups))[0] if groups else torch.device("cpu")
+    parts = []
+    for (dev, dtype, replicas), tensors in groups.items():
+        norms = torch.stack(_norms(tensors, p, dev, dtype, foreach)).to(device=device, dtype=PAYLOAD_DTYPE)
+        if math.isinf(p):
+            parts.append(norms.max())  # torch.max propagates NaN
+        else:
+            powers = norms if p in (0.0, 1.0) else norms.pow(p)  # ord 0 gives counts, ord 1 sums: no power
+            parts.append(powers.sum() / replicas)
+    if not parts:
+        value = torch.zeros((), dtype=PAYLOAD_DTYPE, device=device)
+    else:
+        stacked = torch.stack(parts)
+        value = stacked.max() if math.isinf(p) else stacked.sum()
+    nan = value.isnan()
+    return torch.stack([value.nan_to_num(nan=0.0, posinf=math.inf), nan.to(PAYLOAD_DTYPE)])
+
+
+def poisoned_payload(device: torch.device | str) -> Tensor:
+    """A payload that makes the combined result NaN: what a rank that cannot count its pieces contributes, so
+    that its peers finish the collective (no hang) and none of them uses a silently wrong norm."""
+    return torch.tensor([0.0, 1.0], dtype=PAYLOAD_DTYPE, device=device)
+
+
+def combine(payloads: Sequence[Tensor], norm_type: float) -> Tensor:
+    """What the all-reduce computes, for simulating a world in one process.
+
+    The MAX uses ``torch.fmax``, which drops NaN like the loosest real backend, so that a test of the NaN flag
+    cannot pass by luck.
+    """
+    stacked = torch.stack(list(payloads))
+    if reduce_op(norm_type) == "sum":
+        return stacked.sum(dim=0)
+    out = stacked[0]
+    for payload in stacked[1:]:
+        out = torch.fmax(out, payload)
+    return out
+
+
+def finish(reduced: Tensor, norm_type: float) -> Tensor:
+    """The global norm (fp64 scalar) from the all-reduced payload; the same on every rank."""
+    p = check_norm_type(norm_type)
+    value, nan_flag = reduced[0], reduced[1]
+    if p not in (0.0, 1.0) and not math.isinf(p):
+        value = value.pow(1.0 / p)
+    return torch.where(nan_flag > 0, torch.full_like(value, math.nan), value)
