@@ -6,6 +6,9 @@ optuna at module level: the registry applies it when those are imported.
 
 from __future__ import annotations
 
+from shardadopt.patches import accelerate_cpu_parallelism
 from shardadopt.registry import Patch
 
-ALL_PATCHES: list[Patch] = []
+ALL_PATCHES: list[Patch] = [
+    accelerate_cpu_parallelism.PATCH,
+]

@@ -1,0 +1,78 @@
+"""accelerate-cpu-parallelism-config: a ParallelismConfig works on CPU processes (gloo) once the patch is on."""
+
+from __future__ import annotations
+
+import pytest
+
+PATCH_ID = "accelerate-cpu-parallelism-config"
+
+
+def fresh_accelerator(**kwargs):
+    """A new Accelerator on this rank (accelerate keeps process-wide singletons; the pool reuses processes)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, **kwargs)
+
+
+def build_with_config(patched: bool, sizes: dict[str, int]):
+    """Build an Accelerator with ParallelismConfig(**sizes): the error text, or what its mesh and loader look like."""
+    import torch
+    import torch.distributed as dist
+    from accelerate import ParallelismConfig
+
+    import shardadopt
+
+    if patched:
+        shardadopt.enable(only=[PATCH_ID])
+    else:
+        shardadopt.disable()
+    try:
+        try:
+            accelerator = fresh_accelerator(parallelism_config=ParallelismConfig(**sizes))
+        except ValueError as exc:
+            return {"error": str(exc)}
+        loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(torch.arange(16), batch_size=2))
+        batches = [b.tolist() for b in loader]
+        return {"mesh": accelerator.torch_device_mesh.mesh_dim_names, "type": str(accelerator.distributed_type),
+                "batches": batches, "rank": dist.get_rank()}
+    finally:
+        shardadopt.disable()
+
+
+def test_upstream_refuses_parallelism_config_on_cpu(pool2):
+    results = pool2.run(build_with_config, False, {"tp_size": 2})
+    for result in results:
+        assert "ParallelismConfig is only compatible" in result.get("error", ""), result
+
+
+def test_tp_config_accepted_and_tp_ranks_share_batches(pool2):
+    results = pool2.run(build_with_config, True, {"tp_size": 2})
+    assert all("error" not in r for r in results), results
+    assert all(r["type"].endswith("MULTI_CPU") and "tp" in r["mesh"] for r in results)
+    # one data-parallel rank: both TP ranks see the whole dataset, in the same order
+    assert results[0]["batches"] == results[1]["batches"] == [[i, i + 1] for i in range(0, 16, 2)]
+
+
+def test_dp_shard_config_splits_data(pool2):
+    results = pool2.run(build_with_config, True, {"dp_shard_size": 2})
+    first, second = (sum(r["batches"], []) for r in results)
+    assert not set(first) & set(second) and sorted(first + second) == list(range(16))
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_single_process_is_untouched(patched):
+    """One process: accelerate never refused (total_size 1); the patch changes nothing there."""
+    import shardadopt
+
+    if patched:
+        shardadopt.enable(only=[PATCH_ID])
+    try:
+        from accelerate import ParallelismConfig
+
+        accelerator = fresh_accelerator(parallelism_config=ParallelismConfig())
+        assert accelerator.num_processes == 1
+    finally:
+        shardadopt.disable()
