@@ -1,4 +1,4 @@
-"""The ``shardadopt`` command: ``doctor`` and ``selftest``."""
+"""The ``shardadopt`` command: ``doctor``, ``selftest`` and ``hpo``."""
 
 from __future__ import annotations
 
@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     test.add_argument("--only", nargs="+", metavar="SCENARIO", help="run only these scenarios")
     test.add_argument("--timeout", type=float, default=300.0, help="seconds per scenario before it fails")
+    from shardadopt.hpo.report import add_commands
+
+    add_commands(sub)
     return parser
 
 
@@ -99,6 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor":
         return doctor(as_json=args.json)
+    if args.command == "hpo":
+        from shardadopt.hpo.report import run
+        from shardadopt.hpo.storage import StorageError
+
+        try:
+            return run(args)
+        except (StorageError, ValueError) as exc:
+            print(f"shardadopt hpo: {exc}", file=sys.stderr)
+            return 2
     try:
         return selftest(args.nproc, args.device, args.only, args.timeout)
     except ValueError as exc:

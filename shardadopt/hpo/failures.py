@@ -1,0 +1,66 @@
+"""Why a trial failed, recorded on the trial, so a requeue job can retry what is worth retrying.
+
+Kinds: ``oom``, ``nan_loss``, ``config_error`` and ``error`` are deterministic (a retry fails again);
+``preempted`` and ``comm_error`` are transient (a retry on healthy machines can succeed).
+"""
+
+from __future__ import annotations
+
+import math
+
+OOM = "oom"
+NAN_LOSS = "nan_loss"
+CONFIG_ERROR = "config_error"
+PREEMPTED = "preempted"
+COMM_ERROR = "comm_error"
+ERROR = "error"
+
+KINDS = (OOM, NAN_LOSS, CONFIG_ERROR, PREEMPTED, COMM_ERROR, ERROR)
+TRANSIENT = frozenset({PREEMPTED, COMM_ERROR})
+
+# Trial user attributes written by shardadopt.
+ATTR_KIND = "failure_kind"
+ATTR_MESSAGE = "failure_message"
+ATTR_RETRY_OF = "retry_of"
+
+
+class InvalidConfigError(ValueError):
+    """Raise from ``hp_space``/``model_init`` when sampled hyperparameters cannot be trained (never retried)."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss or the objective became NaN or infinite (never retried)."""
+
+
+class PreemptedError(RuntimeError):
+    """The worker was told to stop (SIGTERM) or its trial's heartbeat went stale (retried once)."""
+
+
+def classify(exc: BaseException, *, before_training: bool = False) -> str:
+    """The failure kind of ``exc``. ``before_training``: raised while building the config/model for a trial."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    message = str(exc).lower()
+    if isinstance(exc, InvalidConfigError):
+        return CONFIG_ERROR
+    if isinstance(exc, (NonFiniteLossError, FloatingPointError)):
+        return NAN_LOSS
+    if isinstance(exc, (PreemptedError, KeyboardInterrupt)):
+        return PREEMPTED
+    if "OutOfMemoryError" in names or "out of memory" in message:
+        return OOM
+    # torch.distributed reports lost peers and collective timeouts under these types; gloo says it in words.
+    if names & {"DistBackendError", "DistNetworkError", "DistStoreError", "RankTimeout", "ControlTimeout",
+                "PeerLostError"} or any(s in message for s in (
+                    "connection closed by peer", "connection reset by peer", "timed out", "broken pipe")):
+        return COMM_ERROR
+    if before_training and isinstance(exc, (ValueError, TypeError)):
+        return CONFIG_ERROR
+    return ERROR
+
+
+def check_finite(value: float, what: str = "objective") -> float:
+    """``value`` if it is finite, else ``NonFiniteLossError``."""
+    if value is None or not math.isfinite(float(value)):
+        raise NonFiniteLossError(f"the {what} is {value}: the trial diverged; lower the learning rate or narrow "
+                                 f"the search space")
+    return value

@@ -1,0 +1,142 @@
+"""``shardadopt hpo status|requeue|best|export``: look after a study from outside the training jobs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import time
+from collections import Counter
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from shardadopt.hpo.durability import DEFAULT_GRACE_PERIOD, heartbeat_age, requeue
+from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
+from shardadopt.hpo.storage import resolve_storage
+
+
+def load_study(storage: str, study_name: str) -> optuna.Study:
+    resolved = resolve_storage(storage, heartbeat_interval=None)
+    names = [s.study_name for s in optuna.get_all_study_summaries(resolved, include_best_trial=False)]
+    if study_name not in names:
+        raise ValueError(f"no study named {study_name!r} in {storage}; studies there: {names}")
+    return optuna.load_study(study_name=study_name, storage=resolved)
+
+
+def status(study: optuna.Study, now: float | None = None) -> dict[str, Any]:
+    trials = study.get_trials(deepcopy=False)
+    states = Counter(t.state.name for t in trials)
+    kinds = Counter(t.user_attrs.get(ATTR_KIND, "unrecorded") for t in trials if t.state == TrialState.FAIL)
+    running = [{"number": t.number, "heartbeat_age_s": _round(heartbeat_age(t, now)),
+                "host": t.user_attrs.get("host"), "pid": t.user_attrs.get("pid")}
+               for t in trials if t.state == TrialState.RUNNING]
+    return {"study": study.study_name, "trials": len(trials), "states": dict(states), "failure_kinds": dict(kinds),
+            "running": running, "best": [_trial_row(t) for t in best(study, 1)]}
+
+
+def best(study: optuna.Study, top: int = 1) -> list[FrozenTrial]:
+    """The ``top`` completed trials (single objective), or the Pareto front (multi-objective)."""
+    if len(study.directions) > 1:
+        return study.best_trials[:top]
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    reverse = study.direction == optuna.study.StudyDirection.MAXIMIZE
+    return sorted(complete, key=lambda t: t.value, reverse=reverse)[:top]
+
+
+def export(study: optuna.Study, fmt: str = "json") -> str:
+    rows = [_trial_row(t, full=True) for t in study.get_trials(deepcopy=False)]
+    if fmt == "json":
+        return json.dumps(rows, indent=2, default=str)
+    if fmt == "csv":
+        params = sorted({k for r in rows for k in r["params"]})
+        attrs = sorted({k for r in rows for k in r["user_attrs"]})
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["number", "state", "values", "datetime_start", "datetime_complete",
+                         *[f"params_{p}" for p in params], *[f"user_attrs_{a}" for a in attrs]])
+        for r in rows:
+            writer.writerow([r["number"], r["state"], json.dumps(r["values"]), r["datetime_start"],
+                             r["datetime_complete"], *[r["params"].get(p, "") for p in params],
+                             *[_cell(r["user_attrs"].get(a, "")) for a in attrs]])
+        return out.getvalue()
+    raise ValueError(f"unknown export format {fmt!r}; use json or csv")
+
+
+def _cell(value: Any) -> str:
+    return json.dumps(value, default=str) if isinstance(value, (dict, list)) else str(value)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _trial_row(trial: FrozenTrial, full: bool = False) -> dict[str, Any]:
+    row: dict[str, Any] = {"number": trial.number, "state": trial.state.name, "values": trial.values,
+                           "params": trial.params}
+    if trial.user_attrs.get(ATTR_RETRY_OF) is not None:
+        row["retry_of"] = trial.user_attrs[ATTR_RETRY_OF]
+    if full:
+        row.update(user_attrs=trial.user_attrs, intermediate_values=trial.intermediate_values,
+                   datetime_start=trial.datetime_start, datetime_complete=trial.datetime_complete)
+    return row
+
+
+def add_commands(sub: Any) -> None:
+    """Register ``hpo`` and its subcommands on an argparse subparsers object."""
+    hpo = sub.add_parser("hpo", help="inspect and repair a study: status, requeue, best, export")
+    verbs = hpo.add_subparsers(dest="hpo_command", required=True)
+    for name, help_text in (("status", "counts by state and failure kind, running trials, best trial"),
+                            ("requeue", "fail stale trials as preempted and retry transient failures once"),
+                            ("best", "the best trials"), ("export", "the whole history as JSON or CSV")):
+        verb = verbs.add_parser(name, help=help_text)
+        verb.add_argument("--storage", required=True, help="database URL or journal:///path/study.log")
+        verb.add_argument("--study", required=True, help="study name")
+        verb.add_argument("--json", action="store_true", help="machine-readable output")
+        if name == "requeue":
+            verb.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD,
+                              help="seconds without a heartbeat before a running trial counts as dead")
+        if name == "best":
+            verb.add_argument("--top", type=int, default=1)
+        if name == "export":
+            verb.add_argument("--format", choices=["json", "csv"], default="json")
+            verb.add_argument("--output", help="file to write (default: standard output)")
+
+
+def run(args: Any) -> int:
+    study = load_study(args.storage, args.study)
+    if args.hpo_command == "status":
+        report = status(study, now=time.time())
+        if args.json:
+            print(json.dumps(report, indent=2, default=str))
+            return 0
+        print(f"study {report['study']}: {report['trials']} trials "
+              + ", ".join(f"{state.lower()} {n}" for state, n in sorted(report["states"].items())))
+        if report["failure_kinds"]:
+            print("failures: " + ", ".join(f"{k} {n}" for k, n in sorted(report["failure_kinds"].items())))
+        for r in report["running"]:
+            print(f"  running #{r['number']} on {r['host']} pid {r['pid']}, heartbeat {r['heartbeat_age_s']} s ago")
+        for r in report["best"]:
+            print(f"best #{r['number']}: {r['values']} {r['params']}")
+        return 0
+    if args.hpo_command == "requeue":
+        result = requeue(study, grace_period=args.grace_period)
+        if args.json:
+            print(json.dumps(result.as_dict(), indent=2))
+        else:
+            print(f"stale -> preempted: {result.failed_stale or 'none'}; retried: "
+                  + (", ".join(f"#{old} as #{new}" for old, new in result.retried.items()) or "none"))
+        return 0
+    if args.hpo_command == "best":
+        rows = [_trial_row(t) for t in best(study, args.top)]
+        print(json.dumps(rows, indent=2, default=str) if args.json else
+              "\n".join(f"#{r['number']} {r['values']} {r['params']}" for r in rows) or "no completed trials")
+        return 0
+    text = export(study, args.format)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text)
+    else:
+        print(text, end="" if text.endswith("\n") else "\n")
+    return 0
