@@ -1,0 +1,87 @@
+"""F3: the expert-parallel router sums its score gradient over the EP group before masking non-local experts.
+
+Upstream: transformers#48205 (released in 5.17). transformers 5.15 / 5.16 (``transformers/integrations/
+tensor_parallel.py``, ``RouterParallel._prepare_output_fn``) mask the scores of the experts this rank does not own::
+
+    non_local_mask = (router_indices // num_local_experts) != ep_rank
+    router_scores = router_scores.masked_fill(non_local_mask, 0.0)
+
+so in backward each rank's score gradient covers its own experts' slots only, and nothing adds the other ranks'
+slots: the router gate and every parameter upstream of an MoE block get partial gradients that differ between
+ranks (on the tiny Qwen3-MoE, 19 replicated parameters). The fix, as upstream made it, sums the score gradient over
+the EP group before that mask (each slot has exactly one owning rank, so the sum is exact), only while autograd
+records::
+
+    router_scores = all_reduce_backward(router_scores, device_mesh)   # new, before the mask
+    router_scores = router_scores.masked_fill(non_local_mask, 0.0)
+
+The wrapper applies :func:`shardadopt.moe.sum_router_score_grad` to the scores before upstream's hook masks them.
+Routers are hooked when the model is loaded, so enable shardadopt before ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from shardadopt.registry import Patch, Probe, Target
+
+MODULE = "transformers.integrations.tensor_parallel"
+
+
+class _ProbeMesh:
+    """Rank 0 of a 2-rank EP mesh, enough for the router hook's forward (which communicates nothing)."""
+
+    def get_local_rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
+
+    def get_group(self):
+        return None  # the forward records the group at most; the probe never runs backward
+
+
+def probe() -> Probe:
+    import torch
+    from transformers.integrations import tensor_parallel
+
+    router = getattr(tensor_parallel, "RouterParallel", None)
+    if router is None:
+        return Probe(False, "upstream no longer masks router scores per rank: expert parallelism dispatches tokens "
+                            "with all-to-all and applies the routing weights on the sending rank")
+    # Run the hook's forward on a 2-rank layout and look at the autograd graph it records between the mask and the
+    # scores: the upstream fix puts a gradient all-reduce there.
+    scores = torch.rand(3, 2, requires_grad=True)
+    indices = torch.tensor([[0, 3], [1, 2], [3, 0]])
+    with torch.enable_grad():
+        outputs = router()._prepare_output_fn(SimpleNamespace(num_experts=4), (scores, scores, indices),
+                                              _ProbeMesh())
+    names, frontier = [], [outputs[1].grad_fn]
+    while frontier:
+        node = frontier.pop()
+        if node is not None:
+            names.append(type(node).__name__)
+            frontier.extend(next_node for next_node, _ in node.next_functions)
+    if any("AllReduce" in name or "SumOverGroup" in name for name in names):
+        return Probe(False, "the EP router hook sums the score gradient over the EP group before its mask")
+    return Probe(True, "the EP router hook masks non-local scores without summing their gradient over the EP group "
+                       "(router and upstream gradients are partial and differ between ranks)")
+
+
+def _prepare_output_fn(wrapped, instance, args, kwargs):
+    from shardadopt.moe import sum_router_score_grad
+
+    mod, outputs, device_mesh = args
+    router_logits, router_scores, *rest = outputs
+    outputs = (router_logits, sum_router_score_grad(router_scores, device_mesh), *rest)
+    return wrapped(mod, outputs, device_mesh, **kwargs)
+
+
+PATCH = Patch(
+    id="transformers-ep-router-grad",
+    summary="expert-parallel router: sum the routing-score gradient over the EP group before the non-local mask",
+    upstream="huggingface/transformers#48205",
+    requires={"transformers": ">=5.15,<5.25"},
+    wrappers={Target(MODULE, "RouterParallel._prepare_output_fn"): _prepare_output_fn},
+    probe=probe,
+)

@@ -1,0 +1,65 @@
+"""F1: a model sharded at load time records ``_tp_size`` and ``_fsdp_size`` and exposes ``fsdp_size``.
+
+Upstream: transformers#48208 (``_tp_size``) and #48204 (``_fsdp_size``, ``fsdp_size``); released in 5.18. In 5.15 .. 5.17
+``DistributedMixin.maybe_distribute_model`` (``transformers/distributed/mixin.py``) records only the mesh::
+
+    model.config.distributed_config = distributed_config
+    model._device_mesh = device_mesh
+
+``_tp_size`` is set by ``apply_tensor_parallelism`` only when ``tp_size > 1`` (5.15) or never (5.16), and nothing
+records the FSDP degree, so Trainer builds no ``ParallelismConfig`` for an FSDP model and accelerate wraps it in
+DDP. 5.18 adds, right after the mesh::
+
+    model._tp_size = distributed_config.tp_size
+    model._fsdp_size = distributed_config.fsdp_size
+
+plus a ``PreTrainedModel.fsdp_size`` property. The wrapper calls :func:`shardadopt.loadtime.record_sharding_degrees`
+on the model ``maybe_distribute_model`` returns when it was given a mesh; ``fsdp_size`` becomes an attribute of
+that model (models loaded without ``distributed_config`` are untouched).
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+
+from shardadopt.registry import Patch, Probe, Target
+
+MODULE = "transformers.distributed.mixin"
+
+
+def _assigned_attributes(function) -> set[str]:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    return {target.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Attribute)}
+
+
+def probe() -> Probe:
+    # Only the mixin is inspected: this runs while transformers.modeling_utils is still importing it.
+    from transformers.distributed import mixin
+
+    missing = sorted({"_tp_size", "_fsdp_size"} - _assigned_attributes(mixin.DistributedMixin.maybe_distribute_model))
+    if not missing:
+        return Probe(False, "maybe_distribute_model records _tp_size and _fsdp_size")
+    return Probe(True, f"maybe_distribute_model does not record {' or '.join(missing)} on the model")
+
+
+def _maybe_distribute_model(wrapped, instance, args, kwargs):
+    from shardadopt.loadtime import record_sharding_degrees
+
+    model = wrapped(*args, **kwargs)
+    bound = dict(zip(("model", "distributed_config", "device_mesh"), args)) | kwargs
+    if bound.get("device_mesh", bound.get("mesh_manager")) is not None:
+        record_sharding_degrees(model, bound.get("distributed_config"))
+    return model
+
+
+PATCH = Patch(
+    id="transformers-sharding-sizes",
+    summary="models sharded at load time record _tp_size/_fsdp_size and expose fsdp_size (Trainer needs them)",
+    upstream="huggingface/transformers#48208 (_tp_size), huggingface/transformers#48204 (_fsdp_size, fsdp_size)",
+    requires={"transformers": ">=5.15,<5.25"},
+    wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    probe=probe,
+)
