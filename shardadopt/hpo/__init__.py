@@ -1,0 +1,39 @@
+"""Optuna hyperparameter search under torch.distributed that never hangs.
+
+- ``DistributedTrial(trial_or_None)``: one trial, collective and consistent on every rank (rank 0 holds the
+  real trial); errors raised on any rank reach every rank.
+- ``optimize(study, objective, ...)``: ``study.optimize`` with every trial running on every rank, all ranks in
+  step through pruning, failures, ``catch``, ``timeout``, ``n_trials``, ``study.stop()`` and Ctrl-C.
+- ``run_hp_search_optuna(trainer, ...)`` (``shardadopt.hpo.trainer_backend``): the same for
+  ``Trainer.hyperparameter_search(backend="optuna")``; ``shardadopt.enable()`` routes Trainer there.
+
+Control messages travel on a dedicated gloo group with a timeout (``$SHARDADOPT_HPO_TIMEOUT``, default 600 s):
+a dead or stuck peer raises ``PeerLostError`` naming it instead of hanging. Names load lazily, so the storage
+and CLI helpers in this package do not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "DistributedTrial": "shardadopt.hpo.trial",
+    "report_and_maybe_prune": "shardadopt.hpo.trial",
+    "optimize": "shardadopt.hpo.loop",
+    "run_on_root": "shardadopt.hpo.loop",
+    "ATTR_RANK": "shardadopt.hpo.loop",
+    "run_hp_search_optuna": "shardadopt.hpo.trainer_backend",
+    "PeerLostError": "shardadopt.hpo.errors",
+    "DesyncError": "shardadopt.hpo.errors",
+    "HPOControlError": "shardadopt.hpo.errors",
+    "RemoteError": "shardadopt.hpo.errors",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'shardadopt.hpo' has no attribute {name!r}")

@@ -1,0 +1,220 @@
+"""The control plane: small collective rounds on a dedicated gloo group, with a timeout and rank-naming errors.
+
+Every control message is a *round*: each rank contributes one row ``(op, status, length, aux)`` of a
+``world x 4`` int64 table and one SUM all-reduce gives every rank the whole table. So any rank can announce an
+error or a different code path in any round (a broadcast from rank 0 could not), and the common case - rank 0's
+prune decision at a report - costs exactly one small collective. When a row announces a payload (``length > 0``)
+the ranks agree from the table on one source and broadcast its bytes.
+
+The group is gloo (CPU tensors, safe next to NCCL training), created once per (world group, timeout) and reused.
+A dead peer makes gloo fail at once (closed connection); a stuck one trips the group timeout. Either way the
+surviving ranks check in through the rendezvous store for a few seconds, so the error names the ranks that never
+arrived (``PeerLostError``) and any error they recorded before going silent, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardadopt.hpo.errors import PeerLostError
+
+# Ops: what a rank is doing in this round. Rows with different ops in one round mean the ranks diverged.
+OP_COMMAND = 1  # between trials: rank 0 says START (payload: trial info) or STOP (payload: None or an error)
+OP_INIT = 2  # a standalone DistributedTrial is being constructed
+OP_SUGGEST = 3
+OP_REPORT = 4  # report(); rank 0's aux carries its prune decision
+OP_SHOULD_PRUNE = 5
+OP_SET_ATTR = 6
+OP_END = 7  # the objective finished on this rank: status OK / PRUNED / ERROR
+OP_ROOT_CALL = 8  # rank 0 runs a function, every rank gets its result or its error
+
+OP_NAMES = {OP_COMMAND: "wait for the next trial", OP_INIT: "DistributedTrial()", OP_SUGGEST: "suggest_*()",
+            OP_REPORT: "report()", OP_SHOULD_PRUNE: "should_prune()", OP_SET_ATTR: "set_*_attr()",
+            OP_END: "end of the objective", OP_ROOT_CALL: "a call on rank 0"}
+
+STATUS_OK = 0
+STATUS_ERROR = 1
+STATUS_PRUNED = 2
+
+TIMEOUT_ENV = "SHARDADOPT_HPO_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0  # seconds: NCCL's default collective timeout; long evaluations on rank 0 fit in it
+_CHECK_IN_WAIT = 5.0  # seconds the survivors of a failed round wait for each other in the store
+
+_GROUPS: dict[tuple[int, float], Any] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def control_timeout(timeout: float | None = None) -> float:
+    if timeout is None:
+        timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+    if timeout <= 0:
+        raise ValueError(f"the HPO control timeout must be > 0 seconds, got {timeout}")
+    return float(timeout)
+
+
+def control_group(timeout: float) -> Any:
+    """The gloo group for control messages over the whole world, created on first use (a collective: every rank
+    must reach it together, which ``optimize`` and ``DistributedTrial`` guarantee) and cached."""
+    key = (id(dist.group.WORLD), timeout)
+    with _GROUPS_LOCK:
+        group = _GROUPS.get(key)
+        if group is None:
+            group = _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        return group
+
+
+class Channel:
+    """Control rounds among the ranks of ``group`` (default: a dedicated gloo group over the world).
+
+    Without an initialised process group (or with one rank) it is local: rounds return this rank's row alone.
+    """
+
+    def __init__(self, group: Any = None, timeout: float | None = None):
+        self.timeout = control_timeout(timeout)
+        self.local = not (dist.is_available() and dist.is_initialized())
+        if self.local:
+            if group is not None:
+                raise ValueError("group= was given but torch.distributed is not initialised")
+            self.group, self.rank, self.world = None, 0, 1
+        else:
+            if group is None:
+                group = control_group(self.timeout)
+            elif dist.get_backend(group) != "gloo":
+                raise ValueError(f"the HPO control group must use gloo (got {dist.get_backend(group)!r}): control "
+                                 "messages are CPU tensors; pass a gloo group, or group=None for a dedicated one")
+            self.group = group
+            self.rank = dist.get_rank(group)
+            self.world = dist.get_world_size(group)
+            # Global rank of the group's rank 0: broadcast's src is global (optuna-integration mixes them up).
+            self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
+        self._table = torch.zeros(self.world, 4, dtype=torch.int64)
+        self.rounds = 0
+        self.broken: PeerLostError | None = None
+        self.context = ""  # what the ranks are doing, for error messages (e.g. "trial 3")
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def exchange(self, op: int, status: int = STATUS_OK, length: int = 0, aux: int = 0) -> list[list[int]]:
+        """One round: every rank's ``(op, status, length, aux)`` row, in rank order."""
+        if self.broken is not None:
+            raise self.broken
+        self.rounds += 1
+        if self.local:
+            return [[op, status, length, aux]]
+        table = self._table
+        table.zero_()
+        table[self.rank] = torch.tensor((op, status, length, aux), dtype=torch.int64)
+        self._collective(lambda: dist.all_reduce(table, group=self.group), op)
+        return table.tolist()
+
+    def broadcast_bytes(self, src: int, data: bytes | None, length: int, op: int) -> bytes:
+        """The ``length`` bytes ``data`` of rank ``src``, on every rank."""
+        if self.local:
+            assert data is not None
+            return data
+        if self.broken is not None:
+            raise self.broken
+        if self.rank == src:
+            assert data is not None and len(data) == length
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buffer = torch.empty(length, dtype=torch.uint8)
+        self._collective(lambda: dist.broadcast(buffer, src=self._global[src], group=self.group), op)
+        return data if self.rank == src else buffer.numpy().tobytes()
+
+    def broadcast_object(self, src: int, obj: Any, op: int) -> Any:
+        """Pickle ``obj`` on ``src``; one header round plus one broadcast. Every rank must call it."""
+        data = pickle.dumps(obj) if self.rank == src else None
+        table = self.exchange(op, length=len(data) if data is not None else 0)
+        return pickle.loads(self.broadcast_bytes(src, data, table[src][2], op))
+
+    def record_error(self, text: str) -> None:
+        """Leave this rank's error in the store, so peers can name it if the next round cannot complete."""
+        store = self._store()
+        if store is not None:
+            try:
+                store.set(f"error/{self.rank}", text[-4000:])
+            except Exception:
+                pass
+
+    # -- failure diagnosis ------------------------------------------------------------------------------------------
+
+    def _collective(self, fn, op: int) -> None:
+        try:
+            with _defer_sigint():
+                fn()
+        except Exception as exc:
+            self.broken = self._diagnose(exc, op)
+            raise self.broken from exc
+
+    def _store(self) -> Any:
+        if self.local:
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:
+            return None
+        return dist.PrefixStore(f"shardadopt-hpo/{id(self.group)}/", store)
+
+    def _diagnose(self, exc: BaseException, op: int) -> PeerLostError:
+        """Which ranks never reached this round: each survivor checks in, then waits a few seconds for the others."""
+        what = f"control round {self.rounds} ({OP_NAMES.get(op, op)}{', ' + self.context if self.context else ''})"
+        store = self._store()
+        missing: list[int] = []
+        errors: dict[int, str] = {}
+        if store is None:
+            missing = [r for r in range(self.world) if r != self.rank]
+        else:
+            try:
+                store.set(f"alive/{self.rounds}/{self.rank}", "1")
+                deadline = time.monotonic() + min(_CHECK_IN_WAIT, self.timeout)
+                pending = [r for r in range(self.world) if r != self.rank]
+                while pending and time.monotonic() < deadline:
+                    pending = [r for r in pending if not store.check([f"alive/{self.rounds}/{r}"])]
+                    if pending:
+                        time.sleep(0.05)
+                missing = pending
+                for r in range(self.world):
+                    if r != self.rank and store.check([f"error/{r}"]):
+                        errors[r] = store.get(f"error/{r}").decode(errors="replace")
+            except Exception:
+                # The store lives with rank 0 (or the launcher's agent): unreachable means its host is gone too.
+                missing = [0] if self.rank != 0 else [r for r in range(1, self.world)]
+        if missing:
+            who = f"rank(s) {missing} did not reach {what} within {self.timeout:.0f}s (process died or is stuck)"
+        else:
+            who = f"{what} failed although every rank checked in"
+        details = "".join(f"\n  rank {r} had recorded: {text.strip().splitlines()[-1]}" for r, text in errors.items())
+        return PeerLostError(f"shardadopt HPO control plane, rank {self.rank}: {who}: {type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}{details}",
+                             ranks=missing, errors=errors)
+
+
+@contextmanager
+def _defer_sigint() -> Iterator[None]:
+    """Hold Ctrl-C until the collective finished: a round interrupted half way would desynchronise the ranks."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    received: list[Any] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received:
+            raise KeyboardInterrupt
