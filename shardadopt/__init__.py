@@ -18,7 +18,8 @@ from shardadopt.registry import PatchStatus, Registry
 
 __version__ = "0.1.0.dev0"
 
-__all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm"]
+__all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm",
+           "topology", "Topology", "TopologyError"]
 
 _REGISTRY: Registry | None = None
 
@@ -26,6 +27,9 @@ _REGISTRY: Registry | None = None
 _LAZY = {
     "clip_grad_norm_": "shardadopt.gradnorm",
     "total_norm": "shardadopt.gradnorm",
+    "topology": "shardadopt.topology",
+    "Topology": "shardadopt.topology",
+    "TopologyError": "shardadopt.topology",
 }
 
 
