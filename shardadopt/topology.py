@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -325,3 +327,14 @@ def _check_covers(mesh: Any, world: int, what: str) -> None:
             f"{what} covers {size} of the {world} ranks of the world: the ranks outside it would train on their own. "
             f"Load the model with a DistributedConfig whose sizes multiply to the world size "
             f"(or launch {size} processes).")
+
+
+class _CallableModule(types.ModuleType):
+    """``shardadopt.topology`` names both this module and the function: once the module is imported, Python
+    binds the package attribute to the module, so the module itself must answer ``shardadopt.topology(model)``."""
+
+    def __call__(self, model: nn.Module, override: Mapping[str, int] | None = None) -> Topology:
+        return topology(model, override)
+
+
+sys.modules[__name__].__class__ = _CallableModule

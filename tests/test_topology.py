@@ -138,3 +138,13 @@ def test_override_must_match_world(pool2):
 def test_single_process_plain_model():
     t = topology(torch.nn.Linear(2, 2))
     assert (t.source, t.world_size, t.dp_size, t.is_sharded) == ("plain", 1, 1, False)
+
+
+def test_public_name_is_callable_after_module_import():
+    import importlib
+
+    import shardadopt
+
+    importlib.import_module("shardadopt.topology")  # binds the package attribute to the module
+    assert shardadopt.topology(torch.nn.Linear(2, 2)).source == "plain"
+    assert shardadopt.Topology is Topology
