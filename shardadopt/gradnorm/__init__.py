@@ -40,7 +40,8 @@ def _group(group: dist.ProcessGroup | None) -> tuple[Group, dist.ProcessGroup | 
     """The reducing group, or a one-rank group (and no process group) when there is nothing to reduce over."""
     if not (dist.is_available() and dist.is_initialized()):
         return Group([0], 0), None
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    group = group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
     rank = dist.get_rank()
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not in the process group passed as group= (ranks {sorted(ranks)}); "
