@@ -19,7 +19,8 @@ from shardadopt.registry import PatchStatus, Registry
 __version__ = "0.1.0.dev0"
 
 __all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm",
-           "topology", "Topology", "TopologyError"]
+           "topology", "Topology", "TopologyError",
+           "split_param_groups", "split_param_groups_by_mesh"]
 
 _REGISTRY: Registry | None = None
 
@@ -30,6 +31,8 @@ _LAZY = {
     "topology": "shardadopt.topology",
     "Topology": "shardadopt.topology",
     "TopologyError": "shardadopt.topology",
+    "split_param_groups": "shardadopt.optim",
+    "split_param_groups_by_mesh": "shardadopt.optim",
 }
 
 
