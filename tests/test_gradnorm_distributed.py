@@ -46,7 +46,7 @@ def _count_collectives(fn: Callable, *args, **kwargs):
     return out, comm.get_total_counts()
 
 
-def layout_run(path: str, config: dict, full_numel: dict[str, int]) -> dict:
+def layout_run(path: str, config: dict) -> dict:
     """On every rank: load sharded, one backward, our norm for each p (and its collectives), then clip."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -55,6 +55,7 @@ def layout_run(path: str, config: dict, full_numel: dict[str, int]) -> dict:
 
     from shardadopt.gradnorm import clip_grad_norm_, total_norm
     from shardadopt.testing import full, token_batch
+    from shardadopt.topology import topology
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  distributed_config=DistributedConfig(**config))
@@ -62,15 +63,13 @@ def layout_run(path: str, config: dict, full_numel: dict[str, int]) -> dict:
     model(input_ids=ids, labels=ids).loss.backward()
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     grads = [p.grad for _, p in named]
-    world = dist.get_world_size()
-    # Old transformers keep TP/EP shards as plain tensors; the topology module will say how many ranks hold each.
-    # Here the test knows: a plain grad with 1/k of the full numel is held by world/k ranks.
-    replicas = {id(p.grad): world * p.grad.numel() // full_numel[n] for n, p in named if not isinstance(p.grad, DTensor)}
-    plain_sharded = any(r != world for r in replicas.values())
+    # Old transformers keep TP/EP shards as plain tensors: the topology says how many ranks hold each.
+    replication = topology(model).grad_replication(model.parameters())
+    plain_sharded = any(replication(g) != dist.get_world_size() for g in grads if not isinstance(g, DTensor))
     out: dict = {"rank": dist.get_rank(), "norms": {}, "gathered": {}, "clip": {}, "plain_sharded": plain_sharded,
                  "meshes": len({id(g.device_mesh) for g in grads if isinstance(g, DTensor)})}
     for p in NORM_TYPES:
-        norm, count = _count_collectives(total_norm, grads, p, plain_replication=lambda t: replicas[id(t)])
+        norm, count = _count_collectives(total_norm, grads, p, plain_replication=replication)
         out["norms"][p] = (norm.item(), count)
         if not plain_sharded:
             out["gathered"][p] = torch.linalg.vector_norm(torch.cat([full(g).flatten() for g in grads]), p,
@@ -78,7 +77,7 @@ def layout_run(path: str, config: dict, full_numel: dict[str, int]) -> dict:
     saved = [g._local_tensor.clone() if isinstance(g, DTensor) else g.clone() for g in grads]
     for p in NORM_TYPES:
         norm, count = _count_collectives(clip_grad_norm_, model.parameters(), MAX_NORM, p,
-                                         plain_replication=lambda t: replicas[id(t)])
+                                         plain_replication=replication)
         coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
         local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
         scaled_exactly = all(torch.equal(after, before * coef) for after, before in zip(local, saved))
@@ -91,7 +90,7 @@ def layout_run(path: str, config: dict, full_numel: dict[str, int]) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tiny_models):
-    """Single-process norms, clipped grads and full numels for each tiny model, computed once in the parent."""
+    """Single-process norms and clipped grads for each tiny model, computed once in the parent."""
     from transformers import AutoModelForCausalLM
 
     from shardadopt.testing import token_batch
@@ -105,7 +104,7 @@ def reference(tiny_models):
             model(input_ids=ids, labels=ids).loss.backward()
             named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
             saved = {n: p.grad.clone() for n, p in named}
-            entry = {"numel": {n: p.numel() for n, p in named}, "norms": {}, "clipped": {}}
+            entry = {"norms": {}, "clipped": {}}
             for p in NORM_TYPES:
                 entry["norms"][p] = torch.nn.utils.get_total_norm([g for g in saved.values()], p).item()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, p)
@@ -160,7 +159,7 @@ def skip_unless_loadable(config: dict) -> None:
 @pytest.mark.parametrize("name,config", LAYOUTS_2)
 def test_layout_2_ranks(pool2, tiny_models, reference, name, config):
     skip_unless_loadable(config)
-    results = pool2.run(layout_run, tiny_models[name], config, reference(name)["numel"])
+    results = pool2.run(layout_run, tiny_models[name], config)
     # transformers 5.15/5.16 compute wrong EP gradients (FINDINGS F3): the norm of those grads cannot match.
     check_layout(results, reference(name), compare_reference=not (OLD and name == "qwen3moe"))
 
@@ -168,7 +167,7 @@ def test_layout_2_ranks(pool2, tiny_models, reference, name, config):
 @pytest.mark.parametrize("name,config", LAYOUTS_4)
 def test_layout_4_ranks(pool4, tiny_models, reference, name, config):
     skip_unless_loadable(config)
-    results = pool4.run(layout_run, tiny_models[name], config, reference(name)["numel"])
+    results = pool4.run(layout_run, tiny_models[name], config)
     check_layout(results, reference(name))
 
 
