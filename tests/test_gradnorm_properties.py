@@ -278,7 +278,7 @@ def test_negative_norm_type_refused():
 
 def test_piece_needs_positive_replicas():
     with pytest.raises(ValueError, match="replicas"):
-        Piece(torch.ones(1), 0)
+        local_payload([Piece(torch.ones(1), 0)], 2.0)
 
 
 def test_count_shards_errors_name_the_problem():

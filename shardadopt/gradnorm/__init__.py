@@ -92,7 +92,7 @@ def total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_nonfin
         payload = local_payload(pieces, p, first, foreach)
     else:
         device = _payload_device(first, pg)
-        payload = poisoned_payload(device) if errors else local_payload(pieces, p, device, foreach)
+        payload = poisoned_payload(p, device) if errors else local_payload(pieces, p, device, foreach)
         dist.all_reduce(payload, op=dist.ReduceOp.MAX if reduce_op(p) == "max" else dist.ReduceOp.SUM, group=pg)
         if errors:
             more = f" ({len(errors) - 1} more such gradients)" if len(errors) > 1 else ""

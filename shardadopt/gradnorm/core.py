@@ -8,16 +8,17 @@ a real all-reduce.
 The maths. For a finite ``p > 0`` the global norm is ``(sum over distinct elements of |x|^p)^(1/p)``. A rank
 knows only its local pieces; a piece that ``r`` ranks of the group hold identically (replicated mesh dims,
 copies of a sub-mesh, plain replicated tensors) is weighted ``1/r``, so summing every rank's weighted local sum
-counts each distinct element exactly once: one SUM all-reduce. ``p = 0`` counts nonzeros the same way (no root).
-``p = inf`` is a MAX, where replicas do not matter. The payload is ``[value, nan_flag]``: MAX reductions (gloo,
-NCCL) may drop NaN, so NaN travels as a flag in the same collective and every rank sees the same NaN.
+counts each distinct element exactly once: one SUM all-reduce, which keeps NaN and inf. ``p = 0`` counts nonzeros
+the same way (no root). ``p = inf`` is a MAX, where replicas do not matter; MAX reductions (gloo, NCCL) may drop
+NaN, so there the payload is ``[value, nan_flag]`` and every rank still sees the same NaN.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -30,16 +31,15 @@ __all__ = ["Piece", "check_norm_type", "reduce_op", "local_payload", "poisoned_p
 PAYLOAD_DTYPE = torch.float64
 
 
-@dataclass(frozen=True)
-class Piece:
-    """A tensor this rank holds and the number of ranks of the group that hold an identical copy of it."""
+class Piece(NamedTuple):
+    """A tensor this rank holds and the number of ranks of the group that hold an identical copy of it.
+
+    A NamedTuple, not a dataclass: one is built per gradient per step, and a frozen dataclass costs several times
+    more to build. ``local_payload`` checks ``replicas``.
+    """
 
     tensor: Tensor
     replicas: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"replicas must be a positive int, got {self.replicas!r}")
 
 
 def check_norm_type(norm_type: float) -> float:
@@ -62,49 +62,67 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 def _norms(tensors: list[Tensor], p: float, device: torch.device, dtype: torch.dtype,
            foreach: bool | None) -> list[Tensor]:
     acc = _accumulation_dtype(dtype)
+    upcast = {} if acc == dtype else {"dtype": acc}  # passing dtype= costs even when it changes nothing
     if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
-        return list(torch._foreach_norm(tensors, p, dtype=acc))
+        return list(torch._foreach_norm(tensors, p, **upcast))
     if foreach:
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-    return [torch.linalg.vector_norm(t, p, dtype=acc) for t in tensors]
+    return [torch.linalg.vector_norm(t, p, **upcast) for t in tensors]
+
+
+@functools.lru_cache(maxsize=32)
+def _inverse(counts: tuple[int, ...], device: torch.device) -> Tensor:
+    """1/counts as a tensor: the same few layouts recur every step, so build (and copy to the device) once."""
+    return torch.tensor([1.0 / c for c in counts], dtype=PAYLOAD_DTYPE, device=device)
 
 
 def local_payload(pieces: Iterable[Piece], norm_type: float, device: torch.device | str | None = None,
                   foreach: bool | None = None) -> Tensor:
-    """This rank's contribution: a fp64 tensor ``[value, nan_flag]`` on ``device`` (default: the first piece's).
+    """This rank's contribution, a fp64 tensor on ``device`` (default: the first piece's) to all-reduce.
 
-    ``value`` is the replica-weighted sum of local p-th powers (p finite) or the local max (p = inf), with NaN
-    replaced by 0 and reported in ``nan_flag`` instead.
+    p finite: ``[replica-weighted sum of local p-th powers]``; NaN and inf travel in the value, as a SUM keeps
+    them. p = inf: ``[local max with NaN replaced by 0, NaN flag]``, as a MAX may drop NaN.
     """
     p = check_norm_type(norm_type)
-    groups: dict[tuple[torch.device, torch.dtype, int], list[Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
     for piece in pieces:
-        t = piece.tensor
+        t, replicas = piece
+        if not (isinstance(replicas, int) and replicas >= 1):
+            raise ValueError(f"replicas must be a positive int, got {replicas!r}")
         if t.numel():  # uneven shards leave empty pieces; torch's inf-norm refuses them, and they add nothing
-            groups.setdefault((t.device, t.dtype, piece.replicas), []).append(t)
+            tensors, counts = groups.setdefault((t.device, t.dtype), ([], []))
+            tensors.append(t)
+            counts.append(replicas)
     if device is None:
         device = next(iter(groups))[0] if groups else torch.device("cpu")
     parts = []
-    for (dev, dtype, replicas), tensors in groups.items():
+    for (dev, dtype), (tensors, counts) in groups.items():
         norms = torch.stack(_norms(tensors, p, dev, dtype, foreach)).to(device=device, dtype=PAYLOAD_DTYPE)
         if math.isinf(p):
             parts.append(norms.max())  # torch.max propagates NaN
+            continue
+        powers = norms if p in (0.0, 1.0) else norms.pow(p)  # ord 0 gives counts, ord 1 sums: no power
+        if min(counts) == max(counts):
+            parts.append(powers.sum() / counts[0])
         else:
-            powers = norms if p in (0.0, 1.0) else norms.pow(p)  # ord 0 gives counts, ord 1 sums: no power
-            parts.append(powers.sum() / replicas)
+            parts.append(powers @ _inverse(tuple(counts), device))
     if not parts:
         value = torch.zeros((), dtype=PAYLOAD_DTYPE, device=device)
+    elif len(parts) == 1:
+        value = parts[0]
     else:
-        stacked = torch.stack(parts)
-        value = stacked.max() if math.isinf(p) else stacked.sum()
+        value = torch.stack(parts).max() if math.isinf(p) else torch.stack(parts).sum()
+    if not math.isinf(p):
+        return value.reshape(1)
     nan = value.isnan()
     return torch.stack([value.nan_to_num(nan=0.0, posinf=math.inf), nan.to(PAYLOAD_DTYPE)])
 
 
-def poisoned_payload(device: torch.device | str) -> Tensor:
+def poisoned_payload(norm_type: float, device: torch.device | str) -> Tensor:
     """A payload that makes the combined result NaN: what a rank that cannot count its pieces contributes, so
     that its peers finish the collective (no hang) and none of them uses a silently wrong norm."""
-    return torch.tensor([0.0, 1.0], dtype=PAYLOAD_DTYPE, device=device)
+    poison = [0.0, 1.0] if reduce_op(norm_type) == "max" else [math.nan]
+    return torch.tensor(poison, dtype=PAYLOAD_DTYPE, device=device)
 
 
 def combine(payloads: Sequence[Tensor], norm_type: float) -> Tensor:
@@ -125,7 +143,6 @@ def combine(payloads: Sequence[Tensor], norm_type: float) -> Tensor:
 def finish(reduced: Tensor, norm_type: float) -> Tensor:
     """The global norm (fp64 scalar) from the all-reduced payload; the same on every rank."""
     p = check_norm_type(norm_type)
-    value, nan_flag = reduced[0], reduced[1]
-    if p not in (0.0, 1.0) and not math.isinf(p):
-        value = value.pow(1.0 / p)
-    return torch.where(nan_flag > 0, torch.full_like(value, math.nan), value)
+    if math.isinf(p):
+        return torch.where(reduced[1] > 0, math.nan, reduced[0])
+    return reduced[0] if p in (0.0, 1.0) else reduced[0].pow(1.0 / p)

@@ -10,6 +10,7 @@ gradient, which is what load-time sharding does; a rank outside a gradient's mes
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,17 +38,29 @@ class Group:
         self.rank = rank
 
 
+# DeviceMesh -> its global ranks. ``mesh.mesh`` rebuilds a tensor from the mesh layout on every access (~50 us);
+# meshes live as long as the model, so remember the answer (weakly, not keeping meshes alive).
+_MESH_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _mesh_ranks(mesh) -> frozenset[int]:
+    ranks = _MESH_RANKS.get(mesh)
+    if ranks is None:
+        ranks = _MESH_RANKS[mesh] = frozenset(mesh.mesh.flatten().tolist())
+    return ranks
+
+
 def count_shards(mesh, placements, group: Group) -> int:
     """Number of distinct pieces the mesh splits the tensor into; raises LayoutError when the group cannot
     account for the mesh's replicas."""
-    mesh_ranks = mesh.mesh.flatten().tolist()
+    mesh_ranks = _mesh_ranks(mesh)
     if group.rank not in mesh_ranks:
         raise LayoutError(
             f"rank {group.rank} holds a DTensor gradient whose mesh {mesh} does not include it. The norm assumes "
             f"every rank of the group holds each gradient (as a shard, or on its own copy of a sub-mesh); pass "
             f"group= a process group whose ranks all hold these gradients.")
     if not group.ranks.issuperset(mesh_ranks):
-        missing = sorted(set(mesh_ranks) - group.ranks)
+        missing = sorted(mesh_ranks - group.ranks)
         raise LayoutError(
             f"a gradient lives on mesh {mesh}, but ranks {missing} of that mesh are not in the process group the "
             f"norm is reduced over ({group.size} ranks); its other shards would be missed. Pass group=None (the "
@@ -84,17 +97,22 @@ def to_pieces(tensors: Sequence[Tensor], group: Group,
     rank issues the same Partial redistributions (collectives) whatever went wrong locally."""
     pieces: list[Piece] = []
     errors: list[LayoutError] = []
-    shards_of: dict[tuple[int, tuple], int] = {}  # per (mesh, placements): few distinct keys per model
+    # Per (mesh, placement types), which is all count_shards depends on: few keys per model. Keyed by types
+    # because hashing the placements themselves runs Python code per placement (_StridedShard's __hash__).
+    shards_of: dict[tuple, int | None] = {}
     for tensor in tensors:
         try:
             if isinstance(tensor, DTensor):
-                if any(p.is_partial() for p in tensor.placements):
-                    tensor = _without_partial(tensor)
                 mesh, placements = tensor.device_mesh, tensor.placements
-                key = (id(mesh), placements)
-                if key not in shards_of:
-                    shards_of[key] = count_shards(mesh, placements, group)
-                pieces.append(Piece(tensor._local_tensor, group.size // shards_of[key]))
+                key = (id(mesh), *map(type, placements))
+                if key not in shards_of:  # None: has a Partial placement
+                    partial = any(p.is_partial() for p in placements)
+                    shards_of[key] = None if partial else count_shards(mesh, placements, group)
+                shards = shards_of[key]
+                if shards is None:
+                    tensor = _without_partial(tensor)
+                    shards = count_shards(tensor.device_mesh, tensor.placements, group)
+                pieces.append(Piece(tensor._local_tensor, group.size // shards))
             else:
                 replicas = group.size if plain_replication is None else plain_replication(tensor)
                 if not isinstance(replicas, int) or not 1 <= replicas <= group.size:

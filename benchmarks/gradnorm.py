@@ -1,0 +1,140 @@
+"""Cost of one grad-norm call over gradients on several device meshes: shardadopt vs the usual approaches.
+
+    python benchmarks/gradnorm.py                  # 4 gloo ranks, Qwen3-MoE with ep=2 x fsdp=2 x tp=2 (3 meshes)
+    python benchmarks/gradnorm.py 3mesh 2d ep tp   # also the layouts FINDINGS.md measured the prototype on
+    python benchmarks/gradnorm.py --calls 500 --models /tmp/tiny-models
+
+Needs transformers >= 5.21 for ``ep`` and ``3mesh`` (ep_size). Each layout is loaded on its own RankPool; after
+one backward, every method runs ``--warmup`` then ``--calls`` times, each call timed alone between barriers. It
+prints the median over calls (the slowest rank's), the ratio against shardadopt, and the collectives one call
+issues (counted with CommDebugMode):
+
+- shardadopt: ``shardadopt.gradnorm.total_norm`` (local foreach norms, one all-reduce);
+- per-mesh full_tensor: ``get_total_norm`` per device mesh, ``full_tensor()`` of each mesh's DTensor norm, then
+  the norms combined: what transformers' Trainer (``_mixed_mesh_grad_norm``), accelerate 1.15
+  (``_clip_grad_norm_dtensor_aware``) and torchtitan (EP / non-EP groups) do;
+- per-parameter loop: ``norm()`` of each gradient, ``full_tensor()`` of each, then combined.
+
+All three must agree (checked; rtol 1e-5). Timings on a shared 2-core CPU are noisy: compare ratios, not ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+LAYOUTS = {  # name -> (model, DistributedConfig kwargs, ranks)
+    "3mesh": ("qwen3moe", dict(ep_size=2, fsdp_size=2, tp_size=2), 4),
+    "2d": ("qwen3moe", dict(fsdp_size=2, tp_size=2), 4),
+    "ep": ("qwen3moe", dict(ep_size=2, fsdp_size=2), 2),
+    "tp": ("qwen3", dict(tp_size=2), 2),
+}
+
+
+def _per_mesh_full_tensor(grads):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = [torch.nn.utils.get_total_norm(group) for group in by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _per_parameter(grads):
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    norms = [g.norm() for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+
+
+def _ours(grads):
+    from shardadopt.gradnorm import total_norm
+
+    return total_norm(grads)
+
+
+METHODS = {"shardadopt": _ours, "per-mesh full_tensor": _per_mesh_full_tensor, "per-parameter loop": _per_parameter}
+
+
+def bench_rank(path: str, config: dict, warmup: int, calls: int) -> dict:
+    import logging
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from shardadopt.testing import token_batch
+
+    # Upstream's per-load and per-redistribute warnings would bury the table.
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torch.distributed.tensor").setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(**config))
+    ids = token_batch(0, 2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    out = {"meshes": len({g.device_mesh for g in grads if isinstance(g, DTensor)}), "grads": len(grads),
+           "plain": sum(not isinstance(g, DTensor) for g in grads), "methods": {}}
+    for name, fn in METHODS.items():
+        with CommDebugMode() as comm:
+            value = fn(grads).item()
+        for _ in range(warmup):
+            fn(grads)
+        times = []
+        for _ in range(calls):
+            dist.barrier()
+            start = time.perf_counter()
+            fn(grads)
+            times.append(time.perf_counter() - start)
+        out["methods"][name] = {"value": value, "median_ms": 1e3 * statistics.median(times),
+                                "collectives": comm.get_total_counts()}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("layouts", nargs="*", default=["3mesh"], metavar="LAYOUT",
+                        help=f"any of {', '.join(LAYOUTS)} (default: 3mesh)")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "shardadopt-tiny-models"),
+                        help="where the tiny checkpoints are (written there if missing)")
+    args = parser.parse_args()
+    if unknown := set(args.layouts) - set(LAYOUTS):
+        parser.error(f"unknown layouts {sorted(unknown)}; choose from {', '.join(LAYOUTS)}")
+
+    from shardadopt.testing import RankPool, tiny_checkpoints
+
+    models = tiny_checkpoints(args.models, {LAYOUTS[name][0] for name in args.layouts})
+    for name in args.layouts:
+        model, config, nproc = LAYOUTS[name]
+        with RankPool(nproc) as pool:
+            results = pool.run(bench_rank, models[model], config, args.warmup, args.calls, timeout=1800)
+        first = results[0]
+        print(f"\n{name}: tiny-{model} {config} on {nproc} gloo ranks; {first['grads']} grads "
+              f"({first['plain']} plain) on {first['meshes']} distinct meshes")
+        ours = max(r["methods"]["shardadopt"]["median_ms"] for r in results)
+        for method in METHODS:
+            median = max(r["methods"][method]["median_ms"] for r in results)  # the slowest rank sets the pace
+            values = [r["methods"][method]["value"] for r in results]
+            agree = all(abs(v - first["methods"]["shardadopt"]["value"]) <= 1e-5 * abs(v) for v in values)
+            print(f"  {method:22s} {median:8.3f} ms   {median / ours:5.2f}x shardadopt's time   "
+                  f"{first['methods'][method]['collectives']:3d} collectives   norm {values[0]:.6f}"
+                  f"{'' if agree else '  (DISAGREES)'}")
+
+
+if __name__ == "__main__":
+    main()
