@@ -18,6 +18,7 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
+from shardadopt.selftest.trainer import distributed_sizes, full_grads
 
 SIZES = "transformers-sharding-sizes"
 SENTINEL = "transformers-ep-grouped-mm-sentinel"
@@ -28,37 +29,6 @@ SEED = 7
 pytestmark = pytest.mark.multiproc
 TRANSFORMERS = installed_version("transformers")
 OLD_EP = TRANSFORMERS < Version("5.17")  # F2 and F3 landed in 5.17 (FINDINGS table)
-
-
-def ep_layout(world_size: int = 2) -> tuple[dict[str, Any], int]:
-    """The expert-parallel DistributedConfig kwargs for the installed transformers, and its data-parallel size."""
-    from transformers.distributed import DistributedConfig
-
-    if "ep_size" in DistributedConfig.__dataclass_fields__:
-        return {"ep_size": world_size, "fsdp_size": world_size}, world_size
-    return {"tp_size": world_size, "enable_expert_parallel": True}, 1
-
-
-def full_grads(model) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient on every rank (a collective: all ranks call it in the same order).
-
-    DTensor grads are gathered over their mesh; experts that older releases slice by expert into plain tensors
-    (``GroupedGemmParallel``) are concatenated over the EP group, which is the whole world in these tests.
-    """
-    import torch.distributed as dist
-
-    num_experts = model.config.num_experts
-    grads = {}
-    for name, param in model.named_parameters():
-        grad = param.grad
-        if hasattr(grad, "full_tensor"):
-            grad = grad.full_tensor()
-        elif ".experts." in name and grad.shape[0] < num_experts:
-            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, grad.contiguous())
-            grad = torch.cat(parts)
-        grads[name] = grad.detach().float().cpu()
-    return grads
 
 
 class NaNTailGroupedMM(torch.autograd.Function):
@@ -127,7 +97,7 @@ def ep_gradients(models: dict[str, str], exclude: list[str], nan_tail: bool) -> 
     shardadopt.enable(exclude=exclude)
     restore = install_nan_tail_kernel() if nan_tail else (lambda: None)
     try:
-        sizes, dp = ep_layout(dist.get_world_size())
+        sizes, dp = distributed_sizes("ep", dist.get_world_size())
         model = AutoModelForCausalLM.from_pretrained(models["qwen3moe"], dtype=torch.float32,
                                                      distributed_config=DistributedConfig(**sizes))
         batch = token_batch(SEED, PER_RANK_BATCH * dp).chunk(dp)[dist.get_rank() % dp]
@@ -146,7 +116,7 @@ def ep_reference(tiny_models) -> dict[str, torch.Tensor]:
 
     from shardadopt.testing import token_batch
 
-    _, dp = ep_layout()
+    _, dp = distributed_sizes("ep")
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"], dtype=torch.float32)
     batch = token_batch(SEED, PER_RANK_BATCH * dp)
     model(input_ids=batch, labels=batch).loss.backward()

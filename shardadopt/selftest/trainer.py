@@ -40,30 +40,33 @@ class LayoutUnsupported(RuntimeError):
     """The installed transformers cannot load this layout at all (not a shardadopt limitation)."""
 
 
-def distributed_sizes(layout: str) -> tuple[dict[str, Any], int]:
-    """(``DistributedConfig`` kwargs, data-parallel size) for ``layout`` on the installed transformers."""
+def distributed_sizes(layout: str, world: int = 2) -> tuple[dict[str, Any], int]:
+    """(``DistributedConfig`` kwargs, data-parallel size) for ``layout`` over ``world`` ranks on the installed
+    transformers. ``hsdp`` and ``2d`` need 4 ranks."""
     from transformers.distributed import DistributedConfig
 
     fields = DistributedConfig.__dataclass_fields__
     if layout == "fsdp":
-        return {"fsdp_size": 2}, 2
+        return {"fsdp_size": world}, world
     if layout == "tp":
-        return {"tp_size": 2}, 1
+        return {"tp_size": world}, 1
     if layout == "ep":
         if "ep_size" in fields:
-            return {"ep_size": 2, "fsdp_size": 2}, 2
-        return {"tp_size": 2, "enable_expert_parallel": True}, 1  # before 5.21: EP on the TP mesh, no FSDP
+            return {"ep_size": world, "fsdp_size": world}, world
+        return {"tp_size": world, "enable_expert_parallel": True}, 1  # before 5.21: EP on the TP mesh, no FSDP
+    if layout not in ("hsdp", "2d"):
+        raise ValueError(f"unknown layout {layout!r}; known: {sorted(LAYOUTS)}")
+    if world != 4:
+        raise LayoutUnsupported(f"{layout} is laid out over 4 ranks, not {world}")
     if layout == "hsdp":
         if "dp_replicate_size" not in fields:
             raise LayoutUnsupported("this transformers' DistributedConfig has no dp_replicate_size (HSDP)")
         return {"dp_replicate_size": 2, "fsdp_size": 2}, 4
-    if layout == "2d":
-        try:
-            DistributedConfig(fsdp_size=2, tp_size=2)
-        except ValueError as exc:
-            raise LayoutUnsupported(f"this transformers refuses fsdp_size x tp_size: {exc}") from None
-        return {"fsdp_size": 2, "tp_size": 2}, 2
-    raise ValueError(f"unknown layout {layout!r}; known: {sorted(LAYOUTS)}")
+    try:
+        DistributedConfig(fsdp_size=2, tp_size=2)
+    except ValueError as exc:
+        raise LayoutUnsupported(f"this transformers refuses fsdp_size x tp_size: {exc}") from None
+    return {"fsdp_size": 2, "tp_size": 2}, 2
 
 
 class TokenDataset:
@@ -91,7 +94,7 @@ def _fresh_accelerate_state() -> None:
 
 
 def train_log(models: dict[str, str], layout: str, steps: int, *, single_process: bool = False,
-              grad_accum: int = 1, optim: str = "adamw_torch", max_grad_norm: float = 1.0,
+              world: int | None = None, device: str = "cpu", grad_accum: int = 1, optim: str = "adamw_torch", max_grad_norm: float = 1.0,
               learning_rate: float = 1e-3, enable: bool = True) -> list[dict[str, float]]:
     """Train ``steps`` optimizer steps with Trainer; per step ``{"loss", "grad_norm"}`` as Trainer logs them.
 
@@ -107,7 +110,7 @@ def train_log(models: dict[str, str], layout: str, steps: int, *, single_process
         shardadopt.enable()
     else:
         shardadopt.disable()
-    sizes, dp = distributed_sizes(layout)
+    sizes, dp = distributed_sizes(layout, world or LAYOUTS[layout].nproc)
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if not single_process:
         from transformers.distributed import DistributedConfig
@@ -121,7 +124,7 @@ def train_log(models: dict[str, str], layout: str, steps: int, *, single_process
             output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=grad_accum,
             max_steps=steps, learning_rate=learning_rate, lr_scheduler_type="constant", warmup_steps=0,
             max_grad_norm=max_grad_norm, optim=optim, logging_steps=1, save_strategy="no", report_to=[],
-            use_cpu=True, seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0,
+            use_cpu=device == "cpu", seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0,
             disable_tqdm=True)
         trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(steps * grad_accum * PER_RANK_BATCH * dp))
         trainer.remove_callback(PrinterCallback)  # every rank would print every step
@@ -140,3 +143,103 @@ def compare_logs(result: list[dict[str, float]], expected: list[dict[str, float]
             if not math.isclose(got[key], want[key], rel_tol=rtol, abs_tol=1e-7):
                 return f"step {step}: {key} {got[key]!r} vs single process {want[key]!r} (rtol {rtol})"
     return None
+
+
+def full_grads(model) -> dict[str, Any]:
+    """Every parameter's full gradient (a collective: every rank calls it, in the same order).
+
+    DTensor grads are gathered over their mesh; experts that transformers 5.15/5.16 slice by expert into plain
+    tensors are concatenated over the EP group, which is the whole world for the layouts here.
+    """
+    import torch
+    import torch.distributed as dist
+
+    num_experts = getattr(model.config, "num_experts", None)
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        elif num_experts and ".experts." in name and grad.shape[0] < num_experts:
+            parts = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, grad.contiguous())
+            grad = torch.cat(parts)
+        grads[name] = grad.detach().float().cpu()
+    return grads
+
+
+EP_SEED = 11
+
+
+def ep_grads_rank(ctx: Context) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+    from shardadopt.testing import token_batch
+
+    shardadopt.enable()
+    sizes, dp = distributed_sizes("ep", ctx.nproc)
+    model = AutoModelForCausalLM.from_pretrained(ctx.models["qwen3moe"], dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(**sizes))
+    batch = token_batch(EP_SEED, PER_RANK_BATCH * dp).chunk(dp)[dist.get_rank() % dp]
+    model(input_ids=batch, labels=batch).loss.backward()
+    return full_grads(model)
+
+
+def ep_grads_reference(ctx: Context) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardadopt.testing import token_batch
+
+    _, dp = distributed_sizes("ep", ctx.nproc)
+    model = AutoModelForCausalLM.from_pretrained(ctx.models["qwen3moe"], dtype=torch.float32)
+    batch = token_batch(EP_SEED, PER_RANK_BATCH * dp)
+    model(input_ids=batch, labels=batch).loss.backward()
+    return {name: p.grad.detach().float().cpu() for name, p in model.named_parameters()}
+
+
+def compare_ep_grads(result: dict[str, Any], expected: dict[str, Any]) -> str | None:
+    from shardadopt.selftest.loading import compare_grads
+
+    if not any(".mlp.gate." in name for name in expected):
+        return "no router gate among the parameters"
+    return compare_grads(result, expected)
+
+
+TRAIN_STEPS = 5
+
+
+def train_rank(ctx: Context) -> list[dict[str, float]]:
+    return train_log(ctx.models, "fsdp", TRAIN_STEPS, world=ctx.nproc, device=ctx.device)
+
+
+def train_reference(ctx: Context) -> list[dict[str, float]]:
+    return train_log(ctx.models, "fsdp", TRAIN_STEPS, world=ctx.nproc, device=ctx.device, single_process=True)
+
+
+def _needs_two(nproc: int) -> str | None:
+    return "needs at least 2 processes" if nproc < 2 else None
+
+
+SCENARIOS = [
+    Scenario(
+        name="trainer-train",
+        description=f"Trainer on an fsdp_size=N model: {TRAIN_STEPS} steps' loss and grad_norm equal one process",
+        run=train_rank,
+        reference=train_reference,
+        compare=compare_logs,
+        unsupported=_needs_two,
+    ),
+    Scenario(
+        name="trainer-ep-grads",
+        description="expert-parallel qwen3moe: every gradient (router gates, experts) equals one process",
+        run=ep_grads_rank,
+        reference=ep_grads_reference,
+        compare=compare_ep_grads,
+        unsupported=lambda nproc: None if nproc in (2, 4) else "the tiny MoE has 4 experts: needs 2 or 4 processes",
+    ),
+]
