@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["save", "load", "latest", "read_info", "is_complete", "is_sharded", "layout", "save_full",
+__all__ = ["save", "load", "latest", "read_info", "is_complete", "is_sharded", "rank_local", "layout", "save_full",
            "full_state_dict", "staged", "save_sharded_state", "load_sharded_state", "save_rng_state",
            "load_rng_state", "check_compatible", "CheckpointInfo", "CheckpointError", "IncompleteCheckpointError",
            "CheckpointMismatchError", "MARKER", "FORMAT"]
@@ -86,11 +86,23 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def rank_local(model: torch.nn.Module) -> bool:
+    """Whether tensor parallelism left plain (non-DTensor) parameters that hold each rank's own shard.
+
+    transformers 5.15 shards TP (and EP through TP) this way. Such tensors carry no placement, so DCP cannot tell
+    them from replicas: they are checkpointed per rank, and load back only into the same world and layout.
+    """
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    return (config is not None and getattr(config, "tp_size", 1) > 1
+            and not any(_is_dtensor(p) for p in model.parameters()))
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether any parameter is a DTensor or any submodule is an FSDP2 module (sharded at load time or by hand)."""
+    """Whether any parameter is a DTensor or a rank-local TP shard, or any submodule is an FSDP2 module."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(_is_dtensor(p) for p in model.parameters()) or any(isinstance(m, FSDPModule) for m in model.modules())
+    return (any(_is_dtensor(p) for p in model.parameters()) or any(isinstance(m, FSDPModule) for m in model.modules())
+            or rank_local(model))
 
 
 def _world() -> tuple[int, int]:
@@ -112,7 +124,8 @@ def layout(model: torch.nn.Module) -> dict[str, Any]:
         fields = ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size", "pp_size", "cp_size",
                   "enable_expert_parallel")
         config = {name: getattr(config, name) for name in fields if hasattr(config, name)}
-    return {"distributed_config": config, "meshes": sorted(meshes.values(), key=json.dumps)}
+    return {"distributed_config": config, "meshes": sorted(meshes.values(), key=json.dumps),
+            "rank_local": rank_local(model)}
 
 
 def _versions() -> dict[str, str]:
@@ -260,8 +273,10 @@ def _pairs(models: list[torch.nn.Module], optimizers: list) -> list[tuple[torch.
                      f"(in the same order) or a single model")
 
 
-def _key(kind: str, i: int) -> str:
-    return kind if i == 0 else f"{kind}_{i}"
+def _key(kind: str, i: int, model: torch.nn.Module) -> str:
+    key = kind if i == 0 else f"{kind}_{i}"
+    # rank-local shards share their names across ranks: a per-rank key keeps DCP from deduplicating them
+    return f"{key}@rank{_world()[1]}" if rank_local(model) else key
 
 
 def _state_dicts(models: list[torch.nn.Module], optimizers: list) -> dict[str, Any]:
@@ -270,9 +285,9 @@ def _state_dicts(models: list[torch.nn.Module], optimizers: list) -> dict[str, A
     state: dict[str, Any] = {}
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         model_sd, optim_sd = get_state_dict(model, opts)
-        state[_key("model", i)] = model_sd
+        state[_key("model", i, model)] = model_sd
         if opts:
-            state[_key("optimizer", i)] = optim_sd
+            state[_key("optimizer", i, model)] = optim_sd
     return state
 
 
@@ -327,8 +342,8 @@ def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
             f"model or optimizer (or a different set of trainable parameters); load it into the same architecture.")
     dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
-        set_state_dict(model, opts, model_state_dict=state[_key("model", i)],
-                       optim_state_dict=state.get(_key("optimizer", i), {}))
+        set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],
+                       optim_state_dict=state.get(_key("optimizer", i, model), {}))
 
 
 # -- RNG -----------------------------------------------------------------------------------------------------------
@@ -381,6 +396,11 @@ def check_compatible(info: CheckpointInfo, models: Sequence[torch.nn.Module], *,
         return False
     description = (f"saved with world size {info.world_size} and layout {info.layouts}, loading with world size "
                    f"{world_size} and layout {current}")
+    if any(lay.get("rank_local") for lay in info.layouts + current):
+        raise CheckpointMismatchError(
+            f"{info.directory} was {description}. Tensor-parallel parameters that are plain per-rank shards "
+            f"(transformers releases whose TP does not use DTensor) carry no placement, so they cannot be "
+            f"resharded: load with the same DistributedConfig and number of processes.")
     if not reshard:
         raise CheckpointMismatchError(
             f"{info.directory} was {description}. Load it with the same DistributedConfig and number of processes, "
@@ -552,6 +572,9 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
     """
     from huggingface_hub import constants
 
+    if rank_local(model):
+        raise CheckpointError("save_full cannot gather tensor-parallel parameters that are plain per-rank shards "
+                              "(this transformers release's TP does not use DTensor); use model.save_pretrained")
     directory = os.path.abspath(os.fspath(directory))
     rank = _world()[1]
     limit = _parse_size(max_shard_size)

@@ -13,11 +13,24 @@ from typing import Any
 
 from shardadopt.selftest import Context, Scenario
 
-# layout name -> (tiny model, DistributedConfig kwargs as a function of the world size)
-LAYOUTS: dict[str, tuple[str, dict[str, int]]] = {
+
+
+def _ep_layout() -> dict[str, Any]:
+    """Expert parallelism on 2 ranks: ``ep_size`` with FSDP from 5.19 on; earlier releases spell it as TP."""
+    import inspect
+
+    from transformers.distributed import DistributedConfig
+
+    if "ep_size" in inspect.signature(DistributedConfig).parameters:
+        return {"ep_size": 2, "fsdp_size": 2}
+    return {"tp_size": 2, "enable_expert_parallel": True}
+
+
+# layout name -> (tiny model, DistributedConfig kwargs) on 2 ranks
+LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "fsdp": ("qwen3", {"fsdp_size": 2}),
     "tp": ("llama", {"tp_size": 2}),
-    "ep": ("qwen3moe", {"ep_size": 2, "fsdp_size": 2}),
+    "ep": ("qwen3moe", _ep_layout()),
 }
 PER_DP_RANK_BATCH = 2
 LR = 1e-2
@@ -87,21 +100,33 @@ def full_params(model) -> dict[str, Any]:
     return {name: full(p).detach().clone() for name, p in model.named_parameters()}
 
 
+def full_optimizer_state(model, optimizer) -> dict[str, dict[str, Any]]:
+    """Each parameter's AdamW state as full tensors (a collective per DTensor)."""
+    from shardadopt.testing import full
+
+    return {name: {k: full(v).detach().clone() for k, v in sorted(optimizer.state[p].items())}
+            for name, p in model.named_parameters()}
+
+
 def run_and_save(path: str, distributed: dict[str, int], root: str, save_at: int, total: int,
                  seed: int = 0) -> dict[str, Any]:
     """The uninterrupted run: ``total`` steps, a checkpoint at step ``save_at`` under ``root``."""
     import torch
 
+    import shardadopt
     from shardadopt import checkpoint
 
+    shardadopt.enable()  # as users do: e.g. 5.15's EP needs its grouped-GEMM fix to be deterministic
     torch.manual_seed(seed)
     model, optimizer, scheduler = build(path, distributed)
     losses = train_steps(model, optimizer, scheduler, distributed, save_at)
     saved = checkpoint.save(os.path.join(root, f"step-{save_at}"), model, optimizer, scheduler, step=save_at,
                             extra={"next_step": save_at})
     params_at_save = full_params(model)
+    optimizer_at_save = full_optimizer_state(model, optimizer)
     losses += train_steps(model, optimizer, scheduler, distributed, total - save_at)
-    return {"losses": losses, "params": full_params(model), "params_at_save": params_at_save, "saved": saved,
+    return {"losses": losses, "params": full_params(model), "params_at_save": params_at_save,
+            "optimizer_at_save": optimizer_at_save, "saved": saved, "rank_local": checkpoint.rank_local(model),
             "lr": scheduler.get_last_lr()}
 
 
@@ -110,8 +135,10 @@ def resume(path: str, distributed: dict[str, int] | None, root: str, total: int,
     """Build everything afresh, load the latest complete checkpoint under ``root`` (or ``directory``), continue."""
     import torch
 
+    import shardadopt
     from shardadopt import checkpoint
 
+    shardadopt.enable()
     torch.manual_seed(12345)  # a different seed: what continues must come from the checkpoint
     model, optimizer, scheduler = build(path, distributed)
     directory = directory or checkpoint.latest(root)
