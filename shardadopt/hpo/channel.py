@@ -99,6 +99,7 @@ class Channel:
             # Global rank of the group's rank 0: broadcast's src is global (optuna-integration mixes them up).
             self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
         self._table = torch.zeros(self.world, 4, dtype=torch.int64)
+        self._rows = self._table.numpy()
         self.rounds = 0
         self.broken: PeerLostError | None = None
         self.context = ""  # what the ranks are doing, for error messages (e.g. "trial 3")
@@ -114,11 +115,14 @@ class Channel:
         self.rounds += 1
         if self.local:
             return [[op, status, length, aux]]
-        table = self._table
-        table.zero_()
-        table[self.rank] = torch.tensor((op, status, length, aux), dtype=torch.int64)
-        self._collective(lambda: dist.all_reduce(table, group=self.group), op)
-        return table.tolist()
+        rows = self._rows  # a numpy view of the tensor: filling it costs no torch dispatch
+        rows.fill(0)
+        rows[self.rank] = (op, status, length, aux)
+        self._collective(self._all_reduce, op)
+        return rows.tolist()
+
+    def _all_reduce(self) -> None:
+        dist.all_reduce(self._table, group=self.group)
 
     def broadcast_bytes(self, src: int, data: bytes | None, length: int, op: int) -> bytes:
         """The ``length`` bytes ``data`` of rank ``src``, on every rank."""
@@ -194,7 +198,8 @@ class Channel:
                 # The store lives with rank 0 (or the launcher's agent): unreachable means its host is gone too.
                 missing = [0] if self.rank != 0 else [r for r in range(1, self.world)]
         if missing:
-            who = f"rank(s) {missing} did not reach {what} within {self.timeout:.0f}s (process died or is stuck)"
+            who = (f"rank(s) {missing} did not reach {what}: process died, or stuck past the control timeout "
+                   f"({self.timeout:.0f}s)")
         else:
             who = f"{what} failed although every rank checked in"
         details = "".join(f"\n  rank {r} had recorded: {text.strip().splitlines()[-1]}" for r, text in errors.items())

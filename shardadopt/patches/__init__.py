@@ -9,6 +9,7 @@ from __future__ import annotations
 from shardadopt.patches import accelerate_cpu_parallelism
 from shardadopt.patches import accelerate_checkpoint, trainer_checkpoint
 from shardadopt.patches import transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_sharding_sizes
+from shardadopt.patches import trainer_hpo_optuna
 from shardadopt.registry import Patch
 
 ALL_PATCHES: list[Patch] = [
@@ -18,4 +19,5 @@ ALL_PATCHES: list[Patch] = [
     accelerate_cpu_parallelism.PATCH,
     accelerate_checkpoint.PATCH,
     trainer_checkpoint.PATCH,
+    trainer_hpo_optuna.PATCH,
 ]

@@ -1,0 +1,343 @@
+"""``Trainer.hyperparameter_search(backend="optuna")`` on 2 gloo ranks, as torchrun runs it.
+
+Each test launches its own rank processes (real exit codes; fault injection cannot share a pool) and bounds them
+with a timeout that fails the test. One launch runs several searches on the tiny qwen3 checkpoint. The last test
+shows the hang without ``shardadopt.enable()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+from shardadopt.testing import free_port
+
+pytestmark = pytest.mark.multiproc
+
+HERE = Path(__file__).resolve().parent
+N_TRIALS = 6
+MAX_STEPS = 4
+EVAL_STEPS = 2
+PER_DEVICE_BATCH = 2
+QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+         "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+# -- launcher: torchrun's environment, one process per rank ------------------------------------------------------------
+
+
+def spawn(entry: str, nproc: int, workdir: Path, **kwargs) -> list[subprocess.Popen]:
+    """Start ``entry(**kwargs)`` on ``nproc`` ranks with torchrun's environment (results land in ``workdir``)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, **QUIET, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   HPO_TEST_CALL=json.dumps({"entry": entry, "workdir": str(workdir), "kwargs": kwargs}))
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_hpo_trainer as m; m._child()"
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=open(workdir / f"rank{rank}.log", "w")))
+    return procs
+
+
+def launch(entry: str, nproc: int, workdir: Path, timeout: float, **kwargs) -> list[dict]:
+    """Run ``entry(**kwargs)`` on ``nproc`` ranks; per rank: returncode, result (pickled) or error text."""
+    procs = spawn(entry, nproc, workdir, **kwargs)
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        logs = "\n".join((workdir / f"rank{r}.log").read_text()[-3000:] for r in range(nproc))
+        pytest.fail(f"{entry} did not finish within {timeout:.0f}s (hang):\n{logs}")
+    results = []
+    for rank, proc in enumerate(procs):
+        result_file, error_file = workdir / f"rank{rank}.pkl", workdir / f"rank{rank}.err"
+        results.append({"returncode": proc.returncode,
+                        "result": pickle.loads(result_file.read_bytes()) if result_file.exists() else None,
+                        "error": error_file.read_text() if error_file.exists() else None})
+    return results
+
+
+def _child() -> None:
+    import torch
+    import torch.distributed as dist
+
+    call = json.loads(os.environ["HPO_TEST_CALL"])
+    out, rank = Path(call["workdir"]), int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        result = globals()[call["entry"]](**call["kwargs"])
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        sys.exit(1)
+    (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    dist.destroy_process_group()
+
+
+# -- what the ranks run ------------------------------------------------------------------------------------------------
+
+
+def _trainer(model_path: str, out: str, callbacks=(), **overrides):
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __init__(self, n, offset=0):
+            self.n, self.offset = n, offset
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(i + self.offset))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    settings = dict(output_dir=out, per_device_train_batch_size=PER_DEVICE_BATCH, max_steps=MAX_STEPS,
+                    logging_steps=100, report_to=[], save_strategy="no", use_cpu=True, eval_strategy="steps",
+                    eval_steps=EVAL_STEPS, disable_tqdm=True, seed=0)
+    settings.update(overrides)
+    return Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path),
+                   args=TrainingArguments(**settings), train_dataset=Tokens(32), eval_dataset=Tokens(8, 1000),
+                   callbacks=list(callbacks))
+
+
+def _space(trial):
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-1, log=True)}
+
+
+def _search(trainer, storage=None, **kwargs):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    extra = {"storage": storage, "study_name": "hpo"} if storage else {}
+    return trainer.hyperparameter_search(
+        backend="optuna", n_trials=kwargs.pop("n_trials", N_TRIALS), direction="minimize", hp_space=_space,
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=0),
+        sampler=optuna.samplers.RandomSampler(seed=0), **extra, **kwargs)
+
+
+def _recorder():
+    """A callback recording, on this rank, each trial's number, parameters and evaluations."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.trials = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.trials.append([state.trial_params and dict(state.trial_params), 0])
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.trials[-1][1] += 1
+
+    return Recorder()
+
+
+def _raise_on(rank: int, trial_number: int, error: type):
+    from transformers import TrainerCallback
+    import torch.distributed as dist
+
+    class Raiser(TrainerCallback):
+        trial = -1
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.trial += 1
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            if dist.get_rank() == rank and self.trial == trial_number:
+                raise error(f"injected on rank {rank} in trial {trial_number}")
+
+    return Raiser()
+
+
+def _table(storage: str) -> list:
+    import optuna
+
+    study = optuna.load_study(study_name="hpo", storage=storage)
+    return [(t.number, t.state.name, t.params, dict(t.intermediate_values), t.user_attrs) for t in study.trials]
+
+
+def searches(model_path: str, out: str) -> dict:
+    """Prune, errors (caught and not) and timeout: four searches in one launch."""
+    import torch.distributed as dist
+
+    import shardadopt
+
+    shardadopt.enable()
+    from transformers import TrainerCallback
+
+    rank = dist.get_rank()
+    result: dict = {}
+
+    recorder = _recorder()
+    storage = f"sqlite:///{out}/prune.db"
+    best = _search(_trainer(model_path, out, [recorder]), storage=storage)
+    result["prune"] = {"best": best, "seen": recorder.trials, "table": _table(storage) if rank == 0 else None}
+
+    storage = f"sqlite:///{out}/caught.db"
+    _search(_trainer(model_path, out, [_raise_on(1, 1, ValueError)]), storage=storage, n_trials=3,
+            catch=(ValueError,))
+    result["caught"] = _table(storage) if rank == 0 else None
+
+    try:
+        _search(_trainer(model_path, out, [_raise_on(1, 0, ValueError)]), n_trials=2)
+        result["uncaught"] = None
+    except ValueError as exc:
+        result["uncaught"] = (str(exc), getattr(exc, "shardadopt_rank", None))
+
+    class Slow(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(0.25)
+
+    storage = f"sqlite:///{out}/timeout.db"
+    start = time.monotonic()
+    _search(_trainer(model_path, out, [Slow()]), storage=storage, n_trials=20, timeout=1.0)
+    result["timeout"] = {"seconds": time.monotonic() - start, "table": _table(storage) if rank == 0 else None}
+    return result
+
+
+def killed(model_path: str, out: str, control_timeout: float) -> None:
+    """Rank 1 SIGKILLs itself in the middle of trial 0; rank 0 must raise, not hang."""
+    import torch.distributed as dist
+
+    import shardadopt
+
+    shardadopt.enable()
+    from transformers import TrainerCallback
+
+    class Kill(TrainerCallback):
+        trial = -1
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.trial += 1
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if dist.get_rank() == 1 and self.trial == 0 and state.global_step == 3:
+                Path(out, "killed_at").write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    _search(_trainer(model_path, out, [Kill()]), n_trials=2, control_timeout=control_timeout)
+
+
+def upstream(model_path: str, out: str) -> None:
+    """The prune search without shardadopt.enable(): upstream's path."""
+    _search(_trainer(model_path, out), storage=f"sqlite:///{out}/upstream.db")
+
+
+# -- tests -------------------------------------------------------------------------------------------------------------
+
+
+def test_trainer_searches_prune_fail_and_timeout_on_every_rank(tiny_models, tmp_path):
+    ranks = launch("searches", 2, tmp_path, timeout=240, model_path=tiny_models["qwen3"], out=str(tmp_path))
+    assert [r["returncode"] for r in ranks] == [0, 0], [r["error"] for r in ranks]
+    r0, r1 = ranks[0]["result"], ranks[1]["result"]
+
+    # pruning: finishes, >= 1 pruned, each rank ran each trial as optuna recorded it
+    prune = r0["prune"]
+    table = prune["table"]
+    assert len(table) == N_TRIALS and any(state == "PRUNED" for _, state, *_ in table), table
+    assert r1["prune"]["seen"] == prune["seen"], "both ranks ran the same trials, evaluated as often"
+    for (number, state, params, values, _), (seen_params, evaluations) in zip(table, prune["seen"]):
+        assert seen_params == params
+        assert len(values) == evaluations, f"trial {number}: {evaluations} evaluations, {len(values)} reports"
+        assert (state == "COMPLETE") == (evaluations == MAX_STEPS // EVAL_STEPS) or state == "PRUNED"
+        # steps are training examples seen: optimizer steps x 2 per device x 2 ranks
+        assert sorted(values) == [EVAL_STEPS * k * PER_DEVICE_BATCH * 2 for k in range(1, len(values) + 1)]
+    assert r1["prune"]["best"] == prune["best"], "every rank gets the best run"
+    complete = [(values[max(values)], number) for number, state, _, values, _ in table if state == "COMPLETE"]
+    assert prune["best"].run_id == str(min(complete)[1])
+
+    # an error on rank 1 only, caught: trial 1 FAIL with the error, the study goes on
+    caught = r0["caught"]
+    assert [state for _, state, *_ in caught][:2] == ["COMPLETE", "FAIL"] and len(caught) == 3
+    assert caught[2][1] in {"COMPLETE", "PRUNED"}
+    attrs = caught[1][4]
+    assert attrs["failure_rank"] == 1 and "injected on rank 1 in trial 1" in attrs["failure_message"]
+
+    # not caught: every rank raises the same error type, rank 0 names rank 1
+    assert r0["uncaught"] == ("injected on rank 1 in trial 0", 1)
+    assert r1["uncaught"] == ("injected on rank 1 in trial 0", None)
+
+    # timeout: every rank leaves after the trial running when it expired
+    timeout = r0["timeout"]
+    assert 1 <= len(timeout["table"]) < 20
+    per_trial = timeout["seconds"] / len(timeout["table"])
+    assert all(r["result"]["timeout"]["seconds"] < 1.0 + 2 * per_trial + 2.0 for r in ranks)
+
+
+def test_sigkilled_rank_makes_the_survivor_raise_within_the_control_timeout(tiny_models, tmp_path):
+    control_timeout = 20.0
+    ranks = launch("killed", 2, tmp_path, timeout=180, model_path=tiny_models["qwen3"], out=str(tmp_path),
+                   control_timeout=control_timeout)
+    finished = time.time()
+    assert ranks[1]["returncode"] == -signal.SIGKILL
+    assert ranks[0]["returncode"] == 1
+    error = ranks[0]["error"]
+    assert "PeerLostError" in error and "rank(s) [1]" in error, error
+    killed_at = float((tmp_path / "killed_at").read_text())
+    assert finished - killed_at < control_timeout + 10
+
+
+def test_without_enable_the_prune_search_hangs(tiny_models, tmp_path):
+    """Upstream's path: rank 0 prunes, rank 1 (a FixedTrial) trains on; nothing moves after the first prune."""
+    db = tmp_path / "upstream.db"
+    procs = spawn("upstream", 2, tmp_path / "procs", model_path=tiny_models["qwen3"], out=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 150
+        pruned_at = None
+        while time.monotonic() < deadline:
+            states = _states(db)
+            if pruned_at is None and "PRUNED" in states:
+                pruned_at, after_prune = time.monotonic(), states
+            if pruned_at is not None and time.monotonic() - pruned_at > 5:
+                break
+            assert all(p.poll() is None for p in procs), f"a rank exited (states {states}): no hang?"
+            time.sleep(0.5)
+        assert pruned_at is not None, "no trial was pruned"
+        stuck = _states(db)
+        assert all(p.poll() is None for p in procs), "the ranks must still be stuck"
+        assert len(stuck) < N_TRIALS and stuck[:len(after_prune)] == after_prune
+        assert stuck[len(after_prune):] in ([], ["RUNNING"]), f"no trial may finish after the prune: {stuck}"
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _states(db: Path) -> list[str]:
+    if not db.exists():
+        return []
+    try:
+        with sqlite3.connect(db) as connection:
+            return [state for (state,) in connection.execute("SELECT state FROM trials ORDER BY number")]
+    except sqlite3.OperationalError:  # tables not created yet
+        return []
+
+
+def test_world_size_above_one_without_torch_distributed_is_a_clear_error():
+    from types import SimpleNamespace
+
+    from shardadopt.hpo.trainer_backend import run_hp_search_optuna
+
+    trainer = SimpleNamespace(args=SimpleNamespace(world_size=2, parallel_mode="ParallelMode.TPU"))
+    with pytest.raises(RuntimeError, match="needs torch.distributed initialised.*torchrun"):
+        run_hp_search_optuna(trainer, 2, "minimize")
+    with pytest.raises(ValueError, match="report_unit"):
+        run_hp_search_optuna(trainer, 2, "minimize", report_unit="tokens")
