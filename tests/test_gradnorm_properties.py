@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardadopt.gradnorm import clip_grads_with_norm_, total_norm
-from shardadopt.gradnorm.core import Piece, check_norm_type, combine, finish, local_payload, reduce_op
+from shardadopt.gradnorm.core import Piece, check_norm_type, finish, local_payload, reduce_op
 from shardadopt.gradnorm.layout import Group, LayoutError, count_shards, to_pieces
 
 NORM_TYPES = [0.0, 1.0, 2.0, 3.5, math.inf]
@@ -136,6 +136,17 @@ def rank_pieces(world: World, rank: int, tensors: list[torch.Tensor] | None = No
         shards = count_shards(StubMesh(ranks), layout.placements, group)
         pieces.append(Piece(local_shard(full, layout.shape, coordinate, layout.placements), world.size // shards))
     return pieces
+
+
+def combine(payloads: list[torch.Tensor], p: float) -> torch.Tensor:
+    """What the all-reduce computes. The MAX uses torch.fmax, which drops NaN like the loosest real backend, so a
+    test of the NaN flag cannot pass by luck."""
+    if reduce_op(p) == "sum":
+        return torch.stack(payloads).sum(dim=0)
+    out = payloads[0]
+    for payload in payloads[1:]:
+        out = torch.fmax(out, payload)
+    return out
 
 
 def simulate(world: World, p: float, foreach=None, tensors=None) -> list[torch.Tensor]:
@@ -298,3 +309,5 @@ def test_plain_replication_is_validated():
     assert [p.replicas for p in pieces] == [2] and len(errors) == 1 and "from 1 to the group size 4" in str(errors[0])
     pieces, errors = to_pieces([torch.ones(2)], group, None)
     assert pieces[0].replicas == 4 and not errors
+    pieces, errors = to_pieces([torch.ones(2)], group, {}.__getitem__)
+    assert not pieces and "plain_replication raised KeyError" in str(errors[0])

@@ -1,9 +1,9 @@
 """The pure core of the grad norm: local pieces with replication counts, reduced to a one-collective payload.
 
 Nothing here touches ``torch.distributed``: a "world" can be simulated in one process by calling
-:func:`local_payload` once per virtual rank, combining the payloads with :func:`combine` (what the all-reduce
-does) and calling :func:`finish`. The distributed entry points in :mod:`shardadopt.gradnorm` do exactly that with
-a real all-reduce.
+:func:`local_payload` once per virtual rank, combining the payloads as the all-reduce would (elementwise sum, or
+max for :func:`reduce_op` ``"max"``) and calling :func:`finish`. The distributed entry points in
+:mod:`shardadopt.gradnorm` do exactly that with a real all-reduce.
 
 The maths. For a finite ``p > 0`` the global norm is ``(sum over distinct elements of |x|^p)^(1/p)``. A rank
 knows only its local pieces; a piece that ``r`` ranks of the group hold identically (replicated mesh dims,
@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
-__all__ = ["Piece", "check_norm_type", "reduce_op", "local_payload", "poisoned_payload", "combine", "finish"]
+__all__ = ["Piece", "check_norm_type", "reduce_op", "local_payload", "poisoned_payload", "finish"]
 
 # The payload and the cross-tensor accumulation are fp64: it is a handful of scalars, and it keeps the sum of
-# p-th powers exact well beyond fp32's range (a fp32 norm of 1e20 has a square of 1e40).
+# p-th powers finite well beyond fp32's range (a fp32 norm of 1e20 has a square of 1e40).
 PAYLOAD_DTYPE = torch.float64
 
 
@@ -123,21 +123,6 @@ def poisoned_payload(norm_type: float, device: torch.device | str) -> Tensor:
     that its peers finish the collective (no hang) and none of them uses a silently wrong norm."""
     poison = [0.0, 1.0] if reduce_op(norm_type) == "max" else [math.nan]
     return torch.tensor(poison, dtype=PAYLOAD_DTYPE, device=device)
-
-
-def combine(payloads: Sequence[Tensor], norm_type: float) -> Tensor:
-    """What the all-reduce computes, for simulating a world in one process.
-
-    The MAX uses ``torch.fmax``, which drops NaN like the loosest real backend, so that a test of the NaN flag
-    cannot pass by luck.
-    """
-    stacked = torch.stack(list(payloads))
-    if reduce_op(norm_type) == "sum":
-        return stacked.sum(dim=0)
-    out = stacked[0]
-    for payload in stacked[1:]:
-        out = torch.fmax(out, payload)
-    return out
 
 
 def finish(reduced: Tensor, norm_type: float) -> Tensor:

@@ -114,7 +114,11 @@ def to_pieces(tensors: Sequence[Tensor], group: Group,
                     shards = count_shards(tensor.device_mesh, tensor.placements, group)
                 pieces.append(Piece(tensor._local_tensor, group.size // shards))
             else:
-                replicas = group.size if plain_replication is None else plain_replication(tensor)
+                try:
+                    replicas = group.size if plain_replication is None else plain_replication(tensor)
+                except Exception as exc:  # raised here it would leave the peers waiting in the collective
+                    raise LayoutError(f"plain_replication raised {exc!r} for a plain tensor of shape "
+                                      f"{tuple(tensor.shape)}") from exc
                 if not isinstance(replicas, int) or not 1 <= replicas <= group.size:
                     raise LayoutError(f"plain_replication returned {replicas!r} for a plain tensor of shape "
                                       f"{tuple(tensor.shape)}; it must be an int from 1 to the group size "
