@@ -6,8 +6,10 @@ same batch anyway. The reference is ``torch.nn.utils.get_total_norm`` / ``clip_g
 in this (parent) process.
 
 Tolerance: the norm is compared with rtol 1e-6 twice: with the reference (end to end, which includes the sharded
-model's own fp32 rounding of the gradients) and with ``vector_norm`` over the gathered gradients of the same
-distributed run (our reduction alone).
+model's own fp32 rounding of the gradients) and with a fp64 ``vector_norm`` over the gathered gradients of the same
+distributed run (our reduction alone; a fp32 ``vector_norm`` over all ~10^5 elements is itself off by ~1e-5 for
+p = 1). Each rank's clipped gradients must be exactly its gradients times the coefficient; the gathered clipped
+gradients are compared with the reference's at rtol 1e-5, as the sharded matmuls sum in a different order.
 """
 
 from __future__ import annotations
@@ -66,8 +68,7 @@ def layout_run(path: str, config: dict) -> dict:
     # Old transformers keep TP/EP shards as plain tensors: the topology says how many ranks hold each.
     replication = topology(model).grad_replication(model.parameters())
     plain_sharded = any(replication(g) != dist.get_world_size() for g in grads if not isinstance(g, DTensor))
-    out: dict = {"rank": dist.get_rank(), "norms": {}, "gathered": {}, "clip": {}, "plain_sharded": plain_sharded,
-                 "meshes": len({id(g.device_mesh) for g in grads if isinstance(g, DTensor)})}
+    out: dict = {"norms": {}, "gathered": {}, "clip": {}, "plain_sharded": plain_sharded}
     for p in NORM_TYPES:
         norm, count = _count_collectives(total_norm, grads, p, plain_replication=replication)
         out["norms"][p] = (norm.item(), count)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
