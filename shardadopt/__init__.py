@@ -20,7 +20,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm",
            "topology", "Topology", "TopologyError",
-           "split_param_groups", "split_param_groups_by_mesh"]
+           "split_param_groups", "split_param_groups_by_mesh", "AdoptionKwargs", "adopt_model"]
 
 _REGISTRY: Registry | None = None
 
@@ -33,6 +33,8 @@ _LAZY = {
     "TopologyError": "shardadopt.topology",
     "split_param_groups": "shardadopt.optim",
     "split_param_groups_by_mesh": "shardadopt.optim",
+    "AdoptionKwargs": "shardadopt.adopt",
+    "adopt_model": "shardadopt.adopt",
 }
 
 

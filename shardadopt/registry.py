@@ -128,6 +128,18 @@ def version_gate(requires: dict[str, str]) -> str | None:
     return None
 
 
+def _ready(name: str, just_imported: ModuleType | None) -> bool:
+    """Whether module ``name`` is fully imported. A module is in ``sys.modules`` while it still executes; a hook
+    fired by a module it imports must not probe it half-initialised (e.g. ``accelerate.accelerator`` importing
+    ``accelerate.parallelism_config``). The module whose own hook fires is complete."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False
+    if module is just_imported:
+        return True
+    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
+
+
 def _resolve(target: Target) -> tuple[Any, str, Any]:
     """(owner, attribute, raw original) for a target whose module is imported."""
     owner: Any = sys.modules[target.module]
@@ -238,12 +250,12 @@ class Registry:
             self._hooked_modules.add(module)
             wrapt.register_post_import_hook(self._on_import, module)
 
-    def _on_import(self, _module: ModuleType | None) -> None:
+    def _on_import(self, module: ModuleType | None) -> None:
         with self._lock:
             if not self._enabled:
                 return
             for entry in self._entries.values():
-                if entry.state == PENDING and all(m in sys.modules for m in entry.patch.modules):
+                if entry.state == PENDING and all(_ready(m, module) for m in entry.patch.modules):
                     self._apply(entry)
 
     def _apply(self, entry: _Entry) -> None:

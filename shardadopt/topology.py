@@ -126,7 +126,8 @@ def topology(model: nn.Module, override: Mapping[str, int] | None = None) -> Top
     if cached is not None and cached[0] == key:
         return cached[1]
     found = _from_override(model, override) if override else _detect(model)
-    model.__dict__[_CACHE_ATTR] = (key, found)
+    if found.is_sharded:  # plain models are left exactly as they are
+        model.__dict__[_CACHE_ATTR] = (key, found)
     return found
 
 

@@ -6,7 +6,7 @@ optuna at module level: the registry applies it when those are imported.
 
 from __future__ import annotations
 
-from shardadopt.patches import accelerate_cpu_parallelism
+from shardadopt.patches import accelerate_adopt, accelerate_cpu_parallelism
 from shardadopt.patches import accelerate_checkpoint, trainer_checkpoint
 from shardadopt.patches import transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_sharding_sizes
 from shardadopt.patches import trainer_hpo_optuna
@@ -17,6 +17,7 @@ ALL_PATCHES: list[Patch] = [
     transformers_ep_grouped_mm.PATCH,
     transformers_ep_router_grad.PATCH,
     accelerate_cpu_parallelism.PATCH,
+    accelerate_adopt.PATCH,
     accelerate_checkpoint.PATCH,
     trainer_checkpoint.PATCH,
     trainer_hpo_optuna.PATCH,

@@ -1,0 +1,142 @@
+"""``Accelerator.prepare`` adopts a model that is already sharded (at load time or by hand) instead of wrapping it.
+
+Upstream (accelerate 1.13 .. 1.15, ``accelerate/accelerator.py``, ``Accelerator.prepare_model``) has no path for a
+model that arrives sharded; on CPU it ends in::
+
+    elif self.distributed_type == DistributedType.MULTI_CPU:
+        kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler else {}
+        model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)
+
+("aten.cat.default got mixed torch.Tensor and DTensor"; on GPUs: "Your model contains `DTensor` parameters, which
+is incompatible with DDP"). Past that, everything around the model assumes one batch per process and one mesh:
+``prepare_data_loader`` splits by ``process_index`` (TP ranks get different batches), ``gather_for_metrics``
+returns TP duplicates, ``no_sync`` is a no-op for FSDP2 modules outside accelerate's FSDP plugin, foreach/fused
+optimizers fail on mixed DTensor/plain parameters, and ``clip_grad_norm_`` cannot reduce over several meshes.
+
+For a model that ``shardadopt.topology`` finds sharded (and only when accelerate's own FSDP/DeepSpeed/Megatron
+plugins are not in charge) each call is routed to ``shardadopt.adopt``; plain models take upstream's exact path.
+``Accelerator(kwargs_handlers=[shardadopt.AdoptionKwargs(...)])`` is accepted (upstream raises ``KeyError`` on a
+handler class it does not know).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from shardadopt.registry import Patch, Probe, Target
+
+PATCH_ID = "accelerate-adopt-sharded-model"
+_MODULE = "accelerate.accelerator"
+
+
+def _plugin_managed(accelerator: Any) -> bool:
+    """accelerate's own FSDP / DeepSpeed / Megatron plugins shard models themselves: leave those runs alone."""
+    from accelerate.utils.dataclasses import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
+                                            DistributedType.MEGATRON_LM)
+
+
+def _init(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import _KWARGS_ATTR, AdoptionKwargs
+
+    handlers = kwargs.get("kwargs_handlers")
+    ours = [h for h in handlers or () if isinstance(h, AdoptionKwargs)]
+    if len(ours) > 1:
+        raise ValueError("You can only pass one shardadopt.AdoptionKwargs in `kwargs_handlers`.")
+    if ours:
+        kwargs = {**kwargs, "kwargs_handlers": [h for h in handlers if not isinstance(h, AdoptionKwargs)]}
+    result = wrapped(*args, **kwargs)
+    setattr(instance, _KWARGS_ATTR, ours[0] if ours else None)
+    return result
+
+
+def _prepare_model(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model
+
+    model = args[0] if args else kwargs.get("model")
+    evaluation_mode = kwargs.get("evaluation_mode", args[2] if len(args) > 2 else False)
+    if (evaluation_mode or getattr(model, "_is_accelerate_prepared", False) or _plugin_managed(instance)
+            or not is_sharded_model(model, adoption_kwargs(instance).topology)):
+        return wrapped(*args, **kwargs)
+    return adopt_model(instance, model, prepare=wrapped)
+
+
+def _prepare_data_loader(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import adopted, shard_dataloader
+
+    loader = wrapped(*args, **kwargs)
+    state = adopted(instance)
+    return shard_dataloader(loader, state.layout) if state is not None else loader
+
+
+def _prepare_optimizer(wrapped, instance, args, kwargs):
+    from torch.distributed.tensor import DTensor
+
+    from shardadopt.adopt import adoption_kwargs
+    from shardadopt.optim import split_param_groups_by_mesh
+
+    optimizer = wrapped(*args, **kwargs)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if adoption_kwargs(instance).split_optimizer and not _plugin_managed(instance) and any(
+            isinstance(p, DTensor) for group in inner.param_groups for p in group["params"]):
+        split_param_groups_by_mesh(inner)
+    return optimizer
+
+
+def _clip_grad_norm_(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import adopted, clip_grad_norm_
+
+    if adopted(instance) is None or _plugin_managed(instance):
+        return wrapped(*args, **kwargs)
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return clip_grad_norm_(instance, bound.arguments["parameters"], bound.arguments["max_norm"],
+                           bound.arguments["norm_type"])
+
+
+def _no_sync(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import adopted, no_sync
+
+    state = adopted(instance)
+    model = args[0] if args else kwargs.get("model")
+    if state is None or id(model) not in state.topologies or instance.is_fsdp2:
+        return wrapped(*args, **kwargs)
+    return no_sync(model)
+
+
+def _gather_for_metrics(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import adopted, gather_for_metrics
+
+    state = adopted(instance)
+    if state is None or state.layout.dp_size == instance.num_processes:
+        return wrapped(*args, **kwargs)
+    return gather_for_metrics(instance, *args, **kwargs)
+
+
+def probe() -> Probe:
+    from accelerate.accelerator import Accelerator
+
+    source = inspect.getsource(Accelerator.prepare_model)
+    if "is_distributed_loading_by_transformers" in source or "adopt" in source:
+        return Probe(False, "Accelerator.prepare_model has an adoption path for models sharded at load time")
+    return Probe(True, "Accelerator.prepare_model has no adoption path for already-sharded models (DDP-wraps them)")
+
+
+def _target(name: str) -> Target:
+    return Target(_MODULE, f"Accelerator.{name}")
+
+
+PATCH = Patch(
+    id=PATCH_ID,
+    summary="Accelerator.prepare adopts sharded models: dp-rank data split, metrics, no_sync, clipping, optimizers",
+    upstream="anticipates huggingface/accelerate (adopt models sharded by transformers DistributedConfig); "
+             "huggingface/transformers#45662 (EP experts overwritten)",
+    requires={"accelerate": ">=1.13,<1.16", "transformers": ">=5.15,<5.25"},
+    wrappers={_target("__init__"): _init, _target("prepare_model"): _prepare_model,
+              _target("prepare_data_loader"): _prepare_data_loader,
+              _target("prepare_optimizer"): _prepare_optimizer, _target("clip_grad_norm_"): _clip_grad_norm_,
+              _target("no_sync"): _no_sync, _target("gather_for_metrics"): _gather_for_metrics},
+    probe=probe,
+)
