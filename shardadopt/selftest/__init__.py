@@ -49,9 +49,9 @@ class Outcome:
 
 
 def _scenarios() -> list[Scenario]:
-    from shardadopt.selftest import accelerate, hpo, loading, trainer
+    from shardadopt.selftest import accelerate, checkpoint, hpo, loading, trainer
 
-    return [*loading.SCENARIOS, *accelerate.SCENARIOS, *trainer.SCENARIOS, *hpo.SCENARIOS]
+    return [*loading.SCENARIOS, *accelerate.SCENARIOS, *trainer.SCENARIOS, *hpo.SCENARIOS, *checkpoint.SCENARIOS]
 
 
 def run_selftest(nproc: int = 2, device: str = "cpu", only: Sequence[str] | None = None,

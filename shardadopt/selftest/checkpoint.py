@@ -16,7 +16,7 @@ from shardadopt.selftest import Context, Scenario
 
 
 def _ep_layout() -> dict[str, Any]:
-    """Expert parallelism on 2 ranks: ``ep_size`` with FSDP from 5.19 on; earlier releases spell it as TP."""
+    """Expert parallelism on 2 ranks: ``ep_size`` with FSDP where DistributedConfig has it, else EP through TP."""
     import inspect
 
     from transformers.distributed import DistributedConfig
