@@ -38,11 +38,8 @@ def fresh_accelerator(**kwargs):
 
 
 def accelerate_setup(path: str, distributed: dict, project_dir: str | None = None):
-    """Accelerator + sharded model + AdamW + scheduler + a shuffled dataloader.
-
-    The model is registered the way adoption registers it (``_models``) without going through ``prepare``, whose
-    DDP wrap of sharded models another patch fixes; everything else is prepared normally.
-    """
+    """Accelerator + sharded model + AdamW + scheduler + a shuffled dataloader, all through ``prepare``
+    (the sharded model is adopted by the accelerate-adopt-sharded-model patch)."""
     from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration
 
     from shardadopt.testing import token_batch
@@ -56,8 +53,7 @@ def accelerate_setup(path: str, distributed: dict, project_dir: str | None = Non
     model, optimizer, scheduler = scenario.build(path, distributed)
     data = list(token_batch(3, 32))
     loader = torch.utils.data.DataLoader(data, batch_size=scenario.PER_DP_RANK_BATCH, shuffle=True)
-    optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
-    accelerator._models.append(model)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     return accelerator, model, optimizer, loader, scheduler
 
 
