@@ -163,6 +163,7 @@ class Registry:
         self._entries = {p.id: _Entry(p) for p in patches}
         self._lock = threading.RLock()
         self._hooked_modules: set[str] = set()
+        self._applied_order: list[_Entry] = []
         self._enabled = False
 
     @property
@@ -269,18 +270,41 @@ class Registry:
             entry.state, entry.reason = NOT_NEEDED, found.reason
             return
         try:
-            for target, wrapper in patch.wrappers.items():
-                owner, attribute, original = _resolve(target)
-                setattr(owner, attribute, wrapt.FunctionWrapper(original, wrapper))
-                entry.applied.append(_Applied(owner, attribute, original))
+            self._wrap(entry)
         except Exception as exc:
-            self._revert(entry, UNSUPPORTED, f"could not patch {target}: {type(exc).__name__}: {exc}")
+            self._revert(entry, UNSUPPORTED, f"could not patch: {type(exc).__name__}: {exc}")
             return
+        self._applied_order.append(entry)
         entry.state, entry.reason = APPLIED, found.reason
 
     @staticmethod
-    def _revert(entry: _Entry, state: str, reason: str) -> None:
+    def _wrap(entry: _Entry) -> None:
+        for target, wrapper in entry.patch.wrappers.items():
+            try:
+                owner, attribute, original = _resolve(target)
+            except (KeyError, AttributeError) as exc:
+                raise AttributeError(f"{target} not found ({exc})") from exc
+            setattr(owner, attribute, wrapt.FunctionWrapper(original, wrapper))
+            entry.applied.append(_Applied(owner, attribute, original))
+
+    @staticmethod
+    def _unwrap(entry: _Entry) -> None:
         for applied in reversed(entry.applied):
             setattr(applied.owner, applied.attribute, applied.original)
         entry.applied.clear()
+
+    def _revert(self, entry: _Entry, state: str, reason: str) -> None:
+        if entry in self._applied_order:
+            # Patches applied later may wrap the same attributes on top of this one: peel them off newest
+            # first, remove this one, then wrap the later ones again around what is left.
+            position = self._applied_order.index(entry)
+            later = self._applied_order[position + 1:]
+            for other in reversed(later):
+                self._unwrap(other)
+            self._unwrap(entry)
+            for other in later:
+                self._wrap(other)
+            del self._applied_order[position]
+        else:
+            self._unwrap(entry)  # a partial application that failed
         entry.state, entry.reason = state, reason

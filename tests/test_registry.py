@@ -116,6 +116,27 @@ def test_disable_restores_every_original_object(upstream):
     assert module.compute is originals[0]
 
 
+def times_three(wrapped, instance, args, kwargs):
+    return wrapped(*args, **kwargs) * 3
+
+
+def test_reverting_one_of_two_stacked_patches_keeps_the_other(upstream):
+    module = importlib.import_module(upstream)
+    original = module.compute
+    inner = make_patch(upstream, "inner")
+    outer = Patch(id="outer", summary="triples", upstream="example/upstream#2", requires={"wrapt": ">=2"},
+                  wrappers={Target(upstream, "compute"): times_three}, probe=lambda: Probe(True, "needed"))
+    registry = Registry([inner, outer])
+    registry.enable()
+    assert module.compute(1) == (1 + 1 + 10) * 3
+    assert states_after(registry.enable(exclude=["inner"])) == {"inner": OFF, "outer": APPLIED}
+    assert module.compute(1) == (1 + 1) * 3, "the outer patch must survive reverting the inner one"
+    registry.enable()
+    assert module.compute(1) == (1 + 1) * 3 + 10  # inner now wraps outside
+    registry.disable()
+    assert module.compute is original
+
+
 def test_disable_before_import_leaves_module_untouched(upstream):
     registry = Registry([make_patch(upstream)])
     registry.enable()
