@@ -13,7 +13,8 @@ issues (counted with CommDebugMode):
 - per-mesh full_tensor: ``get_total_norm`` per device mesh, ``full_tensor()`` of each mesh's DTensor norm, then
   the norms combined: what transformers' Trainer (``_mixed_mesh_grad_norm``), accelerate 1.15
   (``_clip_grad_norm_dtensor_aware``) and torchtitan (EP / non-EP groups) do;
-- per-parameter loop: ``norm()`` of each gradient, ``full_tensor()`` of each, then combined.
+- per-parameter loop: ``norm()`` of each gradient, ``full_tensor()`` of each, then combined;
+- and, as the latency floor of any one-collective method, a bare all-reduce of one element.
 
 All three must agree (checked; rtol 1e-5). Timings on a shared 2-core CPU are noisy: compare ratios, not ms.
 """
@@ -60,7 +61,17 @@ def _ours(grads):
     return total_norm(grads)
 
 
+def _floor(grads):
+    import torch
+    import torch.distributed as dist
+
+    payload = torch.zeros(1, dtype=torch.float64)
+    dist.all_reduce(payload)
+    return payload
+
+
 METHODS = {"shardadopt": _ours, "per-mesh full_tensor": _per_mesh_full_tensor, "per-parameter loop": _per_parameter}
+FLOOR = "floor: 1 bare all_reduce"
 
 
 def bench_rank(path: str, config: dict, warmup: int, calls: int) -> dict:
@@ -88,7 +99,7 @@ def bench_rank(path: str, config: dict, warmup: int, calls: int) -> dict:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     out = {"meshes": len({g.device_mesh for g in grads if isinstance(g, DTensor)}), "grads": len(grads),
            "plain": sum(not isinstance(g, DTensor) for g in grads), "methods": {}}
-    for name, fn in METHODS.items():
+    for name, fn in [*METHODS.items(), (FLOOR, _floor)]:
         with CommDebugMode() as comm:
             value = fn(grads).item()
         for _ in range(warmup):
@@ -134,6 +145,8 @@ def main() -> None:
             print(f"  {method:22s} {median:8.3f} ms   {median / ours:5.2f}x shardadopt's time   "
                   f"{first['methods'][method]['collectives']:3d} collectives   norm {values[0]:.6f}"
                   f"{'' if agree else '  (DISAGREES)'}")
+        floor = max(r["methods"][FLOOR]["median_ms"] for r in results)
+        print(f"  {FLOOR:22s} {floor:8.3f} ms   {floor / ours:5.2f}x shardadopt's time   (no norm: the latency floor)")
 
 
 if __name__ == "__main__":
