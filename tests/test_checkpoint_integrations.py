@@ -207,22 +207,6 @@ def checkpoint_params(path: str, distributed: dict, directory: str) -> dict:
     return scenario.full_params(model)
 
 
-def trainer_supported() -> str | None:
-    """Why Trainer cannot train a load-time-sharded model on this transformers, or None."""
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) >= Version("5.19"):
-        return None
-    import shardadopt
-
-    ids = {s.id for s in shardadopt.status()}
-    if not any("trainer-adopt" in i or "f6" in i.lower() for i in ids):
-        return (f"transformers {transformers.__version__} wraps a load-time-sharded model in DDP inside Trainer "
-                f"(F6); its adoption backport has not landed yet")
-    return None
-
-
 # -- fixtures ------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -244,18 +228,14 @@ def first(tiny_models, root):
             results["accelerate"][layout] = pool.run(
                 accelerate_uninterrupted, tiny_models[model], dist_kwargs, os.path.join(root, "acc", layout),
                 os.path.join(root, "acc-export", layout), timeout=120)[0]
-        results["trainer_skip"] = trainer_supported()
-        if results["trainer_skip"] is None:
-            results["trainer_unpatched"] = pool.run(trainer_unpatched, path, distributed,
-                                                    os.path.join(root, "t-unpatched"), timeout=120)[0]
-            results["trainer"] = pool.run(trainer_run, path, distributed, os.path.join(root, "t-full"),
-                                          export=os.path.join(root, "t-export"), save_total_limit=2,
-                                          timeout=180)[0]
-            results["trainer_stopped"] = pool.run(trainer_run, path, distributed, os.path.join(root, "t-stop"),
-                                                  stop=4, timeout=180)[0]
-            with pytest.raises((RankError, RankTimeout)):
-                pool.run(trainer_run, path, distributed, os.path.join(root, "t-crash"), crash_at_save=4,
-                         timeout=90)
+        results["trainer_unpatched"] = pool.run(trainer_unpatched, path, distributed,
+                                                os.path.join(root, "t-unpatched"), timeout=120)[0]
+        results["trainer"] = pool.run(trainer_run, path, distributed, os.path.join(root, "t-full"),
+                                      export=os.path.join(root, "t-export"), save_total_limit=2, timeout=180)[0]
+        results["trainer_stopped"] = pool.run(trainer_run, path, distributed, os.path.join(root, "t-stop"),
+                                              stop=4, timeout=180)[0]
+        with pytest.raises((RankError, RankTimeout)):
+            pool.run(trainer_run, path, distributed, os.path.join(root, "t-crash"), crash_at_save=4, timeout=90)
     finally:
         pool.close(force=True)
     return results
@@ -334,13 +314,7 @@ def accelerate_load_error(path: str, distributed: dict, directory: str) -> str:
 
 # -- Trainer tests -------------------------------------------------------------------------------------------------
 
-def skip_without_trainer(first) -> None:
-    if first["trainer_skip"]:
-        pytest.skip(first["trainer_skip"])
-
-
 def test_trainer_upstream_refuses_or_cannot_resume(first):
-    skip_without_trainer(first)
     error = first["trainer_unpatched"]
     import transformers
     from packaging.version import Version
@@ -350,7 +324,6 @@ def test_trainer_upstream_refuses_or_cannot_resume(first):
 
 
 def test_trainer_checkpoints_and_total_limit(first):
-    skip_without_trainer(first)
     full = first["trainer"]
     assert list(full["losses"]) == [1, 2, 3, 4, 5, 6]
     assert full["checkpoints"] == ["checkpoint-4", "checkpoint-6"]  # save_total_limit=2
@@ -360,7 +333,6 @@ def test_trainer_checkpoints_and_total_limit(first):
 
 
 def test_trainer_resume_from_checkpoint_4_in_fresh_processes(tiny_models, root, first, second):
-    skip_without_trainer(first)
     result = second.run(trainer_run, tiny_models["qwen3"], scenario.LAYOUTS["fsdp"][1], os.path.join(root, "t-stop"),
                         resume=os.path.join(root, "t-stop", "checkpoint-4"), timeout=180)[0]
     full = first["trainer"]
@@ -369,7 +341,6 @@ def test_trainer_resume_from_checkpoint_4_in_fresh_processes(tiny_models, root, 
 
 
 def test_trainer_crash_mid_save_resumes_previous(tiny_models, root, first, second):
-    skip_without_trainer(first)
     crashed = os.path.join(root, "t-crash")
     assert sorted(os.listdir(crashed)) == [".checkpoint-4.partial", "checkpoint-2"]
     with pytest.raises(checkpoint.IncompleteCheckpointError, match="interrupted.*checkpoint-2"):
@@ -382,7 +353,6 @@ def test_trainer_crash_mid_save_resumes_previous(tiny_models, root, first, secon
 
 
 def test_trainer_final_save_model_is_consolidated(tiny_models, root, first):
-    skip_without_trainer(first)
     from transformers import AutoModelForCausalLM
 
     plain = AutoModelForCausalLM.from_pretrained(os.path.join(root, "t-export"), dtype=torch.float32)
@@ -390,7 +360,6 @@ def test_trainer_final_save_model_is_consolidated(tiny_models, root, first):
 
 
 def test_trainer_load_best_model_at_end(tiny_models, root, first, second):
-    skip_without_trainer(first)
     path, distributed = tiny_models["qwen3"], scenario.LAYOUTS["fsdp"][1]
     out = os.path.join(root, "t-best")
     result = second.run(trainer_run, path, distributed, out, max_steps=4, eval_strategy="steps", eval_steps=2,
