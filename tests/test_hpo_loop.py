@@ -272,3 +272,41 @@ def test_four_ranks_error_on_last_rank(pool4):
     table = results[0]["table"]
     assert [row[:3] for row in table] == _reference(fail_trial=2)
     assert table[2][3]["failure_rank"] == 3
+
+
+def _stuck(control_timeout: float):
+    """Rank 1 stops answering (busy, not dead) in trial 1 while rank 0 waits for its report."""
+    import torch.distributed as dist
+
+    from shardadopt.hpo import optimize
+
+    rank = dist.get_rank()
+    study = _study() if rank == 0 else None
+
+    def objective(trial):
+        x = trial.suggest_float("x", 0.0, 1.0)
+        if rank == 1 and trial.number == 1:
+            time.sleep(2 * control_timeout + 1)  # past rank 0's timeout and its check-in wait
+        trial.report(x, 0)
+        return x
+
+    start = time.monotonic()
+    try:
+        optimize(study, objective, n_trials=3, control_timeout=control_timeout)
+    except Exception as exc:
+        return {"type": type(exc).__name__, "message": str(exc), "ranks": getattr(exc, "ranks", None),
+                "seconds": time.monotonic() - start}
+    return None
+
+
+def test_stuck_peer_becomes_an_error_naming_it():
+    """Own processes: after a control timeout the process group is not reusable."""
+    from shardadopt.testing import RankPool
+
+    control_timeout = 3.0
+    with RankPool(2) as pool:
+        rank0, rank1 = pool.run(_stuck, control_timeout, timeout=120)
+    assert rank0["type"] == "PeerLostError" and rank0["ranks"] == [1], rank0
+    assert "rank(s) [1] did not reach control round" in rank0["message"] and "report()" in rank0["message"]
+    assert rank0["seconds"] < control_timeout + 5 + 5, "the survivor leaves within the control timeout"
+    assert rank1["type"] == "PeerLostError", "the stuck rank, once awake, raises too instead of hanging"

@@ -93,7 +93,7 @@ def _child() -> None:
 # -- what the ranks run ------------------------------------------------------------------------------------------------
 
 
-def _trainer(model_path: str, out: str, callbacks=(), **overrides):
+def _trainer(model_path: str, out: str, callbacks=(), distributed: dict | None = None, **overrides):
     import torch
     from torch.utils.data import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -113,7 +113,12 @@ def _trainer(model_path: str, out: str, callbacks=(), **overrides):
                     logging_steps=100, report_to=[], save_strategy="no", use_cpu=True, eval_strategy="steps",
                     eval_steps=EVAL_STEPS, disable_tqdm=True, seed=0)
     settings.update(overrides)
-    return Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path),
+    load = {}
+    if distributed:  # sharded while loading, the layout's DistributedConfig
+        from transformers.distributed import DistributedConfig
+
+        load = {"distributed_config": DistributedConfig(**distributed), "dtype": torch.float32}
+    return Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path, **load),
                    args=TrainingArguments(**settings), train_dataset=Tokens(32), eval_dataset=Tokens(8, 1000),
                    callbacks=list(callbacks))
 
@@ -175,7 +180,7 @@ def _table(storage: str) -> list:
 
 
 def searches(model_path: str, out: str) -> dict:
-    """Prune, errors (caught and not) and timeout: four searches in one launch."""
+    """Prune, errors (caught and not), timeout, then prune with FSDP and TP model_init: one launch."""
     import torch.distributed as dist
 
     import shardadopt
@@ -210,6 +215,27 @@ def searches(model_path: str, out: str) -> dict:
     start = time.monotonic()
     _search(_trainer(model_path, out, [Slow()]), storage=storage, n_trials=20, timeout=1.0)
     result["timeout"] = {"seconds": time.monotonic() - start, "table": _table(storage) if rank == 0 else None}
+    result.update(sharded_searches(model_path, out))
+    return result
+
+
+def sharded_searches(model_path: str, out: str) -> dict:
+    """The prune search with a model_init that shards while loading: FSDP, then TP."""
+    import torch.distributed as dist
+
+    import shardadopt
+    from shardadopt.selftest.trainer import _fresh_accelerate_state, distributed_sizes
+
+    shardadopt.enable()
+    result = {}
+    for layout in ("fsdp", "tp"):
+        sizes, dp = distributed_sizes(layout, dist.get_world_size())
+        _fresh_accelerate_state()
+        recorder = _recorder()
+        storage = f"sqlite:///{out}/{layout}.db"
+        best = _search(_trainer(model_path, out, [recorder], distributed=sizes), storage=storage)
+        result[layout] = {"best": best, "seen": recorder.trials, "dp": dp,
+                          "table": _table(storage) if dist.get_rank() == 0 else None}
     return result
 
 
@@ -244,25 +270,12 @@ def upstream(model_path: str, out: str) -> None:
 # -- tests -------------------------------------------------------------------------------------------------------------
 
 
-def test_trainer_searches_prune_fail_and_timeout_on_every_rank(tiny_models, tmp_path):
-    ranks = launch("searches", 2, tmp_path, timeout=240, model_path=tiny_models["qwen3"], out=str(tmp_path))
+def test_trainer_searches_prune_fail_timeout_and_sharded_model_init(tiny_models, tmp_path):
+    ranks = launch("searches", 2, tmp_path, timeout=400, model_path=tiny_models["qwen3"], out=str(tmp_path))
     assert [r["returncode"] for r in ranks] == [0, 0], [r["error"] for r in ranks]
     r0, r1 = ranks[0]["result"], ranks[1]["result"]
 
-    # pruning: finishes, >= 1 pruned, each rank ran each trial as optuna recorded it
-    prune = r0["prune"]
-    table = prune["table"]
-    assert len(table) == N_TRIALS and any(state == "PRUNED" for _, state, *_ in table), table
-    assert r1["prune"]["seen"] == prune["seen"], "both ranks ran the same trials, evaluated as often"
-    for (number, state, params, values, _), (seen_params, evaluations) in zip(table, prune["seen"]):
-        assert seen_params == params
-        assert len(values) == evaluations, f"trial {number}: {evaluations} evaluations, {len(values)} reports"
-        assert (state == "COMPLETE") == (evaluations == MAX_STEPS // EVAL_STEPS) or state == "PRUNED"
-        # steps are training examples seen: optimizer steps x 2 per device x 2 ranks
-        assert sorted(values) == [EVAL_STEPS * k * PER_DEVICE_BATCH * 2 for k in range(1, len(values) + 1)]
-    assert r1["prune"]["best"] == prune["best"], "every rank gets the best run"
-    complete = [(values[max(values)], number) for number, state, _, values, _ in table if state == "COMPLETE"]
-    assert prune["best"].run_id == str(min(complete)[1])
+    _assert_pruned_in_step(r0["prune"], r1["prune"], data_parallel=2)
 
     # an error on rank 1 only, caught: trial 1 FAIL with the error, the study goes on
     caught = r0["caught"]
@@ -280,6 +293,27 @@ def test_trainer_searches_prune_fail_and_timeout_on_every_rank(tiny_models, tmp_
     assert 1 <= len(timeout["table"]) < 20
     per_trial = timeout["seconds"] / len(timeout["table"])
     assert all(r["result"]["timeout"]["seconds"] < 1.0 + 2 * per_trial + 2.0 for r in ranks)
+
+    # model_init shards while loading (FSDP, then TP): the same guarantees
+    for layout in ("fsdp", "tp"):
+        _assert_pruned_in_step(r0[layout], r1[layout], data_parallel=r0[layout]["dp"])
+
+
+def _assert_pruned_in_step(rank0: dict, rank1: dict, data_parallel: int) -> None:
+    """Finished, >= 1 pruned, and each rank ran each trial exactly as far as optuna recorded it."""
+    table = rank0["table"]
+    assert len(table) == N_TRIALS and any(state == "PRUNED" for _, state, *_ in table), table
+    assert rank1["seen"] == rank0["seen"], "both ranks ran the same trials, evaluated as often"
+    for (number, state, params, values, _), (seen_params, evaluations) in zip(table, rank0["seen"]):
+        assert seen_params == params
+        assert len(values) == evaluations, f"trial {number}: {evaluations} evaluations, {len(values)} reports"
+        assert state == "PRUNED" or (state == "COMPLETE" and evaluations == MAX_STEPS // EVAL_STEPS), table
+        # steps are training examples seen: optimizer steps x per-device batch x data-parallel ranks
+        assert sorted(values) == [EVAL_STEPS * k * PER_DEVICE_BATCH * data_parallel
+                                  for k in range(1, len(values) + 1)]
+    assert rank1["best"] == rank0["best"], "every rank gets the best run"
+    complete = [(values[max(values)], number) for number, state, _, values, _ in table if state == "COMPLETE"]
+    assert rank0["best"].run_id == str(min(complete)[1])
 
 
 def test_sigkilled_rank_makes_the_survivor_raise_within_the_control_timeout(tiny_models, tmp_path):
@@ -306,7 +340,7 @@ def test_without_enable_the_prune_search_hangs(tiny_models, tmp_path):
             states = _states(db)
             if pruned_at is None and "PRUNED" in states:
                 pruned_at, after_prune = time.monotonic(), states
-            if pruned_at is not None and time.monotonic() - pruned_at > 5:
+            if pruned_at is not None and time.monotonic() - pruned_at > 4:
                 break
             assert all(p.poll() is None for p in procs), f"a rank exited (states {states}): no hang?"
             time.sleep(0.5)

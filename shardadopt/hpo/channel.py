@@ -146,11 +146,11 @@ class Channel:
         return pickle.loads(self.broadcast_bytes(src, data, table[src][2], op))
 
     def record_error(self, text: str) -> None:
-        """Leave this rank's error in the store, so peers can name it if the next round cannot complete."""
+        """Leave this rank's error in the store for the next round, so peers can name it if that round fails."""
         store = self._store()
         if store is not None:
             try:
-                store.set(f"error/{self.rank}", text[-4000:])
+                store.set(f"error/{self.rounds + 1}/{self.rank}", text[-4000:])
             except Exception:
                 pass
 
@@ -192,8 +192,8 @@ class Channel:
                         time.sleep(0.05)
                 missing = pending
                 for r in range(self.world):
-                    if r != self.rank and store.check([f"error/{r}"]):
-                        errors[r] = store.get(f"error/{r}").decode(errors="replace")
+                    if r != self.rank and store.check([f"error/{self.rounds}/{r}"]):
+                        errors[r] = store.get(f"error/{self.rounds}/{r}").decode(errors="replace")
             except Exception:
                 # The store lives with rank 0 (or the launcher's agent): unreachable means its host is gone too.
                 missing = [0] if self.rank != 0 else [r for r in range(1, self.world)]
