@@ -20,7 +20,8 @@ __version__ = "0.1.0.dev0"
 
 __all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm",
            "topology", "Topology", "TopologyError",
-           "split_param_groups", "split_param_groups_by_mesh", "AdoptionKwargs", "adopt_model"]
+           "split_param_groups", "split_param_groups_by_mesh", "AdoptionKwargs", "adopt_model",
+           "fix_tp_grad_accumulation"]
 
 _REGISTRY: Registry | None = None
 
@@ -35,6 +36,7 @@ _LAZY = {
     "split_param_groups_by_mesh": "shardadopt.optim",
     "AdoptionKwargs": "shardadopt.adopt",
     "adopt_model": "shardadopt.adopt",
+    "fix_tp_grad_accumulation": "shardadopt.tp",
 }
 
 

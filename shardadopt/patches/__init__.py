@@ -10,6 +10,7 @@ from shardadopt.patches import accelerate_adopt, accelerate_cpu_parallelism
 from shardadopt.patches import accelerate_checkpoint, trainer_checkpoint
 from shardadopt.patches import transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_sharding_sizes
 from shardadopt.patches import trainer_hpo_optuna
+from shardadopt.patches import transformers_tp_grad_accumulation
 from shardadopt.registry import Patch
 
 ALL_PATCHES: list[Patch] = [
@@ -21,4 +22,5 @@ ALL_PATCHES: list[Patch] = [
     accelerate_checkpoint.PATCH,
     trainer_checkpoint.PATCH,
     trainer_hpo_optuna.PATCH,
+    transformers_tp_grad_accumulation.PATCH,
 ]
