@@ -146,13 +146,8 @@ def _dp_owners(topo: Topology) -> list[int]:
 
 def _shard_target(loader: Any) -> Any:
     """The object of an accelerate-prepared loader that decides which samples this process gets."""
-    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 
-    if isinstance(loader, DataLoaderDispatcher):
-        raise AdoptionError(
-            "this dataloader was prepared with dispatch_batches=True: rank 0 slices every batch over all processes, "
-            "which cannot give the ranks of a tensor-parallel group the same batch. Create the Accelerator with "
-            "dataloader_config=DataLoaderConfiguration(dispatch_batches=False).")
     for candidate in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None),
                       getattr(loader, "dataset", None)):
         if isinstance(candidate, (BatchSamplerShard, IterableDatasetShard)):
@@ -167,6 +162,15 @@ def shard_dataloader(loader: Any, topo: Topology) -> Any:
     rank. A loader split another way is re-split in place; one that cannot be re-split raises
     :class:`AdoptionError` naming the fix.
     """
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    if isinstance(loader, DataLoaderDispatcher):
+        if topo.dp_size == topo.world_size:  # one slice per process is one per data-parallel rank
+            return loader
+        raise AdoptionError(
+            "this dataloader was prepared with dispatch_batches=True: rank 0 slices every batch over all processes, "
+            "which cannot give the ranks of a tensor-parallel group the same batch. Create the Accelerator with "
+            "dataloader_config=DataLoaderConfiguration(dispatch_batches=False).")
     target = _shard_target(loader)
     if target is None:
         if topo.world_size > 1 and topo.dp_size > 1 and getattr(loader, "_is_accelerate_prepared", False):
