@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.patches import ALL_PATCHES
 from shardadopt.selftest.accelerate import (compare_training, eval_rank, train_rank, train_reference)
 
 
@@ -40,18 +39,8 @@ def references(tiny_models):
     return get
 
 
-# transformers (5.15 and 5.24 alike) `ReplicatedWithGradAllReduce` (Qwen3 q_norm/k_norm under TP) all-reduces the
-# *accumulated* `param.grad` in a post-accumulate hook, so with gradient accumulation every earlier micro-step is
-# summed over the TP group again. Patch `transformers-tp-replicated-grad-accumulation` fixes it; until it is
-# registered this layout is a strict xfail.
-TP_ACCUM_PATCH = "transformers-tp-replicated-grad-accumulation"
-TP_ACCUM_BUG = pytest.mark.xfail(
-    not any(p.id == TP_ACCUM_PATCH for p in ALL_PATCHES), strict=True,
-    reason=f"upstream ReplicatedWithGradAllReduce re-reduces accumulated grads; fixed by patch {TP_ACCUM_PATCH}")
-
-
-@pytest.mark.parametrize("layout, order", [("fsdp", "together"), pytest.param("tp", "loader-first", marks=TP_ACCUM_BUG),
-                                           ("ep", "separate")])
+# TP on qwen3 with accumulation needs patch transformers-tp-replicated-grad-accumulation (q_norm/k_norm grads).
+@pytest.mark.parametrize("layout, order", [("fsdp", "together"), ("tp", "loader-first"), ("ep", "separate")])
 def test_training_matches_single_process(pool2, tiny_models, references, layout, order):
     model, sizes, dp = _layout(layout)
     results = pool2.run(train_rank, tiny_models[model], sizes, dp, order, timeout=300)

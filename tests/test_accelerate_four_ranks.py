@@ -14,23 +14,6 @@ from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
 
 pytestmark = pytest.mark.multiproc
 
-# transformers' `ReplicatedWithGradAllReduce` (Qwen3 q_norm/k_norm under TP) all-reduces the *accumulated* .grad in
-# a post-accumulate hook: with accumulation, earlier micro-steps are summed over the TP group again. Llama has no
-# such parameter, so only qwen3 waits for the fix.
-TP_ACCUM_PATCH = "transformers-tp-replicated-grad-accumulation"
-
-
-def _tp_accumulation_fixed() -> bool:
-    from shardadopt.patches import ALL_PATCHES
-
-    return any(p.id == TP_ACCUM_PATCH for p in ALL_PATCHES)
-
-
-TP_ACCUM_BUG = pytest.mark.xfail(
-    not _tp_accumulation_fixed(), strict=True,
-    reason=f"upstream ReplicatedWithGradAllReduce re-reduces accumulated grads; fixed by patch {TP_ACCUM_PATCH}")
-
-
 def _sizes(layout: str) -> tuple[dict, int]:
     try:
         return distributed_sizes(layout, world=4)
@@ -47,8 +30,9 @@ def _expected_topology(layout: str, rank: int) -> dict:
                 dp_rank=rank // 2, tp_size=2, tp_rank=rank % 2)
 
 
-@pytest.mark.parametrize("layout, model", [("hsdp", "llama"), ("2d", "llama"),
-                                           pytest.param("2d", "qwen3", marks=TP_ACCUM_BUG)])
+# 2-D qwen3 with accumulation needs patch transformers-tp-replicated-grad-accumulation (q_norm/k_norm grads);
+# llama has no such parameter.
+@pytest.mark.parametrize("layout, model", [("hsdp", "llama"), ("2d", "llama"), ("2d", "qwen3")])
 def test_four_ranks_match_single_process(request, tiny_models, layout, model):
     sizes, dp = _sizes(layout)
     pool = request.getfixturevalue("pool4")  # started only when a layout can load
