@@ -80,7 +80,7 @@ def _trainer_trials(model_path: str, out: str, n_trials: int, prune: bool) -> fl
     import optuna
     import torch
     from torch.utils.data import Dataset
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
 
     import shardadopt
 
@@ -103,6 +103,7 @@ def _trainer_trials(model_path: str, out: str, n_trials: int, prune: bool) -> fl
                              disable_tqdm=True)
     trainer = Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path), args=args,
                       train_dataset=Tokens(64), eval_dataset=Tokens(8, 1000))
+    trainer.remove_callback(PrinterCallback)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if prune else optuna.pruners.NopPruner()
     start = time.perf_counter()
     trainer.hyperparameter_search(

@@ -375,3 +375,40 @@ def test_world_size_above_one_without_torch_distributed_is_a_clear_error():
         run_hp_search_optuna(trainer, 2, "minimize")
     with pytest.raises(ValueError, match="report_unit"):
         run_hp_search_optuna(trainer, 2, "minimize", report_unit="tokens")
+
+
+def test_report_units():
+    from types import SimpleNamespace
+
+    from shardadopt.hpo.trainer_backend import _UNIT_ATTRIBUTE, report_step
+
+    trainer = SimpleNamespace(args=None, state=SimpleNamespace(epoch=2.9999),
+                              get_total_train_batch_size=lambda args: 12)
+    assert report_step(trainer, 5) == 60, "default: examples seen = optimizer steps x total train batch"
+    for unit, expected in (("steps", 5), ("epochs", 3), (lambda t: 7, 7), ("examples", 60)):
+        setattr(trainer, _UNIT_ATTRIBUTE, unit)
+        assert report_step(trainer, 5) == expected
+
+
+def test_single_process_search_takes_the_same_path(tiny_models, tmp_path):
+    """One process, no torch.distributed: the patched search still reports in examples and prunes."""
+    import optuna
+
+    import shardadopt
+    from shardadopt.hpo.trial import DistributedTrial
+
+    shardadopt.enable()
+    try:
+        recorder = _recorder()
+        storage = f"sqlite:///{tmp_path}/single.db"
+        trainer = _trainer(tiny_models["qwen3"], str(tmp_path), [recorder])
+        best = _search(trainer, storage=storage)
+        table = _table(storage)
+    finally:
+        shardadopt.disable()
+    assert isinstance(trainer._trial, DistributedTrial)
+    assert len(table) == N_TRIALS and any(state == "PRUNED" for _, state, *_ in table)
+    for (_, state, params, values, _), (seen_params, evaluations) in zip(table, recorder.trials):
+        assert seen_params == params and len(values) == evaluations
+        assert sorted(values) == [EVAL_STEPS * k * PER_DEVICE_BATCH for k in range(1, len(values) + 1)]
+    assert best.run_id == str(optuna.load_study(study_name="hpo", storage=storage).best_trial.number)

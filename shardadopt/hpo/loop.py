@@ -26,7 +26,7 @@ import optuna
 
 from shardadopt.hpo import errors, failures
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
-from shardadopt.hpo.errors import HPOControlError, PeerLostError
+from shardadopt.hpo.errors import PeerLostError
 from shardadopt.hpo.trial import COMPLETE, FAIL, PRUNED, DistributedTrial, Outcome, TrialInfo
 
 Objective = Callable[[DistributedTrial], Any]
