@@ -180,7 +180,7 @@ def _table(storage: str) -> list:
 
 
 def searches(model_path: str, out: str) -> dict:
-    """Prune, errors (caught and not), timeout, then prune with FSDP and TP model_init: one launch."""
+    """Prune, errors (caught and not), timeout, two objectives, then prune with FSDP and TP model_init."""
     import torch.distributed as dist
 
     import shardadopt
@@ -215,6 +215,13 @@ def searches(model_path: str, out: str) -> dict:
     start = time.monotonic()
     _search(_trainer(model_path, out, [Slow()]), storage=storage, n_trials=20, timeout=1.0)
     result["timeout"] = {"seconds": time.monotonic() - start, "table": _table(storage) if rank == 0 else None}
+    import optuna
+
+    multi = _trainer(model_path, out).hyperparameter_search(
+        backend="optuna", n_trials=2, direction=["minimize", "maximize"], hp_space=_space,
+        compute_objective=lambda metrics: (metrics["eval_loss"], -metrics["eval_loss"]),
+        sampler=optuna.samplers.RandomSampler(seed=0))
+    result["multi"] = sorted((run.run_id, tuple(run.objective)) for run in multi)
     result.update(sharded_searches(model_path, out))
     return result
 
@@ -293,6 +300,10 @@ def test_trainer_searches_prune_fail_timeout_and_sharded_model_init(tiny_models,
     assert 1 <= len(timeout["table"]) < 20
     per_trial = timeout["seconds"] / len(timeout["table"])
     assert all(r["result"]["timeout"]["seconds"] < 1.0 + 2 * per_trial + 2.0 for r in ranks)
+
+    # several objectives: no pruning (as upstream), the Pareto front on every rank
+    assert r0["multi"] == r1["multi"] and len(r0["multi"]) >= 1
+    assert all(len(values) == 2 for _, values in r0["multi"])
 
     # model_init shards while loading (FSDP, then TP): the same guarantees
     for layout in ("fsdp", "tp"):
