@@ -62,3 +62,13 @@ def test_four_ranks_match_single_process(request, tiny_models, layout, model):
     # accumulate(): FSDP2 modules reduce only on the final micro-step
     flags = results[0]["sync_flags"]
     assert flags == [False, True] * (len(flags) // 2), flags
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "2d"])
+def test_without_enable_upstream_fails(request, tiny_models, layout):
+    """The same loop without shardadopt: accelerate DDP-wraps the DTensor model (fails in prepare)."""
+    sizes, dp = _sizes(layout)
+    pool = request.getfixturevalue("pool4")
+    results = pool.run(train_rank, tiny_models["llama"], sizes, dp, "together", False, timeout=400)
+    for result in results:
+        assert "DTensor" in result.get("error", ""), result
