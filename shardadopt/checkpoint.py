@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["save", "load", "latest", "read_info", "is_complete", "is_sharded", "rank_local", "layout", "save_full",
-           "full_state_dict", "staged", "save_sharded_state", "load_sharded_state", "save_rng_state",
-           "load_rng_state", "check_compatible", "CheckpointInfo", "CheckpointError", "IncompleteCheckpointError",
-           "CheckpointMismatchError", "MARKER", "FORMAT"]
+           "full_state_dict", "staged", "save_sharded_state", "load_sharded_state",
+           "save_rng_state", "load_rng_state", "check_compatible", "CheckpointInfo", "CheckpointError",
+           "IncompleteCheckpointError", "CheckpointMismatchError", "MARKER", "FORMAT"]
 
 MARKER = "shardadopt_checkpoint.json"
 FORMAT = 1
@@ -525,17 +525,71 @@ def _full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu")
 
 
+def _pieces(tensor: Any) -> list[tuple[int, tuple[slice, ...]]] | None:
+    """For a DTensor laid out with ``Shard``/``Replicate`` only on a mesh that holds rank 0: (global rank, the box
+    of the global tensor it holds) for one holder of each distinct piece (coordinate 0 on replicated mesh dims),
+    empty pieces left out. ``None`` when the layout needs ``full_tensor`` (``Partial``, strided shards, ...)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    placements = tensor.placements
+    ranks = tensor.device_mesh.mesh
+    if not all(type(p) in (Shard, Replicate) for p in placements) or not (ranks == 0).any():
+        return None
+    out = []
+    for coordinate in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape]).reshape(-1, ranks.dim()).tolist():
+        if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coordinate)):
+            continue
+        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, ranks.shape, coordinate, placements)
+        if all(n > 0 for n in shape):
+            out.append((int(ranks[tuple(coordinate)]), tuple(slice(o, o + n) for o, n in zip(offset, shape))))
+    return out
+
+
+def _gather_to_root(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The full tensor on CPU on global rank 0, ``None`` elsewhere; a collective in the same order on every rank.
+
+    ``DTensor.full_tensor()`` all-gathers the whole tensor to every rank (plus the collective's own buffers). Here
+    rank 0 preallocates the full tensor once and receives each other holder's local piece straight into its place
+    (point-to-point), so the other ranks allocate nothing and rank 0 holds one full parameter.
+    """
+    rank = _world()[1]
+    if not _is_dtensor(tensor):
+        return tensor.detach().to("cpu") if rank == 0 else None
+    pieces = _pieces(tensor)
+    if pieces is None:
+        value = _full_value(tensor)
+        return value if rank == 0 else None
+    local = tensor.to_local().detach()
+    if rank != 0:
+        if any(source == rank for source, _ in pieces):
+            dist.send(local.contiguous(), dst=0)
+        return None
+    full_value = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    for source, box in pieces:
+        target = full_value[box]
+        if source == 0:
+            target.copy_(local)
+        elif target.is_contiguous() and local.device.type == "cpu":
+            dist.recv(target, src=source)
+        else:  # a non-contiguous box (a Shard(1) piece) or a device tensor: through one piece-sized buffer
+            buffer = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+            dist.recv(buffer, src=source)
+            target.copy_(buffer)
+            del buffer
+    return full_value
+
+
 def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """Full (unsharded) CPU tensors of ``model``'s state, gathered one parameter at a time.
 
-    A collective. With ``rank0_only`` the other ranks return ``{}`` and drop each tensor right after gathering it,
-    so only rank 0 ever holds the whole model.
+    A collective. With ``rank0_only`` the other ranks return ``{}``: each tensor is gathered to rank 0 only (see
+    :func:`save_full`), so no other rank allocates anything and only rank 0 ever holds the whole model.
     """
-    keep = not rank0_only or _world()[1] == 0
     out = {}
     for name, tensor in model.state_dict().items():
-        value = _full_value(tensor)
-        if keep:
+        value = _gather_to_root(tensor) if rank0_only else _full_value(tensor)
+        if value is not None:
             out[name] = value
     return out
 
@@ -563,9 +617,10 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
               original_format: bool = True, write_config: bool = True) -> list[str]:
     """Write ``model``'s full weights as safetensors that a plain single-process ``from_pretrained`` loads.
 
-    A collective over the model's ranks. Parameters are gathered one at a time and streamed by rank 0 into
-    pre-planned safetensors files (the headers are written from the global shapes before any data), so no rank
-    holds more than its own shard plus one full parameter. With ``original_format`` the names and layout are
+    A collective over the model's ranks. Parameters are gathered one at a time to rank 0 only (into one
+    preallocated tensor, point-to-point from the holders of each piece) and streamed into pre-planned safetensors
+    files (the headers are written from the global shapes before any data), so rank 0 holds its own shard plus one
+    full parameter and the other ranks nothing beyond their shards. With ``original_format`` the names and layout are
     converted back to the format transformers saves (e.g. fused MoE experts split per expert). Writes
     ``config.json`` (and ``generation_config.json``) with ``write_config``. Returns the weight files written
     (on rank 0; ``[]`` elsewhere).
@@ -611,7 +666,7 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
                 _write_safetensors_header(f, [o for i in members for o in plan[i]])
             for i in members:
                 name, tensor = entries[i]
-                value = _full_value(tensor)  # every rank takes part in the gather
+                value = _gather_to_root(tensor)  # every rank takes part; only rank 0 receives the full tensor
                 if rank == 0:
                     for (out_name, dtype, shape, _), (got_name, out) in zip(plan[i], revert(name, value).items()):
                         if (got_name, out.dtype, tuple(out.shape)) != (out_name, dtype, shape):

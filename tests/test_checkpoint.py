@@ -213,3 +213,34 @@ def test_save_full_refuses_rank_local_shards(tiny_models, uninterrupted, fresh_p
         pytest.skip("this transformers release shards TP with DTensors (exported in test_full_export_*)")
     errors = fresh_pool.run(save_full_error, tiny_models["llama"], {"tp_size": 2}, str(tmp_path / "x"))
     assert all(e and "plain per-rank shards" in e for e in errors), errors
+
+
+def gather_layouts() -> dict[str, bool]:
+    """Each hand-built layout gathered to rank 0 (point-to-point, or the full_tensor fallback) equals the source."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    from shardadopt.checkpoint import _gather_to_root
+
+    line, grid = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
+    flat = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    source = torch.arange(5 * 7, dtype=torch.float32).reshape(5, 7)  # odd sizes: uneven shards
+    layouts = {"shard0-uneven": (line, [Shard(0)]), "shard1": (line, [Shard(1)]), "replicate": (line, [Replicate()]),
+               "2d-shard-replicate": (grid, [Shard(1), Replicate()]), "2d-replicate-shard": (flat, [Replicate(),
+                                                                                                    Shard(0)]),
+               "1-row": (line, [Shard(0)])}
+    out = {}
+    for name, (mesh, placements) in layouts.items():
+        tensor = source[:1] if name == "1-row" else source  # rank 1 holds an empty piece
+        value = _gather_to_root(distribute_tensor(tensor, mesh, placements))
+        out[name] = torch.equal(value, tensor) if dist.get_rank() == 0 else value is None
+    partial = DTensor.from_local(source * 0.5, line, [Partial()])  # halves on each rank, summing exactly
+    value = _gather_to_root(partial)  # Partial needs a reduction: full_tensor fallback
+    out["partial"] = torch.equal(value, source) if dist.get_rank() == 0 else value is None
+    return out
+
+
+def test_gather_to_rank0_covers_placements(fresh_pool):
+    for rank, result in enumerate(fresh_pool.run(gather_layouts, timeout=60)):
+        assert all(result.values()), (rank, result)

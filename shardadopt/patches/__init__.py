@@ -7,7 +7,7 @@ optuna at module level: the registry applies it when those are imported.
 from __future__ import annotations
 
 from shardadopt.patches import accelerate_adopt, accelerate_cpu_parallelism
-from shardadopt.patches import accelerate_checkpoint, trainer_checkpoint
+from shardadopt.patches import accelerate_checkpoint, trainer_adopt, trainer_checkpoint
 from shardadopt.patches import transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_sharding_sizes
 from shardadopt.patches import trainer_hpo_optuna
 from shardadopt.patches import transformers_tp_grad_accumulation
@@ -20,6 +20,7 @@ ALL_PATCHES: list[Patch] = [
     accelerate_cpu_parallelism.PATCH,
     accelerate_adopt.PATCH,
     accelerate_checkpoint.PATCH,
+    trainer_adopt.PATCH,
     trainer_checkpoint.PATCH,
     trainer_hpo_optuna.PATCH,
     transformers_tp_grad_accumulation.PATCH,
