@@ -26,8 +26,8 @@ pytestmark = pytest.mark.multiproc
 
 HERE = Path(__file__).resolve().parent
 N_TRIALS = 6
-MAX_STEPS = 4
-EVAL_STEPS = 2
+MAX_STEPS = 2
+EVAL_STEPS = 1
 PER_DEVICE_BATCH = 2
 QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
          "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -262,7 +262,7 @@ def killed(model_path: str, out: str, control_timeout: float) -> None:
             self.trial += 1
 
         def on_step_end(self, args, state, control, **kwargs):
-            if dist.get_rank() == 1 and self.trial == 0 and state.global_step == 3:
+            if dist.get_rank() == 1 and self.trial == 0 and state.global_step == 1:
                 Path(out, "killed_at").write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
 
