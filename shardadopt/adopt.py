@@ -43,13 +43,14 @@ class AdoptionKwargs(KwargsHandler):
     """How ``Accelerator`` adopts sharded models: pass in ``Accelerator(kwargs_handlers=[AdoptionKwargs(...)])``.
 
     ``topology``: explicit sizes for layouts the model cannot tell (``{"dp_replicate": .., "dp_shard": ..,
-    "tp": .., "ep": ..}``; see :func:`shardadopt.topology`). ``checkpoint``: options for the sharded checkpoint
-    path (``shardadopt.checkpoint``), read by its accelerate patch. ``split_optimizer``: make foreach/fused
-    optimizers step on homogeneous param groups (default on).
+    "tp": .., "ep": ..}``; see :func:`shardadopt.topology`). ``reshard_checkpoints``: whether ``load_state`` may
+    load a checkpoint saved with another layout or world size, resharding weights and optimizer state through
+    DCP (default on; off refuses it with ``shardadopt.checkpoint.CheckpointMismatchError``). ``split_optimizer``:
+    make foreach/fused optimizers step on homogeneous param groups (default on).
     """
 
     topology: dict[str, int] | None = None
-    checkpoint: dict[str, Any] = field(default_factory=dict)
+    reshard_checkpoints: bool = True
     split_optimizer: bool = True
 
 

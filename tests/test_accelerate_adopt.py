@@ -153,7 +153,7 @@ def adopt_worker(case: str, patched: bool = True) -> dict:
     try:
         handlers, config, layout = [], {}, case
         if case == "ambiguous-override":
-            handlers, layout = [AdoptionKwargs(topology={"tp": 2}, checkpoint={"async_save": False})], "ambiguous"
+            handlers, layout = [AdoptionKwargs(topology={"tp": 2}, reshard_checkpoints=False)], "ambiguous"
         elif case == "tp-no-split":
             handlers, layout = [AdoptionKwargs(split_optimizer=False)], "tp"
         elif case.endswith("-dispatch"):
@@ -204,15 +204,15 @@ def test_adoption_kwargs_defaults_need_no_configuration():
 
     assert shardadopt.AdoptionKwargs is AdoptionKwargs
     defaults = AdoptionKwargs()
-    assert (defaults.topology, defaults.checkpoint, defaults.split_optimizer) == (None, {}, True)
+    assert (defaults.topology, defaults.reshard_checkpoints, defaults.split_optimizer) == (None, True, True)
     assert defaults.to_kwargs() == {}, "defaults are what KwargsHandler.to_kwargs() leaves out"
     shardadopt.enable()
     try:
         assert adoption_kwargs(fresh_accelerator(cpu=True)) == defaults
-        handler = AdoptionKwargs(topology={"tp": 2}, checkpoint={"async_save": False})
+        handler = AdoptionKwargs(topology={"tp": 2}, reshard_checkpoints=False)
         accelerator = fresh_accelerator(cpu=True, kwargs_handlers=[handler])
         assert adoption_kwargs(accelerator) is handler
-        assert handler.to_kwargs() == {"topology": {"tp": 2}, "checkpoint": {"async_save": False}}
+        assert handler.to_kwargs() == {"topology": {"tp": 2}, "reshard_checkpoints": False}
         with pytest.raises(ValueError, match="only pass one shardadopt.AdoptionKwargs"):
             fresh_accelerator(cpu=True, kwargs_handlers=[handler, AdoptionKwargs()])
     finally:
@@ -225,7 +225,7 @@ def test_adoption_kwargs_topology_override_reaches_topology(pool2):
     for rank, result in enumerate(pool2.run(adopt_worker, "ambiguous-override")):
         assert "error" not in result, result
         assert result["source"] == "override" and result["tp"] == (2, rank) and result["dp"] == (1, 0)
-        assert result["kwargs"].checkpoint == {"async_save": False}
+        assert result["kwargs"].reshard_checkpoints is False
         assert result["rows"] == [4 * i for i in range(16)], "a TP group sees the whole dataset, in order"
 
 

@@ -156,7 +156,9 @@ def load_sharded_state(accelerator: Any, input_dir: str | None = None, load_kwar
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
     info = checkpoint.read_info(input_dir)  # refuses a partial checkpoint
     models = [_unwrapped(m) for m in accelerator._models]
-    resharded = checkpoint.check_compatible(info, models, reshard=True)
+    from shardadopt.adopt import adoption_kwargs
+
+    resharded = checkpoint.check_compatible(info, models, reshard=adoption_kwargs(accelerator).reshard_checkpoints)
     for hook in accelerator._load_model_state_pre_hook.values():
         hook(accelerator._models, input_dir)
     checkpoint.load_sharded_state(input_dir, models, _torch_optimizers(accelerator))
