@@ -69,9 +69,16 @@ def control_group(timeout: float) -> Any:
     key = (id(dist.group.WORLD), timeout)
     with _GROUPS_LOCK:
         group = _GROUPS.get(key)
-        if group is None:
+        if group is None or not _alive(group):  # a re-initialised world may reuse a destroyed group's id
             group = _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         return group
+
+
+def _alive(group: Any) -> bool:
+    try:
+        return group in dist.distributed_c10d._world.pg_map
+    except AttributeError:  # private registry renamed: trust the cache
+        return True
 
 
 class Channel:
