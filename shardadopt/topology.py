@@ -5,8 +5,10 @@
 1. an explicit ``override`` (sizes; ranks laid out row-major over ``(dp_replicate, dp_shard, tp)`` like
    ``init_device_mesh`` does), for layouts nothing below can tell apart;
 2. a model that transformers sharded while loading (``from_pretrained(..., distributed_config=...)``): its
-   ``config.distributed_config`` sizes and its device meshes (``model._mesh_manager`` from transformers 5.17,
-   ``model._device_mesh`` before);
+   ``config.distributed_config`` sizes and its device meshes (``model._mesh_manager``, a dense and an expert mesh,
+   from transformers 5.18; ``model._device_mesh``, one 1-D mesh, before). The dense mesh's dims are named
+   ``(pp, fsdp, tp)`` up to 5.20 and ``(pp, dp_replicate, fsdp, tp)`` later, so dims are looked up by name and a
+   missing one must be of size 1;
 3. a model sharded by hand (``fully_shard`` / ``parallelize_module``): the meshes of ``FSDPModule`` parameter
    groups (their shard / replicate dims are the data-parallel dims) and of the other DTensor parameters (their
    remaining dims are tensor parallel);
@@ -180,13 +182,14 @@ def _from_transformers(model: nn.Module, config: Any) -> Topology:
                    "the world size")
     manager = getattr(model, "_mesh_manager", None)
     meshes = list(_param_meshes(model))
-    if manager is not None:  # transformers >= 5.17: dense (pp, dp_replicate, fsdp, tp), expert (.., efsdp, ep)
+    if manager is not None:  # transformers >= 5.18: dense (pp, [dp_replicate,] fsdp, tp), expert (.., efsdp, ep)
         dense, expert = manager._dense_mesh, manager._expert_mesh
         _check_covers(dense, world, "the model's device mesh")
-        ranks = {name: dense.get_local_rank(name) for name in ("dp_replicate", "fsdp", "tp")}
-        ranks["ep"] = expert.get_local_rank("ep")
+        ranks = {name: _named_rank(dense, name, size)
+                 for name, size in (("dp_replicate", replicate), ("fsdp", fsdp), ("tp", tp))}
+        ranks["ep"] = _named_rank(expert, "ep", ep)
         meshes[:0] = [dense, expert]
-    else:  # transformers 5.15/5.16: one 1-D mesh, tp or fsdp (never both)
+    else:  # transformers 5.15 .. 5.17: one 1-D mesh, tp or fsdp (never both)
         mesh = model._device_mesh
         _check_covers(mesh, world, "the model's device mesh")
         local = mesh.get_local_rank(mesh.ndim - 1) if tp > 1 else 0
@@ -196,6 +199,24 @@ def _from_transformers(model: nn.Module, config: Any) -> Topology:
     return Topology("transformers", world, rank, replicate, ranks["dp_replicate"], fsdp, ranks["fsdp"], tp,
                     ranks["tp"], ep, ranks["ep"], meshes=_distinct(meshes),
                     _plain_counts=_plain_shard_counts(model, world))
+
+
+def _named_rank(mesh: Any, name: str, size: int) -> int:
+    """This rank's coordinate along the mesh dim called ``name``, which the DistributedConfig sizes ``size``. A
+    release whose mesh has no such dim (no ``dp_replicate`` before 5.21) can only mean size 1."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if name in names:
+        found = mesh.size(names.index(name))
+        if found != size:
+            raise TopologyError(f"the model's device mesh {names} has {name}={found}, but its DistributedConfig says "
+                                f"{name} size {size}; pass an explicit topology override "
+                                f"(shardadopt.AdoptionKwargs(topology=...)).")
+        return mesh.get_local_rank(name)
+    if size > 1:
+        raise TopologyError(f"the model's DistributedConfig asks for {name} size {size}, but its device mesh has no "
+                            f"{name!r} dim (dims {names}); this transformers cannot load that layout: load with "
+                            f"{name} size 1 or pass an explicit topology override.")
+    return 0
 
 
 def _plain_shard_counts(model: nn.Module, world: int) -> dict[int, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
 from shardadopt.topology import Topology, TopologyError, topology
 
 
@@ -40,12 +41,14 @@ def transformers_topology(path: str, sizes: dict) -> dict:
     return {"summary": _summary(t), "counts": counts, "observed": observed}
 
 
-def _expected_2rank(kind: str, new: bool) -> dict:
+def _expected_2rank(kind: str, sizes: dict) -> dict:
     if kind == "fsdp":
         return dict(dp_shard_size=2, tp_size=1, ep_size=1)
     if kind == "tp":
         return dict(dp_shard_size=1, tp_size=2, ep_size=1)
-    return dict(dp_shard_size=2, tp_size=1, ep_size=2) if new else dict(dp_shard_size=1, tp_size=2, ep_size=2)
+    # EP is ep_size x fsdp_size where DistributedConfig has ep_size, else EP on the TP mesh
+    return dict(dp_shard_size=2, tp_size=1, ep_size=2) if "ep_size" in sizes else dict(dp_shard_size=1, tp_size=2,
+                                                                                          ep_size=2)
 
 
 def _transformers_new() -> bool:
@@ -58,10 +61,9 @@ def _transformers_new() -> bool:
 @pytest.mark.parametrize("kind, model", [("fsdp", "llama"), ("tp", "qwen3"), ("ep", "qwen3moe")])
 def test_transformers_loaded_two_ranks(pool2, tiny_models, kind, model):
     new = _transformers_new()
-    sizes = {"fsdp": {"fsdp_size": 2}, "tp": {"tp_size": 2},
-             "ep": {"ep_size": 2, "fsdp_size": 2} if new else {"tp_size": 2, "enable_expert_parallel": True}}[kind]
+    sizes, _ = distributed_sizes(kind, 2)
     results = pool2.run(transformers_topology, tiny_models[model], sizes)
-    expected = _expected_2rank(kind, new)
+    expected = _expected_2rank(kind, sizes)
     for rank, result in enumerate(results):
         summary = result["summary"]
         assert summary["source"] == "transformers" and summary["world_size"] == 2
@@ -75,6 +77,31 @@ def test_transformers_loaded_two_ranks(pool2, tiny_models, kind, model):
     if not new and kind in ("tp", "ep"):
         # transformers 5.15 keeps shards as plain tensors: some must be counted as held by one rank only
         assert 1 in results[0]["counts"].values()
+
+
+@pytest.mark.parametrize("layout, model", [("2d", "llama"), ("hsdp", "qwen3")])
+def test_transformers_loaded_four_ranks(pool4, tiny_models, layout, model):
+    """fsdp x tp and dp_replicate x fsdp: ranks laid out row-major over (dp_replicate, fsdp, tp), whatever dims the
+    installed transformers names its mesh with (no dp_replicate dim on 5.18 .. 5.20)."""
+    try:
+        sizes, _ = distributed_sizes(layout, 4)
+    except LayoutUnsupported as exc:
+        pytest.skip(f"transformers {transformers_version()} cannot load this layout: {exc}")
+    results = pool4.run(transformers_topology, tiny_models[model], sizes)
+    replicate, shard, tp = sizes.get("dp_replicate_size", 1), sizes.get("fsdp_size", 1), sizes.get("tp_size", 1)
+    for rank, result in enumerate(results):
+        summary = result["summary"]
+        assert summary["source"] == "transformers" and summary["world_size"] == 4
+        assert (summary["dp_replicate_size"], summary["dp_shard_size"], summary["tp_size"]) == (replicate, shard, tp)
+        assert summary["tp_rank"] == rank % tp
+        assert summary["dp_rank"] == rank // tp  # dp_replicate_rank * dp_shard_size + dp_shard_rank
+        assert result["counts"] == result["observed"], (result["counts"], result["observed"])
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def hand_sharded(layout: str, override=None):
