@@ -23,6 +23,7 @@ from shardadopt.selftest.trainer import distributed_sizes, full_grads
 SIZES = "transformers-sharding-sizes"
 SENTINEL = "transformers-ep-grouped-mm-sentinel"
 ROUTER = "transformers-ep-router-grad"
+ROUTER_POST_FORWARD = "transformers-ep-router-grad-post-forward"  # the same fix in the 5.16 code layout
 PER_RANK_BATCH = 2
 SEED = 7
 
@@ -134,7 +135,7 @@ def patch_states() -> dict[str, str]:
                    "transformers.integrations.tensor_parallel"):
         importlib.import_module(module)
     try:
-        return {s.id: s.state for s in shardadopt.enable(only=[SIZES, SENTINEL, ROUTER])}
+        return {s.id: s.state for s in shardadopt.enable(only=[SIZES, SENTINEL, ROUTER, ROUTER_POST_FORWARD])}
     finally:
         shardadopt.disable()
 
@@ -142,7 +143,11 @@ def patch_states() -> dict[str, str]:
 def test_probes_follow_upstream():
     """Needed on 5.15 / 5.16 (F1 through 5.17), not-needed (nothing touched) where upstream has the fix."""
     states = patch_states()
-    assert states[SENTINEL] == states[ROUTER] == (APPLIED if OLD_EP else NOT_NEEDED), states
+    assert states[SENTINEL] == (APPLIED if OLD_EP else NOT_NEEDED), states
+    # 5.15 masks in RouterParallel._prepare_output_fn, 5.16 in EpRouterParallel.transform_output_post_forward
+    router_516 = Version("5.16") <= TRANSFORMERS < Version("5.17")
+    assert states[ROUTER] == (APPLIED if OLD_EP and not router_516 else NOT_NEEDED), states
+    assert states[ROUTER_POST_FORWARD] == (APPLIED if router_516 else NOT_NEEDED), states
     fixed_f1 = TRANSFORMERS >= Version("5.18")
     assert states[SIZES] == (NOT_NEEDED if fixed_f1 else APPLIED), states
 
@@ -150,7 +155,7 @@ def test_probes_follow_upstream():
 def test_plain_model_is_untouched(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    shardadopt.enable(only=[SIZES, SENTINEL, ROUTER])
+    shardadopt.enable(only=[SIZES, SENTINEL, ROUTER, ROUTER_POST_FORWARD])
     try:
         model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"], dtype=torch.float32)
     finally:
@@ -180,9 +185,10 @@ def test_ep_gradients_match_single_process(pool2, tiny_models, ep_reference):
 
 
 def test_ep_router_gradient_wrong_without_patch(pool2, tiny_models, ep_reference):
-    if patch_states()[ROUTER] != APPLIED:
+    states = patch_states()
+    if APPLIED not in (states[ROUTER], states[ROUTER_POST_FORWARD]):
         pytest.skip(f"transformers {TRANSFORMERS} sums the router-score gradient itself (probe: not-needed)")
-    results = pool2.run(ep_gradients, tiny_models, [ROUTER], False)
+    results = pool2.run(ep_gradients, tiny_models, [ROUTER, ROUTER_POST_FORWARD], False)
     bad = mismatched(results[0], ep_reference)
     assert "model.layers.0.mlp.gate.weight" in bad, bad
     assert any(not torch.equal(results[0][n], results[1][n]) for n in bad if ".experts." not in n), \

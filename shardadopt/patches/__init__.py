@@ -24,4 +24,5 @@ ALL_PATCHES: list[Patch] = [
     trainer_checkpoint.PATCH,
     trainer_hpo_optuna.PATCH,
     transformers_tp_grad_accumulation.PATCH,
+    transformers_ep_router_grad.PATCH_POST_FORWARD,
 ]

@@ -17,8 +17,9 @@ happens again for ``model_init`` in ``train()``. And ``_prepare_for_training`` b
 from ``model.parameters()`` as they are at that moment: after any forward before training (``trainer.evaluate()``
 before ``train()``), the FSDP2 groups built with ``reshard_after_forward=False`` (the final norm and LM head) still
 expose their *unsharded* plain parameters, so the optimizer steps copies that FSDP throws away and those weights
-silently never train. 5.19+ set ``place_model_on_device = False`` and call ``module.reshard()`` on every FSDP2
-module before ``create_optimizer`` for ``is_distributed_loading_by_transformers`` models. 5.15's tensor
+silently never train. 5.19 sets ``place_model_on_device = False`` for ``is_distributed_loading_by_transformers``
+models; later releases (5.24 has it, 5.20 not yet) also call ``module.reshard()`` on every FSDP2 module before
+``create_optimizer``. 5.15's tensor
 parallelism also leaves row-parallel shards as plain non-contiguous views, which torch's fused CPU AdamW
 (``optim="adamw_torch_fused"``) mis-updates (5.19+ shard TP with DTensors).
 
@@ -72,11 +73,14 @@ def probe() -> Probe:
     training = inspect.getsource(Trainer._inner_training_loop)
     if hasattr(Trainer, "_prepare_for_training"):
         training += inspect.getsource(Trainer._prepare_for_training)
-    if "is_distributed_loading_by_transformers" in init and ".reshard()" in training:
+    in_place, reshards = "is_distributed_loading_by_transformers" in init, ".reshard()" in training
+    if in_place and reshards:
         return Probe(False, "Trainer keeps load-time-sharded models in place and reshards them before building the "
                             "optimizer")
-    return Probe(True, "Trainer moves load-time-sharded models with .to() and builds the optimizer from whatever "
-                       "parameters FSDP2 exposes (unsharded ones after an evaluate() before train())")
+    # 5.19 .. 5.20 already keep the model in place but still build the optimizer without resharding.
+    moves = "" if in_place else "moves load-time-sharded models with .to() and "
+    return Probe(True, f"Trainer {moves}builds the optimizer from whatever parameters FSDP2 exposes (unsharded ones "
+                       "after an evaluate() before train())")
 
 
 PATCH = Patch(

@@ -17,6 +17,17 @@ records::
 
 The wrapper applies :func:`shardadopt.moe.sum_router_score_grad` to the scores before upstream's hook masks them.
 Routers are hooked when the model is loaded, so enable shardadopt before ``from_pretrained``.
+
+transformers 5.16 moved the hook into ``transformers/distributed/tensor_parallel.py``: ``RouterParallel`` became an
+alias of ``EpRouterParallel``, whose ``transform_output_post_forward`` (called through ``self`` from the module's
+installed forward) masks the same way, still without the sum::
+
+    router_logits, router_scores, router_indices, *extra_outputs = output
+    non_local_mask = (router_indices // num_local_experts) != ep_rank
+    router_scores = router_scores.masked_fill(non_local_mask, 0.0)
+
+That layout is a second patch, ``transformers-ep-router-grad-post-forward`` (``PATCH_POST_FORWARD``), with its own
+upstream diff; each probe says ``not-needed`` on the layout it does not target.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ MODULE = "transformers.integrations.tensor_parallel"
 class _ProbeMesh:
     """Rank 0 of a 2-rank EP mesh, enough for the router hook's forward (which communicates nothing)."""
 
+    ndim = 1  # 5.17's hook picks its group by the mesh's dimensionality
+
     def get_local_rank(self) -> int:
         return 0
 
@@ -42,20 +55,42 @@ class _ProbeMesh:
 
 
 def probe() -> Probe:
-    import torch
     from transformers.integrations import tensor_parallel
 
     router = getattr(tensor_parallel, "RouterParallel", None)
     if router is None:
-        return Probe(False, "upstream no longer masks router scores per rank: expert parallelism dispatches tokens "
-                            "with all-to-all and applies the routing weights on the sending rank")
+        return Probe(False, _NO_ROUTER)
+    if not hasattr(router, "_prepare_output_fn"):
+        return Probe(False, "RouterParallel has no _prepare_output_fn (transformers >= 5.16 masks in EpRouterParallel."
+                            "transform_output_post_forward: see transformers-ep-router-grad-post-forward)")
+    return _probe_hook(lambda module, outputs, mesh: router()._prepare_output_fn(module, outputs, mesh))
+
+
+def probe_post_forward() -> Probe:
+    from transformers.integrations import tensor_parallel
+
+    router = getattr(tensor_parallel, "EpRouterParallel", None)
+    if router is None:
+        if getattr(tensor_parallel, "RouterParallel", None) is not None:
+            return Probe(False, "transformers < 5.16 masks in RouterParallel._prepare_output_fn: see "
+                                "transformers-ep-router-grad")
+        return Probe(False, _NO_ROUTER)
+    return _probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
+
+
+_NO_ROUTER = ("upstream no longer masks router scores per rank: expert parallelism dispatches tokens with all-to-all "
+              "and applies the routing weights on the sending rank")
+
+
+def _probe_hook(hook) -> Probe:
+    import torch
+
     # Run the hook's forward on a 2-rank layout and look at the autograd graph it records between the mask and the
     # scores: the upstream fix puts a gradient all-reduce there.
     scores = torch.rand(3, 2, requires_grad=True)
     indices = torch.tensor([[0, 3], [1, 2], [3, 0]])
     with torch.enable_grad():
-        outputs = router()._prepare_output_fn(SimpleNamespace(num_experts=4), (scores, scores, indices),
-                                              _ProbeMesh())
+        outputs = hook(SimpleNamespace(num_experts=4), (scores, scores, indices), _ProbeMesh())
     names, frontier = [], [outputs[1].grad_fn]
     while frontier:
         node = frontier.pop()
@@ -84,4 +119,25 @@ PATCH = Patch(
     requires={"transformers": ">=5.15,<5.25"},
     wrappers={Target(MODULE, "RouterParallel._prepare_output_fn"): _prepare_output_fn},
     probe=probe,
+)
+
+
+def _transform_output_post_forward(wrapped, instance, args, kwargs):
+    from shardadopt.moe import sum_router_score_grad
+
+    module, output, mesh = args
+    router_logits, router_scores, *rest = output
+    return wrapped(module, (router_logits, sum_router_score_grad(router_scores, mesh), *rest), mesh, **kwargs)
+
+
+PATCH_POST_FORWARD = Patch(
+    id="transformers-ep-router-grad-post-forward",
+    summary="expert-parallel router (transformers 5.16 layout): sum the routing-score gradient over the EP group "
+            "before the non-local mask",
+    upstream="huggingface/transformers#48205",
+    requires={"transformers": ">=5.15,<5.25"},
+    # The 5.16 shim module re-exports the class object itself, so wrapping it there wraps it everywhere; 5.15 has
+    # this module too (without EpRouterParallel), so the patch never waits for a module that does not exist.
+    wrappers={Target(MODULE, "EpRouterParallel.transform_output_post_forward"): _transform_output_post_forward},
+    probe=probe_post_forward,
 )
