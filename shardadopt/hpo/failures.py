@@ -36,8 +36,20 @@ class PreemptedError(RuntimeError):
     """The worker was told to stop (SIGTERM) or its trial's heartbeat went stale (retried once)."""
 
 
+_KIND_OF_EXCEPTION = "shardadopt_failure_kind"  # an exception attribute; survives pickling to other ranks
+
+
+def mark(exc: BaseException, kind: str) -> BaseException:
+    """Tag ``exc`` with a failure kind decided where the context was known (e.g. before training started)."""
+    setattr(exc, _KIND_OF_EXCEPTION, kind)
+    return exc
+
+
 def classify(exc: BaseException, *, before_training: bool = False) -> str:
     """The failure kind of ``exc``. ``before_training``: raised while building the config/model for a trial."""
+    marked = getattr(exc, _KIND_OF_EXCEPTION, None)
+    if marked in KINDS:
+        return marked
     names = {cls.__name__ for cls in type(exc).__mro__}
     message = str(exc).lower()
     if isinstance(exc, InvalidConfigError):

@@ -14,19 +14,36 @@ ends, for whatever reason, it sends STOP, carrying the error when it ended with 
   the current trial;
 - a dead or stuck peer raises ``PeerLostError`` naming it on the survivors, within the control timeout, and stops
   the study (the process group cannot be trusted any more).
+
+Durable, multi-job studies: pass ``storage=`` (a URL or an Optuna storage) and ``study_name=`` instead of a study,
+and any number of torchrun jobs attach to the same study as workers (rank 0 of each job alone talks to storage;
+a bad URL raises ``StorageError`` on every rank before any training). On every trial rank 0 records the failure
+kind of a FAIL (``nan_loss`` for a non-finite objective, ``config_error``, ``preempted`` on SIGTERM, ...), the
+reproducibility attributes (search-space version, git SHA, library versions, world size and topology, data
+snapshot) and ``params_hash``, and keeps a heartbeat while the trial runs (persistent storages), so
+``shardadopt hpo requeue`` can fail dead trials and retry them once; ``trial_checkpoint_dir(trial, root)`` keys
+checkpoints by the parameters so the retry resumes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable, Iterable
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
+from optuna.storages import InMemoryStorage
 
-from shardadopt.hpo import errors, failures
+from shardadopt.hpo import errors, failures, preempt
+from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
+from shardadopt.hpo.durability import TrialHeartbeat
 from shardadopt.hpo.errors import PeerLostError
+from shardadopt.hpo.provenance import ATTR_PARAMS_HASH, check_space_version, params_hash, reproducibility_attrs, space_version
 from shardadopt.hpo.trial import COMPLETE, FAIL, PRUNED, DistributedTrial, Outcome, TrialInfo
 
 Objective = Callable[[DistributedTrial], Any]
@@ -35,37 +52,101 @@ Objective = Callable[[DistributedTrial], Any]
 ATTR_RANK = "failure_rank"
 
 _START, _STOP = "start", "stop"
+DEFAULT_HEARTBEAT_INTERVAL = 30.0  # seconds between a running trial's heartbeats (requeue's grace: 180 s)
+_PROGRESS_BAR_TRIALS = 20  # studies at least this long show optuna's progress bar on rank 0 (on a terminal)
+
+
+@dataclass
+class Durable:
+    """What rank 0 records on every trial and how it keeps a running trial visibly alive."""
+
+    attrs: dict[str, Any]
+    heartbeat_interval: float | None
 
 
 def optimize(study: optuna.Study | Callable[[], optuna.Study] | None, objective: Objective,
              n_trials: int | None = None, timeout: float | None = None, n_jobs: int = 1,
              catch: Iterable[type[Exception]] | type[Exception] = (),
              callbacks: Iterable[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] | None = None,
-             gc_after_trial: bool = False, show_progress_bar: bool = False, *, group: Any = None,
-             control_timeout: float | None = None) -> optuna.Study | None:
+             gc_after_trial: bool = False, show_progress_bar: bool | None = None, *, group: Any = None,
+             control_timeout: float | None = None, storage: Any = None, study_name: str | None = None,
+             load_if_exists: bool = True, direction: str | None = None, directions: Sequence[str] | None = None,
+             sampler: optuna.samplers.BaseSampler | None = None, pruner: optuna.pruners.BasePruner | None = None,
+             output_dir: str | None = None, hp_space: Callable[..., Any] | None = None,
+             space_version: str | None = None, allow_space_mismatch: bool = False, data_snapshot: str | None = None,
+             topology: str | None = None,
+             heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL) -> optuna.Study | None:
     """Run ``objective(trial)`` on every rank for each trial of ``study``; a collective call.
 
     ``study`` matters on rank 0 only (the other ranks may pass ``None``); it may be a zero-argument function
-    that creates it, called on rank 0 only, whose errors every rank raises. ``objective`` receives a
-    ``DistributedTrial`` on every rank; rank 0's return value is the trial's value. ``callbacks`` run on rank 0.
-    The arguments have Optuna's meaning; ``n_jobs`` must be 1 when the world has more than one rank (a trial
-    already uses every rank). ``group`` and ``control_timeout`` configure the control plane (see
-    ``DistributedTrial``). Returns the study on rank 0 and ``None`` elsewhere; without an initialised process
-    group it is plain ``study.optimize`` with a ``DistributedTrial`` for the objective.
+    that creates it, called on rank 0 only, whose errors every rank raises. Or leave it ``None`` and give
+    ``storage`` (URL or Optuna storage; ``output_dir`` alone means a journal file there) with ``study_name``:
+    rank 0 creates the study or attaches to it (``load_if_exists``) with ``direction(s)``, ``sampler`` (default
+    ``storage.default_sampler()``: TPE, multivariate, constant liar) and ``pruner``, so many jobs share it.
+    ``objective`` receives a ``DistributedTrial`` on every rank; rank 0's return value is the trial's value (a
+    non-finite one fails the trial as ``nan_loss``). ``callbacks`` run on rank 0. The other arguments have
+    Optuna's meaning; ``n_jobs`` must be 1 when the world has more than one rank (a trial already uses every
+    rank); ``show_progress_bar=None`` shows it for studies of 20+ trials on a terminal.
+
+    Durability: ``space_version`` (or the source of ``hp_space``) versions the search space; attaching to a
+    study created with another version raises ``SpaceVersionMismatch`` unless ``allow_space_mismatch``.
+    ``data_snapshot`` and ``topology`` are recorded on every trial. ``heartbeat_interval`` (seconds; None: off)
+    paces the heartbeat rank 0 writes for a running trial on persistent storages. SIGTERM on rank 0 ends the
+    running trial as ``preempted`` on every rank at its next control call and stops the study.
+
+    ``group`` and ``control_timeout`` configure the control plane (see ``DistributedTrial``). Returns the study
+    on rank 0 and ``None`` elsewhere; without an initialised process group it is plain ``study.optimize`` with a
+    ``DistributedTrial`` for the objective.
     """
     if isinstance(catch, type):
         catch = (catch,)
     catch = tuple(catch)
     channel = Channel(group, control_timeout)
+    if show_progress_bar is None:
+        show_progress_bar = bool(n_trials and n_trials >= _PROGRESS_BAR_TRIALS and sys.stderr.isatty())
+    if study is None and (storage is not None or study_name is not None or output_dir is not None):
+        def study() -> optuna.Study:  # rank 0 only: every rank raises its errors (StorageError, mismatch)
+            return attach_study(storage, study_name=study_name, load_if_exists=load_if_exists,
+                                direction=direction, directions=directions, sampler=sampler, pruner=pruner,
+                                output_dir=output_dir, space=_space(hp_space, space_version),
+                                allow_space_mismatch=allow_space_mismatch, n_trials=n_trials)
+    elif isinstance(study, optuna.Study) and (hp_space is not None or space_version):
+        given = study
+
+        def study() -> optuna.Study:  # a function, so a mismatch raises on every rank
+            check_space_version(given, _space(hp_space, space_version), allow_mismatch=allow_space_mismatch)
+            return given
     if n_jobs != 1 and channel.world > 1:
         raise ValueError(f"optimize(n_jobs={n_jobs}) with {channel.world} ranks: every trial already runs on all "
                          "ranks, so trials cannot run in parallel threads; use n_jobs=1 (start more torchrun jobs "
                          "on one shared storage to run trials concurrently)")
     if channel.is_root:
-        return _root_loop(channel, study, objective, n_trials, timeout, n_jobs, catch, callbacks, gc_after_trial,
-                          show_progress_bar)
+        durable = Durable(_attrs(channel, hp_space, space_version, data_snapshot, topology), heartbeat_interval)
+        with preempt.sigterm_preempts():
+            return _root_loop(channel, study, objective, n_trials, timeout, n_jobs, catch, callbacks,
+                              gc_after_trial, show_progress_bar, durable)
     _worker_loop(channel, objective, gc_after_trial)
     return None
+
+
+def _space(hp_space: Callable[..., Any] | None, explicit: str | None) -> str | None:
+    return space_version(hp_space, explicit) if hp_space is not None or explicit else None
+
+
+def _attrs(channel: Channel, hp_space: Any, explicit: str | None, data_snapshot: str | None,
+           topology: str | None) -> dict[str, Any]:
+    try:
+        space = _space(hp_space, explicit)
+    except ValueError:
+        space = None  # unreadable source: the attach check raises the explicit error where it matters
+    if topology is None and os.environ.get("LOCAL_WORLD_SIZE"):
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        topology = f"{max(channel.world // max(local, 1), 1)} node(s) x {local} rank(s)"
+    attrs = reproducibility_attrs(space=space or "", world_size=channel.world, topology=topology,
+                                  data_snapshot=data_snapshot)
+    if space is None:
+        del attrs["space_version"]
+    return attrs
 
 
 def run_on_root(channel: Channel, fn: Callable[[], Any]) -> Any:
@@ -84,19 +165,28 @@ def run_on_root(channel: Channel, fn: Callable[[], Any]) -> Any:
 
 def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int | None, timeout: float | None,
                n_jobs: int, catch: tuple, callbacks: Any, gc_after_trial: bool,
-               show_progress_bar: bool) -> optuna.Study:
-    fatal: list[BaseException] = []  # a lost peer: the study must stop even when `catch` covers the error
+               show_progress_bar: bool, durable: Durable) -> optuna.Study:
+    fatal: list[BaseException] = []  # a lost peer or SIGTERM: the study stops even when `catch` covers the error
 
     def run_trial(trial: optuna.Trial) -> Any:
-        try:
-            info = TrialInfo.of(trial)
-            if channel.world > 1:
-                channel.broadcast_object(0, (_START, info), OP_COMMAND)
-            outcome = _run_objective(DistributedTrial._started(channel, trial, info), objective)
-        except PeerLostError as exc:
-            outcome = Outcome(FAIL, exc, 0, errors.summary(exc))
-        if isinstance(outcome.error, PeerLostError):
-            fatal.append(outcome.error)
+        if preempt.requested():  # SIGTERM between trials: don't start another
+            outcome = _preempted_outcome()
+        else:
+            try:
+                for key, value in durable.attrs.items():
+                    trial.set_user_attr(key, value)
+                info = TrialInfo.of(trial)
+                with _heartbeat(trial, durable.heartbeat_interval):
+                    if channel.world > 1:
+                        channel.broadcast_object(0, (_START, info), OP_COMMAND)
+                    outcome = _run_objective(DistributedTrial._started(channel, trial, info), objective)
+            except PeerLostError as exc:
+                outcome = Outcome(FAIL, exc, 0, errors.summary(exc))
+        if trial.params:
+            with contextlib.suppress(Exception):
+                trial.set_user_attr(ATTR_PARAMS_HASH, params_hash(trial.params))
+        if isinstance(outcome.error, PeerLostError) or preempt.requested():
+            fatal.append(outcome.error if outcome.error is not None else _preempted_outcome().error)
             trial.study.stop()
         if outcome.state == FAIL:
             _record_failure(trial, outcome)
@@ -124,6 +214,21 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
     return study
 
 
+def _preempted_outcome() -> Outcome:
+    try:
+        preempt.check()
+    except failures.PreemptedError as exc:
+        return Outcome(FAIL, exc, 0, errors.summary(exc))
+    raise AssertionError("no preemption was requested")
+
+
+def _heartbeat(trial: optuna.Trial, interval: float | None) -> Any:
+    storage = trial.study._storage
+    if interval is None or isinstance(storage, InMemoryStorage):
+        return contextlib.nullcontext()
+    return TrialHeartbeat(storage, trial._trial_id, interval=interval)
+
+
 def _worker_loop(channel: Channel, objective: Objective, gc_after_trial: bool) -> None:
     own_error: BaseException | None = None  # the last trial's error if it started here: re-raised as itself
     while True:
@@ -144,6 +249,8 @@ def _run_objective(trial: DistributedTrial, objective: Objective) -> Outcome:
     """Run the objective on this rank and agree with the other ranks on how the trial ended."""
     try:
         value = objective(trial)
+        if trial.rank == 0:
+            _check_finite(value)
     except optuna.TrialPruned as exc:
         outcome = trial.close(PRUNED, exc)
         if outcome.state == PRUNED:
@@ -155,6 +262,16 @@ def _run_objective(trial: DistributedTrial, objective: Objective) -> Outcome:
     if outcome.state == COMPLETE:
         outcome.value = value
     return outcome
+
+
+def _check_finite(value: Any) -> None:
+    """A NaN/inf objective fails the trial as ``nan_loss`` (Optuna would fail it without saying why)."""
+    for v in value if isinstance(value, (list, tuple)) else (value,):
+        try:
+            number = float(v)
+        except (TypeError, ValueError):
+            continue  # not a number: Optuna reports what is wrong with it
+        failures.check_finite(number)
 
 
 def _record_failure(trial: optuna.Trial, outcome: Outcome) -> None:
@@ -169,4 +286,4 @@ def _record_failure(trial: optuna.Trial, outcome: Outcome) -> None:
         pass
 
 
-__all__ = ["optimize", "run_on_root", "ATTR_RANK"]
+__all__ = ["optimize", "run_on_root", "ATTR_RANK", "trial_checkpoint_dir", "resume_checkpoint"]

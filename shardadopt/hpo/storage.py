@@ -71,11 +71,21 @@ def rdb_storage(url: str, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_
         engine_kwargs.update(pool_size=2, max_overflow=2, pool_recycle=1800)
     try:
         return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
-                          grace_period=grace_period)
+                          grace_period=grace_period, heartbeat_stale_trial_callback=mark_preempted)
     except Exception as exc:  # SQLAlchemy/driver errors: say which database and what to check
         raise StorageError(f"cannot open the study database {_redacted(url)}: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}; check the host, port, database name "
                            f"and credentials, and that the server is running") from exc
+
+
+def mark_preempted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Optuna's stale-heartbeat callback: whichever worker notices a dead trial first records it as preempted
+    (Optuna fails it without a reason, and ``requeue`` only retries failures whose kind it knows)."""
+    from shardadopt.hpo.failures import ATTR_KIND, ATTR_MESSAGE, PREEMPTED
+
+    if ATTR_KIND not in trial.user_attrs:
+        study._storage.set_trial_user_attr(trial._trial_id, ATTR_KIND, PREEMPTED)
+        study._storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, "Optuna heartbeat went stale")
 
 
 def _with_available_driver(url: str) -> str:

@@ -10,6 +10,15 @@ Extra keyword arguments of ``hyperparameter_search`` understood here (the rest g
 rank 0, as upstream): ``timeout``, ``n_jobs``, ``gc_after_trial``, ``catch`` (as upstream), ``callbacks`` and
 ``show_progress_bar`` (passed to ``study.optimize`` on rank 0), ``report_unit`` and ``control_timeout``.
 
+Durable, multi-job searches (see ``shardadopt.hpo.optimize``): ``storage`` (URL or Optuna storage; default a
+journal file under ``args.output_dir``), ``study_name``, ``load_if_exists`` (default True: every torchrun job with
+the same study name attaches as a worker), ``sampler`` (default ``default_sampler()``), ``space_version`` (default:
+a hash of ``hp_space``'s source), ``allow_space_mismatch``, ``data_snapshot``, ``heartbeat_interval``. Each trial
+writes its checkpoints under ``output_dir/run-<params hash>`` (unless ``hp_name`` is given), so a retry of the same
+parameters resumes from the dead trial's last complete checkpoint. A non-finite logged loss or objective fails
+the trial as ``nan_loss``; a ``ValueError``/``TypeError`` from ``hp_space`` or ``model_init`` (before training
+starts) as ``config_error``.
+
 ``report_unit`` fixes the step at which intermediate values are reported, so trials stay comparable for the
 pruner when batch size or accumulation is tuned: ``"examples"`` (default: training examples seen, optimizer
 steps x total train batch size over data-parallel ranks), ``"epochs"`` (whole epochs, for ``eval_strategy=
@@ -18,13 +27,22 @@ steps x total train batch size over data-parallel ranks), ``"epochs"`` (whole ep
 
 from __future__ import annotations
 
+import math
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
+from shardadopt.hpo import failures
+from shardadopt.hpo.provenance import params_hash
 from shardadopt.hpo.trial import DistributedTrial
 
 REPORT_UNITS = ("examples", "epochs", "steps")
 _UNIT_ATTRIBUTE = "_shardadopt_hpo_report_unit"
+_WATCH_ATTRIBUTE = "_shardadopt_hpo_watch"
+_DURABLE_KWARGS = ("storage", "study_name", "load_if_exists", "sampler", "pruner", "space_version",
+                   "allow_space_mismatch", "data_snapshot", "heartbeat_interval")
+_CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
 def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str], **kwargs: Any) -> Any:
@@ -50,16 +68,24 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
             f"{trainer.args.parallel_mode}) needs torch.distributed initialised on every process: the ranks agree "
             "on each trial and each pruning decision through it. Launch with torchrun or `accelerate launch`, or "
             "call torch.distributed.init_process_group() before the search.")
+    durable = {name: kwargs.pop(name) for name in _DURABLE_KWARGS if name in kwargs}
+    if kwargs:
+        raise TypeError(f"hyperparameter_search(backend='optuna') got unexpected arguments {sorted(kwargs)}; see "
+                        "shardadopt.hpo.trainer_backend for the ones understood")
     directions = direction if isinstance(direction, list) else None
     single = None if directions is not None else direction
 
-    def create_study() -> optuna.Study:
-        return optuna.create_study(direction=single, directions=directions, **kwargs)
-
+    watch = _watch_class()()
+    trainer.add_callback(watch)
+    setattr(trainer, _WATCH_ATTRIBUTE, watch)
+    own_hp_name = trainer.hp_name is None
+    if own_hp_name:  # checkpoints keyed by the parameters, so a retry finds the dead trial's
+        trainer.hp_name = lambda trial: f"run-{params_hash(trial.params)}"
     setattr(trainer, _UNIT_ATTRIBUTE, report_unit)
     try:
-        study = optimize(create_study, lambda trial: _objective(trainer, trial), n_trials=n_trials,
-                         control_timeout=control_timeout, **optimize_kwargs)
+        study = optimize(None, lambda trial: _objective(trainer, trial), n_trials=n_trials,
+                         control_timeout=control_timeout, direction=single, directions=directions,
+                         output_dir=trainer.args.output_dir, hp_space=trainer.hp_space, **durable, **optimize_kwargs)
 
         def best_runs() -> BestRun | list[BestRun]:
             if not study._is_multi_objective():
@@ -70,21 +96,76 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
         return run_on_root(Channel(None, control_timeout), best_runs)
     finally:
         delattr(trainer, _UNIT_ATTRIBUTE)
+        delattr(trainer, _WATCH_ATTRIBUTE)
+        trainer.remove_callback(watch)
+        if own_hp_name:
+            trainer.hp_name = None
+
+
+def _watch_class() -> type:
+    from transformers import TrainerCallback
+
+    class Watch(TrainerCallback):
+        """Knows whether training started (errors before it are configuration errors) and fails a trial whose
+        logged loss is not finite (the logged loss is already averaged over ranks, so every rank raises)."""
+
+        started = False
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.started = True
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            loss = (logs or {}).get("loss")
+            if loss is not None and not math.isfinite(float(loss)):
+                failures.check_finite(float(loss), f"training loss at step {state.global_step}")
+
+    return Watch
+
+
+def last_complete_checkpoint(run_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` under ``run_dir`` that was completely written (``get_last_checkpoint`` takes
+    the highest N even when its save was interrupted): a shardadopt checkpoint with its completion marker, or an
+    upstream one whose ``trainer_state.json`` (written last) exists."""
+    from shardadopt.checkpoint import MARKER, is_complete
+
+    if not os.path.isdir(run_dir):
+        return None
+    numbered = sorted(((int(m.group(1)), name) for name in os.listdir(run_dir)
+                       if (m := _CHECKPOINT_DIR.match(name)) and os.path.isdir(os.path.join(run_dir, name))),
+                      reverse=True)
+    for _, name in numbered:
+        path = os.path.join(run_dir, name)
+        ours = os.path.isfile(os.path.join(path, MARKER)) or os.path.isdir(os.path.join(path, "state"))
+        if is_complete(path) if ours else os.path.isfile(os.path.join(path, "trainer_state.json")):
+            return path
+    return None
 
 
 def _objective(trainer: Any, trial: DistributedTrial) -> Any:
     from accelerate.utils.memory import release_memory
 
+    import optuna
+
     trainer.objective = None
+    watch = getattr(trainer, _WATCH_ATTRIBUTE)
+    watch.started = False
     try:
         # Sample the space first, as upstream does, so a model_init(trial) can read trial.params.
         trainer.hp_space(trial)
-        trainer.train(resume_from_checkpoint=None, trial=trial)
+        # A retry of these parameters (shardadopt hpo requeue) resumes from the dead trial's checkpoint.
+        retry = trial.user_attrs.get(failures.ATTR_RETRY_OF) is not None
+        resume = last_complete_checkpoint(trainer._get_output_dir(trial)) if retry and trial.params else None
+        trainer.train(resume_from_checkpoint=resume, trial=trial)
         # If there has been no evaluation during training.
         if getattr(trainer, "objective", None) is None:
             metrics = trainer.evaluate()
             trainer.objective = trainer.compute_objective(metrics)
         return trainer.objective
+    except Exception as exc:
+        if not watch.started and not isinstance(exc, optuna.TrialPruned) and \
+                failures.classify(exc, before_training=True) == failures.CONFIG_ERROR:
+            failures.mark(exc, failures.CONFIG_ERROR)
+        raise
     finally:
         # Free accelerator memory on every exit, pruned and failed trials included.
         trainer.model_wrapped, trainer.model = release_memory(trainer.model_wrapped, trainer.model)
@@ -97,6 +178,8 @@ def report_to_hp_search(trainer: Any, trial: DistributedTrial, step: int, metric
     import optuna
 
     trainer.objective = trainer.compute_objective(metrics.copy())
+    for value in trainer.objective if isinstance(trainer.objective, (list, tuple)) else (trainer.objective,):
+        failures.check_finite(value)  # every rank computed it from the same gathered metrics
     if trial.multi_objective:  # Optuna cannot prune multi-objective studies (as upstream)
         return
     trial.report(trainer.objective, report_step(trainer, step))

@@ -29,7 +29,7 @@ from typing import Any
 
 import optuna
 
-from shardadopt.hpo import errors
+from shardadopt.hpo import errors, preempt
 from shardadopt.hpo.channel import (OP_END, OP_INIT, OP_NAMES, OP_REPORT, OP_SET_ATTR, OP_SHOULD_PRUNE, OP_SUGGEST,
                                     STATUS_ERROR, STATUS_OK, STATUS_PRUNED, Channel)
 from shardadopt.hpo.errors import DesyncError, PackedError
@@ -186,6 +186,7 @@ class DistributedTrial(optuna.trial.BaseTrial):
         decision = _KEEP
         if self._channel.is_root and not self.closed:
             try:
+                preempt.check()  # a SIGTERM on rank 0 ends the trial here, on every rank
                 self._trial.report(value, step)
             except Exception as exc:
                 decision, payload = _REPORT_RAISED, pickle.dumps(errors.pack(exc, 0))
@@ -301,6 +302,7 @@ class DistributedTrial(optuna.trial.BaseTrial):
         payload = None
         if self._channel.is_root and not self.closed:
             try:
+                preempt.check()
                 payload = pickle.dumps((True, fn()))
             except Exception as exc:
                 payload = pickle.dumps((False, errors.pack(exc, 0)))

@@ -110,24 +110,29 @@ class RankPool:
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
+        grace: float | None = None  # after a failure, peers often wait in a collective forever: 10 s only
         while len(results) + len(failures) < self.nproc:
-            remaining = deadline - time.monotonic()
-            if failures:
-                # Peers of a failed rank often wait in a collective forever: give them a short grace only.
-                remaining = min(remaining, 10.0)
+            end = deadline if grace is None else min(deadline, grace)
             try:
-                rank, kind, payload = self._outbox.get(timeout=max(remaining, 0.01))
+                rank, kind, payload = self._outbox.get(timeout=max(min(end - time.monotonic(), 1.0), 0.01))
             except queue.Empty:
                 missing = sorted(set(range(self.nproc)) - set(results) - set(failures))
                 dead = [r for r in missing if not self._procs[r].is_alive()]
+                if dead:  # a killed rank never answers: fail now instead of waiting out the timeout
+                    failures.update({r: f"process exited (code {self._procs[r].exitcode}) without answering"
+                                     for r in dead})
+                    grace = grace if grace is not None else time.monotonic() + 10.0
+                    continue
+                if time.monotonic() < end:
+                    continue
                 self.close(force=True)
                 if failures:
                     failures.update({r: "did not finish after another rank failed (pool shut down)" for r in missing})
                     raise RankError(failures) from None
-                raise RankTimeout(f"{what}: rank(s) {missing} gave no answer within {timeout:.0f}s"
-                                  + (f"; rank(s) {dead} exited" if dead else "")) from None
+                raise RankTimeout(f"{what}: rank(s) {missing} gave no answer within {timeout:.0f}s") from None
             if kind == "error":
                 failures[rank] = payload
+                grace = grace if grace is not None else time.monotonic() + 10.0
             else:
                 results[rank] = payload
         if failures:
