@@ -273,3 +273,18 @@ def test_concurrency_warning_counts_running_trials(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConcurrencyWarning)
         attach_study(url, study_name="busy", n_trials=100)
+
+
+def test_trainer_retry_resumes_from_the_last_complete_checkpoint_only(tmp_path):
+    from shardadopt.checkpoint import MARKER
+    from shardadopt.hpo.trainer_backend import last_complete_checkpoint
+
+    run = tmp_path / "run-abc"
+    assert last_complete_checkpoint(str(run)) is None
+    (run / "checkpoint-10").mkdir(parents=True)
+    (run / "checkpoint-10" / "trainer_state.json").write_text("{}")  # upstream's, written last: complete
+    (run / "checkpoint-20").mkdir()  # upstream's, interrupted before trainer_state.json
+    (run / "checkpoint-30" / "state").mkdir(parents=True)  # shardadopt's, no completion marker
+    assert last_complete_checkpoint(str(run)) == str(run / "checkpoint-10")
+    (run / "checkpoint-30" / MARKER).write_text("{}")
+    assert last_complete_checkpoint(str(run)) == str(run / "checkpoint-30")
