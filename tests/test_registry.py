@@ -265,3 +265,9 @@ def test_every_patch_targets_exist_in_installed_upstream():
             assert status.state in {APPLIED, NOT_NEEDED}, f"{status.id}: {status.state}: {status.reason}"
     finally:
         shardadopt.disable()
+
+
+def test_readme_lists_every_patch():
+    readme = (REPO / "README.md").read_text()
+    missing = [p.id for p in shardadopt._registry().patches() if f"`{p.id}`" not in readme]
+    assert not missing, f"README.md's 'What it fixes' table lacks {missing}"
