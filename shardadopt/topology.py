@@ -6,9 +6,9 @@
    ``init_device_mesh`` does), for layouts nothing below can tell apart;
 2. a model that transformers sharded while loading (``from_pretrained(..., distributed_config=...)``): its
    ``config.distributed_config`` sizes and its device meshes (``model._mesh_manager``, a dense and an expert mesh,
-   from transformers 5.18; ``model._device_mesh``, one 1-D mesh, before). The dense mesh's dims are named
-   ``(pp, fsdp, tp)`` up to 5.20 and ``(pp, dp_replicate, fsdp, tp)`` later, so dims are looked up by name and a
-   missing one must be of size 1;
+   from transformers 5.19/5.20, dense dims ``(pp, fsdp, tp)`` there and ``(pp, dp_replicate, fsdp, tp)`` later;
+   ``model._device_mesh`` before: one mesh of the dims larger than 1, named, on 5.18, an unnamed or 1-D mesh on
+   5.15 .. 5.17). Dims are looked up by name; a missing one must be of size 1;
 3. a model sharded by hand (``fully_shard`` / ``parallelize_module``): the meshes of ``FSDPModule`` parameter
    groups (their shard / replicate dims are the data-parallel dims) and of the other DTensor parameters (their
    remaining dims are tensor parallel);
@@ -182,14 +182,21 @@ def _from_transformers(model: nn.Module, config: Any) -> Topology:
                    "the world size")
     manager = getattr(model, "_mesh_manager", None)
     meshes = list(_param_meshes(model))
-    if manager is not None:  # transformers >= 5.18: dense (pp, [dp_replicate,] fsdp, tp), expert (.., efsdp, ep)
+    if manager is not None:  # dense (pp, [dp_replicate,] fsdp, tp), expert (pp, [dp_replicate,] efsdp, ep)
         dense, expert = manager._dense_mesh, manager._expert_mesh
         _check_covers(dense, world, "the model's device mesh")
         ranks = {name: _named_rank(dense, name, size)
                  for name, size in (("dp_replicate", replicate), ("fsdp", fsdp), ("tp", tp))}
         ranks["ep"] = _named_rank(expert, "ep", ep)
         meshes[:0] = [dense, expert]
-    else:  # transformers 5.15 .. 5.17: one 1-D mesh, tp or fsdp (never both)
+    elif model._device_mesh.ndim > 1:  # transformers 5.18: one mesh of the named dims > 1, e.g. (fsdp, tp)
+        mesh = model._device_mesh
+        _check_covers(mesh, world, "the model's device mesh")
+        ranks = {name: _named_rank(mesh, name, size)
+                 for name, size in (("dp_replicate", replicate), ("fsdp", fsdp), ("tp", tp))}
+        ranks["ep"] = ranks["tp"] if ep > 1 else 0  # EP on the TP mesh (enable_expert_parallel)
+        meshes.insert(0, mesh)
+    else:  # one 1-D mesh, tp or fsdp (never both)
         mesh = model._device_mesh
         _check_covers(mesh, world, "the model's device mesh")
         local = mesh.get_local_rank(mesh.ndim - 1) if tp > 1 else 0

@@ -32,11 +32,27 @@ upstream diff; each probe says ``not-needed`` on the layout it does not target.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from types import SimpleNamespace
 
 from shardadopt.registry import Patch, Probe, Target
 
 MODULE = "transformers.integrations.tensor_parallel"
+
+
+def _post_forward_module() -> str:
+    """Where EpRouterParallel lives, found without importing transformers: 5.16+ define it in
+    ``transformers/distributed/tensor_parallel.py``, and loading a model imports only that module (never the
+    ``integrations.tensor_parallel`` shim), so the patch must wait for it there. 5.15 has no such file."""
+    spec = importlib.util.find_spec("transformers")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if any(os.path.exists(os.path.join(root, "distributed", "tensor_parallel.py")) for root in roots):
+        return "transformers.distributed.tensor_parallel"
+    return MODULE
+
+
+POST_FORWARD_MODULE = _post_forward_module()
 
 
 class _ProbeMesh:
@@ -67,7 +83,7 @@ def probe() -> Probe:
 
 
 def probe_post_forward() -> Probe:
-    from transformers.integrations import tensor_parallel
+    tensor_parallel = importlib.import_module(POST_FORWARD_MODULE)
 
     router = getattr(tensor_parallel, "EpRouterParallel", None)
     if router is None:
@@ -136,8 +152,7 @@ PATCH_POST_FORWARD = Patch(
             "before the non-local mask",
     upstream="huggingface/transformers#48205",
     requires={"transformers": ">=5.15,<5.25"},
-    # The 5.16 shim module re-exports the class object itself, so wrapping it there wraps it everywhere; 5.15 has
-    # this module too (without EpRouterParallel), so the patch never waits for a module that does not exist.
-    wrappers={Target(MODULE, "EpRouterParallel.transform_output_post_forward"): _transform_output_post_forward},
+    wrappers={Target(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward"):
+              _transform_output_post_forward},
     probe=probe_post_forward,
 )
