@@ -111,27 +111,9 @@ def test_gather_for_metrics_returns_each_sample_once_under_tp(pool2, tiny_models
 # -- AdoptionKwargs and bad input (hand-sharded tiny models: cheap, and every layout is possible) ----------------
 
 def _hand_sharded(layout: str):
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from shardadopt.testing.models import hand_sharded_mlp
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
-    world = dist.get_world_size()
-    if layout == "fsdp":
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    elif layout == "tp":
-        parallelize_module(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
-                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    elif layout == "partial-mesh":  # each rank shards over a mesh of itself only: the other ranks are left out
-        fully_shard(model, mesh=DeviceMesh("cpu", [dist.get_rank()]))
-    elif layout == "ambiguous":  # two differently named non-FSDP meshes: which one is tensor parallel?
-        parallelize_module(model[0], init_device_mesh("cpu", (world,), mesh_dim_names=("a",)), ColwiseParallel())
-        parallelize_module(model[2], init_device_mesh("cpu", (world,), mesh_dim_names=("b",)), RowwiseParallel())
-    return model
+    return hand_sharded_mlp(layout, width=4)
 
 
 def _loader(n: int = 16):

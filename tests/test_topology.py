@@ -111,27 +111,9 @@ def transformers_version() -> str:
 
 
 def hand_sharded(layout: str, override=None):
-    import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from shardadopt.testing.models import hand_sharded_mlp
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-    world = dist.get_world_size()
-    if layout == "fsdp":
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    elif layout == "tp":
-        parallelize_module(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
-                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    elif layout == "partial-mesh":  # each rank shards over a mesh of itself only: the mesh misses the other ranks
-        fully_shard(model, mesh=DeviceMesh("cpu", [dist.get_rank()]))
-    elif layout == "ambiguous":  # two differently named meshes, neither FSDP: which one is TP?
-        parallelize_module(model[0], init_device_mesh("cpu", (world,), mesh_dim_names=("a",)), ColwiseParallel())
-        parallelize_module(model[2], init_device_mesh("cpu", (world,), mesh_dim_names=("b",)), RowwiseParallel())
-    elif layout == "plain":
-        pass
+    model = hand_sharded_mlp(layout, width=8)
     try:
         return _summary(topology(model, override))
     except TopologyError as exc:

@@ -74,3 +74,38 @@ def token_batch(seed: int, batch_size: int, seq_len: int = 16):
 def full(tensor):
     """The full value of a DTensor (a collective on its mesh), or the tensor itself."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+HAND_SHARDED_LAYOUTS = ("plain", "fsdp", "tp", "partial-mesh", "ambiguous")
+
+
+def hand_sharded_mlp(layout: str, width: int = 4):
+    """A two-layer MLP sharded by hand over the whole world (call on every rank of an initialised group).
+
+    ``fsdp``: ``fully_shard``; ``tp``: colwise/rowwise ``parallelize_module``; ``partial-mesh``: each rank shards
+    over a mesh of itself only (the mesh misses the other ranks); ``ambiguous``: two differently named non-FSDP
+    meshes (which one is tensor parallel?); ``plain``: not sharded.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if layout not in HAND_SHARDED_LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; known: {HAND_SHARDED_LAYOUTS}")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, width))
+    world = dist.get_world_size()
+    if layout == "fsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    elif layout == "tp":
+        parallelize_module(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
+                           {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    elif layout == "partial-mesh":
+        fully_shard(model, mesh=DeviceMesh("cpu", [dist.get_rank()]))
+    elif layout == "ambiguous":
+        parallelize_module(model[0], init_device_mesh("cpu", (world,), mesh_dim_names=("a",)), ColwiseParallel())
+        parallelize_module(model[2], init_device_mesh("cpu", (world,), mesh_dim_names=("b",)), RowwiseParallel())
+    return model
