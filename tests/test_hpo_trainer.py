@@ -269,6 +269,90 @@ def killed(model_path: str, out: str, control_timeout: float) -> None:
     _search(_trainer(model_path, out, [Kill()]), n_trials=2, control_timeout=control_timeout)
 
 
+def durable(model_path: str, out: str, phase: int) -> dict:
+    """Default journal under output_dir. Phase 1: a search whose model_init refuses trial 1 (config_error) and
+    makes trial 2's loss NaN (nan_loss), then a search (FSDP model_init) whose trial 0 gets SIGTERM on rank 0
+    right after its first checkpoint (preempted). Phase 2 (after requeue): the same study runs the enqueued retry.
+    (Plain DDP cannot resume on CPU with transformers 5.15: its optimizer load maps to "cpu:0".)"""
+    import optuna
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    import torch.distributed as dist
+
+    import shardadopt
+    from shardadopt.hpo import PreemptedError
+
+    shardadopt.enable()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    result: dict = {}
+
+    misbehave = [False]  # in the "kinds" study only
+    load: dict = {}  # the retry study shards while loading (FSDP): shardadopt's Trainer checkpoints
+
+    def model_init(trial=None):
+        if misbehave[0] and trial is not None and trial.number == 1:
+            raise ValueError("learning rate does not fit this model")
+        model = AutoModelForCausalLM.from_pretrained(model_path, **load)
+        if misbehave[0] and trial is not None and trial.number == 2:
+            with torch.no_grad():
+                model.get_input_embeddings().weight.fill_(float("nan"))
+        return model
+
+    class Record(TrainerCallback):
+        """Each trial's first reported step (examples seen) and the step it trained from."""
+
+        def __init__(self):
+            self.trials = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.trials.append({"params": dict(state.trial_params or {}), "start": state.global_step,
+                                "evaluated_at": []})
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self.trials[-1]["evaluated_at"].append(state.global_step)
+
+    class PreemptAfterFirstSave(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if dist.get_rank() == 0 and state.global_step == 1:  # checkpoint-1 is complete on disk
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def search(directory, study_name, n_trials, callbacks, **overrides):
+        trainer = _trainer(model_path, directory, callbacks, **overrides)
+        trainer.model_init = model_init
+        return trainer.hyperparameter_search(
+            backend="optuna", n_trials=n_trials, direction="minimize", hp_space=_space, study_name=study_name,
+            sampler=optuna.samplers.RandomSampler(seed=phase), pruner=optuna.pruners.NopPruner(),
+            catch=(ValueError, FloatingPointError), data_snapshot="snap-1", space_version="v1")
+
+    def shard_while_loading():
+        from transformers.distributed import DistributedConfig
+
+        from shardadopt.selftest.trainer import _fresh_accelerate_state, distributed_sizes
+
+        _fresh_accelerate_state()
+        load.update(distributed_config=DistributedConfig(**distributed_sizes("fsdp", dist.get_world_size())[0]),
+                    dtype=torch.float32)
+
+    if phase == 1:
+        misbehave[0] = True
+        search(f"{out}/kinds", "kinds", 3, [])
+        misbehave[0] = False
+        shard_while_loading()
+        record = Record()
+        try:
+            search(f"{out}/retry", "retry", 2, [record, PreemptAfterFirstSave()], max_steps=3,
+                   save_strategy="steps", save_steps=1)
+            result["error"] = None
+        except PreemptedError as exc:
+            result["error"] = type(exc).__name__
+    else:
+        shard_while_loading()
+        record = Record()
+        search(f"{out}/retry", "retry", 1, [record], max_steps=3, save_strategy="steps", save_steps=1)
+    result["seen"] = record.trials
+    return result
+
+
 def upstream(model_path: str, out: str) -> None:
     """The prune search without shardadopt.enable(): upstream's path."""
     _search(_trainer(model_path, out), storage=f"sqlite:///{out}/upstream.db")
@@ -338,6 +422,62 @@ def test_sigkilled_rank_makes_the_survivor_raise_within_the_control_timeout(tiny
     assert "PeerLostError" in error and "rank(s) [1]" in error, error
     killed_at = float((tmp_path / "killed_at").read_text())
     assert finished - killed_at < control_timeout + 10
+
+
+def test_trainer_retry_resumes_from_the_dead_trials_checkpoint_and_failure_kinds(tiny_models, tmp_path):
+    """SIGTERM preempts a trial after its first checkpoint; requeue enqueues one retry; a second search on the
+    same default journal runs it from that checkpoint. config_error and nan_loss are recorded, never retried."""
+    import optuna
+
+    from shardadopt.hpo.durability import requeue
+    from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
+    from shardadopt.hpo.storage import DEFAULT_JOURNAL_NAME, resolve_storage
+    from shardadopt.hpo.trainer_backend import last_complete_checkpoint
+
+    def study(name):
+        journal = tmp_path / name / DEFAULT_JOURNAL_NAME
+        assert journal.is_file(), "the default storage is a journal file under output_dir"
+        return optuna.load_study(study_name=name, storage=resolve_storage(f"journal://{journal}"))
+
+    first = launch("durable", 2, tmp_path / "phase1", timeout=240, model_path=tiny_models["qwen3"],
+                   out=str(tmp_path), phase=1)
+    assert [r["returncode"] for r in first] == [0, 0], [r["error"] for r in first]
+    assert first[0]["result"] == first[1]["result"], "both ranks ran the same trials, as far"
+    assert first[0]["result"]["error"] == "PreemptedError"
+
+    kinds = study("kinds")
+    states = {t.number: (t.state.name, t.user_attrs.get(ATTR_KIND)) for t in kinds.trials}
+    assert states == {0: ("COMPLETE", None), 1: ("FAIL", "config_error"), 2: ("FAIL", "nan_loss")}, states
+    report = requeue(kinds)
+    assert not report.retried and set(report.skipped) == {1, 2}, report.as_dict()
+
+    retry_study = study("retry")
+    (dead,) = retry_study.trials
+    assert dead.state.name == "FAIL" and dead.user_attrs[ATTR_KIND] == "preempted"
+    assert dead.user_attrs["data_snapshot"] == "snap-1" and dead.user_attrs["space_version"] == "v1"
+    ((dead_seen),) = first[0]["result"]["seen"]
+    assert dead_seen["start"] == 0 and dead_seen["evaluated_at"] == [1, 2], dead_seen  # preempted at report 2
+    assert list(dead.intermediate_values) == [EVAL_STEPS * PER_DEVICE_BATCH * 2]
+    run_dir = tmp_path / "retry" / f"run-{dead.user_attrs['params_hash']}"
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert last_complete_checkpoint(str(run_dir)) == str(run_dir / "checkpoint-1")
+
+    report = requeue(retry_study)
+    assert list(report.retried) == [dead.number], report.as_dict()
+    retry_number = report.retried[dead.number]
+
+    second = launch("durable", 2, tmp_path / "phase2", timeout=180, model_path=tiny_models["qwen3"],
+                    out=str(tmp_path), phase=2)
+    assert [r["returncode"] for r in second] == [0, 0], [r["error"] for r in second]
+    assert second[0]["result"] == second[1]["result"]
+    ((seen),) = second[0]["result"]["seen"]
+    assert seen["params"] == dead.params and seen["start"] == 1, seen  # resumed from checkpoint-1
+    retry = optuna.load_study(study_name="retry", storage=retry_study._storage).trials[retry_number]
+    assert retry.state.name == "COMPLETE" and retry.params == dead.params
+    assert retry.user_attrs[ATTR_RETRY_OF] == dead.number
+    reported = sorted(retry.intermediate_values)
+    assert reported[0] > 0 and reported == [EVAL_STEPS * k * PER_DEVICE_BATCH * 2 for k in (2, 3)], reported
+    assert not requeue(retry_study).retried, "one retry per configuration"
 
 
 def test_without_enable_the_prune_search_hangs(tiny_models, tmp_path):
