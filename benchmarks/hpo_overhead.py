@@ -1,6 +1,8 @@
-"""Distributed HPO overhead: the control round per report + should_prune, and Trainer trials per minute.
+"""Distributed HPO overhead: the control round per report + should_prune, Trainer trials per minute, and study
+throughput with 1 vs 2 concurrent jobs.
 
     python benchmarks/hpo_overhead.py [--calls 1000] [--ranks 2 4] [--trials 8] [--skip-trainer]
+                                      [--study-trials 16] [--study-storage URL] [--skip-study]
 
 1. Per ``report`` + ``should_prune`` on 2 and 4 gloo ranks (``DistributedTrial`` inside ``shardadopt.hpo.optimize``,
    MedianPruner, in-memory storage): the median wall time per pair on rank 0, side by side with the floor the
@@ -8,6 +10,11 @@
    in one process (what rank 0 spends in Optuna itself). Target: < 2 ms median.
 2. ``Trainer.hyperparameter_search`` on 2 ranks with the tiny qwen3 model: trials per minute without pruning
    (NopPruner) and with MedianPruner, same sampler seed.
+3. Study throughput: ``--study-trials`` trials of a cheap objective (``STUDY_STEPS`` steps, each a sleep standing in
+   for the accelerator's work, an all-reduce and a report) on one durable study (``--study-storage``: default a
+   journal file; e.g. ``postgresql://postgres@127.0.0.1:5432/test``), run by one 2-rank job, then split between
+   two concurrent 2-rank jobs attached to the same study; trials/min over the whole study (median of
+   ``STUDY_REPEATS`` fresh studies). Ideal scaling is 2x; the gap is storage contention and shared CPU cores.
 
 Ranks share the machine's cores with everything else running: compare numbers from one run only.
 """
@@ -22,6 +29,9 @@ import tempfile
 import time
 
 STEP_VALUE_SEED = 7
+STUDY_STEPS = 5
+STUDY_STEP_SECONDS = 0.02
+STUDY_REPEATS = 3
 
 
 def _round_trips(calls: int) -> dict:
@@ -113,12 +123,77 @@ def _trainer_trials(model_path: str, out: str, n_trials: int, prune: bool) -> fl
     return n_trials / (time.perf_counter() - start) * 60
 
 
+def _study_job(storage: str, study_name: str, n_trials: int, seed: int) -> None:
+    """On every rank of one job: attach to the shared study and run ``n_trials`` cheap trials."""
+    import warnings
+
+    import optuna
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt.hpo import ConcurrencyWarning, optimize
+    from shardadopt.hpo.storage import default_sampler
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    warnings.simplefilter("ignore", ConcurrencyWarning)
+
+    def objective(trial):
+        x = trial.suggest_float("x", -1.0, 1.0)
+        value = 0.0
+        for step in range(STUDY_STEPS):
+            time.sleep(STUDY_STEP_SECONDS)  # the accelerator's work on this step
+            t = torch.tensor([(x - 0.2) ** 2 + 0.01 * step])
+            dist.all_reduce(t)
+            value = t.item() / dist.get_world_size()
+            trial.report(value, step)
+        return value
+
+    optimize(None, objective, n_trials=n_trials, storage=storage, study_name=study_name, direction="minimize",
+             sampler=default_sampler(seed=seed))
+
+
+def _study_throughput(pools: list, storage: str, n_trials: int) -> float:
+    """Trials/min of one fresh study whose ``n_trials`` are split between ``pools`` running at once."""
+    import threading
+    import uuid
+
+    name = f"throughput-{uuid.uuid4().hex[:8]}"
+    errors: list = []
+
+    def run(pool, share, seed):
+        try:
+            pool.run(_study_job, storage, name, share, seed, timeout=600)
+        except BaseException as exc:  # re-raised in the main thread
+            errors.append(exc)
+
+    shares = [n_trials // len(pools) + (i < n_trials % len(pools)) for i in range(len(pools))]
+    threads = [threading.Thread(target=run, args=(pool, share, seed))
+               for seed, (pool, share) in enumerate(zip(pools, shares))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    import optuna
+
+    from shardadopt.hpo.storage import resolve_storage
+
+    optuna.delete_study(study_name=name, storage=resolve_storage(storage, heartbeat_interval=None))
+    if errors:
+        raise errors[0]
+    return n_trials / elapsed * 60
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--skip-trainer", action="store_true")
+    parser.add_argument("--study-trials", type=int, default=16)
+    parser.add_argument("--study-storage", default=None, help="storage URL (default: a journal file in a temp dir)")
+    parser.add_argument("--skip-study", action="store_true")
     options = parser.parse_args(argv)
 
     from shardadopt.testing import RankPool, tiny_checkpoints
@@ -132,6 +207,20 @@ def main(argv: list[str] | None = None) -> None:
             result = pool.run(_round_trips, options.calls, timeout=600)[0]
         print(f"  {nproc:>5} {result['pair']:>11.3f} {result['broadcast']:>17.3f} {alone:>13.3f} "
               f"{result['pair'] / result['broadcast']:>19.2f}", flush=True)
+    if not options.skip_study:
+        with tempfile.TemporaryDirectory() as root:
+            storage = options.study_storage or f"journal://{root}/study.log"
+            print(f"study throughput, {options.study_trials} trials x {STUDY_STEPS} steps "
+                  f"({STUDY_STEP_SECONDS * 1e3:.0f} ms work each), 2 ranks per job, {storage.split(':', 1)[0]}; "
+                  f"median of {STUDY_REPEATS}")
+            with RankPool(2, env=quiet) as first, RankPool(2, env=quiet) as second:
+                _study_throughput([first, second], storage, 4)  # warm-up: imports and control groups, untimed
+                rates = {jobs: statistics.median(_study_throughput(pools, storage, options.study_trials)
+                                                 for _ in range(STUDY_REPEATS))
+                         for jobs, pools in ((1, [first]), (2, [first, second]))}
+            for jobs, rate in rates.items():
+                print(f"  {jobs} job(s) {rate:8.1f} trials/min", flush=True)
+            print(f"  ratio 2 jobs / 1 job {rates[2] / rates[1]:.2f} (ideal 2.00)", flush=True)
     if options.skip_trainer:
         return
     with tempfile.TemporaryDirectory() as root:
