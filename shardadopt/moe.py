@@ -13,6 +13,14 @@ Two fixes that upstream made in transformers#48205 (released in 5.17), as plain 
   group *before* that mask gives every rank the full gradient (each slot has exactly one owning rank, so the sum is
   exact); without it the router gate and every parameter upstream of an MoE block get partial, rank-dependent
   gradients.
+
+And one fix from transformers 5.23 (FSDP over the experts):
+
+- :func:`fix_single_rank_expert_grad_divide`: transformers 5.19 .. 5.22 shard the dispatched experts over the
+  ``efsdp`` mesh with ``set_gradient_divide_factor(fsdp_size)`` and ``set_force_sum_reduction_for_comms(True)``
+  (5.19 / 5.20.1 only on non-NCCL backends). When ``efsdp_size == 1`` (``ep_size == fsdp_size``) FSDP2 does no
+  reduce-scatter: its single-rank path already divides by the factor, and the forced sum divides by it again
+  afterwards, so every expert gradient is ``1 / fsdp_size`` of the right value.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["grouped_mm_experts_forward", "is_expert_parallel", "sum_router_score_grad"]
+__all__ = ["fix_single_rank_expert_grad_divide", "grouped_mm_experts_forward", "is_expert_parallel",
+           "sum_router_score_grad"]
 
 
 def is_expert_parallel(experts: torch.nn.Module) -> bool:
@@ -125,3 +134,26 @@ def sum_router_score_grad(router_scores: torch.Tensor, ep_mesh: Any) -> torch.Te
     if not (torch.is_grad_enabled() and router_scores.requires_grad) or ep_mesh.size() == 1:
         return router_scores
     return _SumOverGroupBackward.apply(router_scores, ep_mesh.get_group())
+
+
+def fix_single_rank_expert_grad_divide(model: torch.nn.Module) -> list[str]:
+    """Stop FSDP2 dividing twice the gradients of modules sharded over a one-rank mesh; returns their names.
+
+    For every ``fully_shard``-ed submodule with a gradient divide factor, forced sum reduction, and a reduce-scatter
+    group of one rank (no reduce-scatter happens), turn the forced sum off: FSDP2's single-rank copy divides by the
+    factor once, and nothing else does (with a replicate all-reduce the reduce op is then a plain SUM). This is what
+    transformers 5.23 does by setting the forced sum only when ``efsdp_size > 1``. Call it after the model is sharded
+    and before its first backward; modules with a reduce-scatter over several ranks are left alone.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    fixed = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if groups and all(group.force_sum_reduction_for_comms and group.gradient_divide_factor is not None
+                          and getattr(group.mesh_info, "shard_mesh_size", None) == 1 for group in groups):
+            module.set_force_sum_reduction_for_comms(False)
+            fixed.append(name)
+    return fixed

@@ -11,6 +11,7 @@ from shardadopt.patches import accelerate_checkpoint, trainer_adopt, trainer_che
 from shardadopt.patches import transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_sharding_sizes
 from shardadopt.patches import trainer_hpo_optuna
 from shardadopt.patches import transformers_tp_grad_accumulation
+from shardadopt.patches import transformers_ep_expert_grad_scale
 from shardadopt.registry import Patch
 
 ALL_PATCHES: list[Patch] = [
@@ -25,4 +26,5 @@ ALL_PATCHES: list[Patch] = [
     trainer_hpo_optuna.PATCH,
     transformers_tp_grad_accumulation.PATCH,
     transformers_ep_router_grad.PATCH_POST_FORWARD,
+    transformers_ep_expert_grad_scale.PATCH,
 ]
