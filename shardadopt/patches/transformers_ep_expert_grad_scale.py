@@ -50,9 +50,12 @@ def probe() -> Probe:
     function = getattr(fsdp, "apply_fully_sharded_data_parallelism", None)
     if function is None or getattr(mixin, "apply_fully_sharded_data_parallelism", None) is not function:
         return Probe(False, "transformers.distributed.mixin does not call fsdp.apply_fully_sharded_data_parallelism")
+    if "set_force_sum_reduction_for_comms" not in inspect.getsource(function):
+        return Probe(False, "apply_fully_sharded_data_parallelism never forces sum reduction (no expert FSDP divide "
+                            "factor)")
     if not _unguarded_forced_sums(function):
         return Probe(False, "apply_fully_sharded_data_parallelism forces sum reduction for the experts only when "
-                            "efsdp_size > 1 (or never)")
+                            "efsdp_size > 1")
     return Probe(True, "apply_fully_sharded_data_parallelism forces sum reduction for the experts even on a one-rank "
                        "efsdp mesh, where FSDP2 then divides their gradients by fsdp_size twice")
 
