@@ -19,21 +19,14 @@ from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
 from shardadopt.hpo.provenance import (SpaceVersionMismatch, check_space_version, params_hash,
                                        reproducibility_attrs, space_version)
 from shardadopt.hpo.storage import StorageError, default_sampler, resolve_storage
+from shardadopt.testing.services import POSTGRES_URL, postgres_available
 
-POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+POSTGRES = POSTGRES_URL
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def _postgres_available() -> bool:
-    try:
-        resolve_storage(POSTGRES, heartbeat_interval=None)
-        return True
-    except StorageError:
-        return False
-
-
-needs_postgres = pytest.mark.skipif(not _postgres_available(), reason="PostgreSQL at 127.0.0.1:5432 not running")
+needs_postgres = pytest.mark.skipif(not postgres_available(), reason=f"PostgreSQL at {POSTGRES} not running")
 
 
 @pytest.fixture(params=["journal", pytest.param("postgres", marks=needs_postgres)])

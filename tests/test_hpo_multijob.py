@@ -16,10 +16,11 @@ from optuna.trial import TrialState
 
 from shardadopt.hpo.durability import requeue
 from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
-from shardadopt.hpo.storage import StorageError, resolve_storage
+from shardadopt.hpo.storage import resolve_storage
 from shardadopt.testing import RankPool
+from shardadopt.testing.services import POSTGRES_URL, postgres_available
 
-POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+POSTGRES = POSTGRES_URL
 STEPS = 3
 HEARTBEAT = 0.3  # seconds between heartbeats of a running trial
 GRACE = 2.0  # seconds without a heartbeat before requeue calls a trial dead
@@ -27,15 +28,7 @@ GRACE = 2.0  # seconds without a heartbeat before requeue calls a trial dead
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def _postgres_available() -> bool:
-    try:
-        resolve_storage(POSTGRES, heartbeat_interval=None)
-        return True
-    except StorageError:
-        return False
-
-
-needs_postgres = pytest.mark.skipif(not _postgres_available(), reason="PostgreSQL at 127.0.0.1:5432 not running")
+needs_postgres = pytest.mark.skipif(not postgres_available(), reason=f"PostgreSQL at {POSTGRES} not running")
 
 
 # -- what every rank of a job runs ---------------------------------------------------------------------------------

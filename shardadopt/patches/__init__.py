@@ -6,12 +6,10 @@ optuna at module level: the registry applies it when those are imported.
 
 from __future__ import annotations
 
-from shardadopt.patches import accelerate_adopt, accelerate_cpu_parallelism
-from shardadopt.patches import accelerate_checkpoint, trainer_adopt, trainer_checkpoint
-from shardadopt.patches import transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_sharding_sizes
-from shardadopt.patches import trainer_hpo_optuna
-from shardadopt.patches import transformers_tp_grad_accumulation
-from shardadopt.patches import transformers_ep_expert_grad_scale
+from shardadopt.patches import (accelerate_adopt, accelerate_checkpoint, accelerate_cpu_parallelism, trainer_adopt,
+                                trainer_checkpoint, trainer_hpo_optuna, transformers_ep_expert_grad_scale,
+                                transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_sharding_sizes,
+                                transformers_tp_grad_accumulation)
 from shardadopt.registry import Patch
 
 ALL_PATCHES: list[Patch] = [
