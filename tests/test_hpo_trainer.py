@@ -87,7 +87,12 @@ def _child() -> None:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         sys.exit(1)
     (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-    dist.destroy_process_group()
+    # Skip process-group and interpreter teardown: once in CI (transformers 5.15), after a search whose trials built
+    # FSDP/TP device meshes, a worker aborted in a C++ destructor after its results were written ("terminate called
+    # without an active exception"). Tracked as an open item; this test asserts the search semantics.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- what the ranks run ------------------------------------------------------------------------------------------------
