@@ -63,7 +63,6 @@ def make_model(root: str, hidden: int, vocab: int, layers: int) -> str:
 def rank_bench(path: str, root: str, repeats: int) -> dict:
     import gc
 
-    import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor

@@ -88,8 +88,6 @@ def _optuna_alone(calls: int) -> float:
 def _trainer_trials(model_path: str, out: str, n_trials: int, prune: bool) -> float:
     """On every rank: one Trainer search; returns trials per minute."""
     import optuna
-    import torch
-    from torch.utils.data import Dataset
     from transformers import AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
 
     import shardadopt
@@ -97,22 +95,13 @@ def _trainer_trials(model_path: str, out: str, n_trials: int, prune: bool) -> fl
     shardadopt.enable()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
 
-    class Tokens(Dataset):
-        def __init__(self, n, offset=0):
-            self.n, self.offset = n, offset
-
-        def __len__(self):
-            return self.n
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(i + self.offset))
-            return {"input_ids": ids, "labels": ids.clone()}
+    from shardadopt.testing.models import token_dataset
 
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=8, eval_strategy="steps",
                              eval_steps=2, logging_steps=100, report_to=[], save_strategy="no", use_cpu=True,
                              disable_tqdm=True)
     trainer = Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path), args=args,
-                      train_dataset=Tokens(64), eval_dataset=Tokens(8, 1000))
+                      train_dataset=token_dataset(64), eval_dataset=token_dataset(8, 1000))
     trainer.remove_callback(PrinterCallback)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=2) if prune else optuna.pruners.NopPruner()
     start = time.perf_counter()

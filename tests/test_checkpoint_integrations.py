@@ -121,25 +121,18 @@ def accelerate_unpatched(path: str, distributed: dict, directory: str) -> dict:
 
 # -- Trainer -------------------------------------------------------------------------------------------------------
 
-class RandomTokens(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> dict:
-        ids = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids.clone()}
-
-
 def trainer_for(path: str, distributed: dict, out: str, **overrides):
     from transformers import Trainer, TrainingArguments
+
+    from shardadopt.testing.models import token_dataset
 
     model = scenario.load_model(path, distributed)
     options = dict(output_dir=out, per_device_train_batch_size=2, max_steps=6, logging_steps=1,
                    save_strategy="steps", save_steps=2, use_cpu=True, report_to=[], learning_rate=1e-2,
                    lr_scheduler_type="linear", seed=7, disable_tqdm=True)
     options.update(overrides)
-    return Trainer(model=model, args=TrainingArguments(**options), train_dataset=RandomTokens(),
-                   eval_dataset=RandomTokens() if "eval_strategy" in overrides else None)
+    return Trainer(model=model, args=TrainingArguments(**options), train_dataset=token_dataset(64),
+                   eval_dataset=token_dataset(64) if "eval_strategy" in overrides else None)
 
 
 def stop_at(step: int):

@@ -100,19 +100,9 @@ def _child() -> None:
 
 def _trainer(model_path: str, out: str, callbacks=(), distributed: dict | None = None, **overrides):
     import torch
-    from torch.utils.data import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    class Tokens(Dataset):
-        def __init__(self, n, offset=0):
-            self.n, self.offset = n, offset
-
-        def __len__(self):
-            return self.n
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(i + self.offset))
-            return {"input_ids": ids, "labels": ids.clone()}
+    from shardadopt.testing.models import token_dataset
 
     settings = dict(output_dir=out, per_device_train_batch_size=PER_DEVICE_BATCH, max_steps=MAX_STEPS,
                     logging_steps=100, report_to=[], save_strategy="no", use_cpu=True, eval_strategy="steps",
@@ -124,7 +114,7 @@ def _trainer(model_path: str, out: str, callbacks=(), distributed: dict | None =
 
         load = {"distributed_config": DistributedConfig(**distributed), "dtype": torch.float32}
     return Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path, **load),
-                   args=TrainingArguments(**settings), train_dataset=Tokens(32), eval_dataset=Tokens(8, 1000),
+                   args=TrainingArguments(**settings), train_dataset=token_dataset(32), eval_dataset=token_dataset(8, 1000),
                    callbacks=list(callbacks))
 
 

@@ -48,7 +48,6 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str], **kwargs: Any) -> Any:
     """Drop-in for ``transformers.integrations.run_hp_search_optuna``; returns the ``BestRun`` (a list of them for
     several objectives) on every rank (upstream: rank 0 only)."""
-    import optuna
     import torch.distributed as dist
     from transformers.trainer_utils import BestRun
 

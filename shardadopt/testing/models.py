@@ -109,3 +109,18 @@ def hand_sharded_mlp(layout: str, width: int = 4):
         parallelize_module(model[0], init_device_mesh("cpu", (world,), mesh_dim_names=("a",)), ColwiseParallel())
         parallelize_module(model[2], init_device_mesh("cpu", (world,), mesh_dim_names=("b",)), RowwiseParallel())
     return model
+
+
+def token_dataset(n: int, offset: int = 0, seq_len: int = 16):
+    """``n`` deterministic causal-LM samples ``{"input_ids", "labels"}`` (sample i seeded by ``i + offset``)."""
+    import torch
+
+    class TokenDataset(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return n
+
+        def __getitem__(self, i: int) -> dict:
+            ids = torch.randint(0, VOCAB_SIZE, (seq_len,), generator=torch.Generator().manual_seed(i + offset))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    return TokenDataset()
