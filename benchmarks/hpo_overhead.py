@@ -48,13 +48,7 @@ def _round_trips(calls: int) -> dict:
     timings: dict = {}
 
     def objective(trial):
-        pairs = []
-        for step in range(calls):
-            start = time.perf_counter()
-            trial.report(1.0 / (step + 1), step)
-            trial.should_prune()
-            pairs.append(time.perf_counter() - start)
-        timings["pair"] = pairs
+        timings["pair"] = _report_prune_ms(trial, calls)
         return 0.0
 
     study = optuna.create_study(pruner=optuna.pruners.MedianPruner()) if rank == 0 else None
@@ -67,15 +61,11 @@ def _round_trips(calls: int) -> dict:
         start = time.perf_counter()
         dist.broadcast(flag, src=0, group=group)
         broadcasts.append(time.perf_counter() - start)
-    return {"pair": statistics.median(timings["pair"]) * 1e3, "broadcast": statistics.median(broadcasts) * 1e3}
+    return {"pair": timings["pair"], "broadcast": statistics.median(broadcasts) * 1e3}
 
 
-def _optuna_alone(calls: int) -> float:
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    study = optuna.create_study(pruner=optuna.pruners.MedianPruner())
-    trial = study.ask()
+def _report_prune_ms(trial, calls: int) -> float:
+    """Median milliseconds of one report + should_prune round trip on ``trial``."""
     pairs = []
     for step in range(calls):
         start = time.perf_counter()
@@ -83,6 +73,14 @@ def _optuna_alone(calls: int) -> float:
         trial.should_prune()
         pairs.append(time.perf_counter() - start)
     return statistics.median(pairs) * 1e3
+
+
+def _optuna_alone(calls: int) -> float:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study(pruner=optuna.pruners.MedianPruner())
+    return _report_prune_ms(study.ask(), calls)
 
 
 def _trainer_trials(model_path: str, out: str, n_trials: int, prune: bool) -> float:
