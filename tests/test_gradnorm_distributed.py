@@ -60,16 +60,17 @@ def layout_run(path: str, config: dict) -> dict:
 
     import shardadopt
 
-    # The backports (F2 on 5.15/5.16: grouped-GEMM sentinel rows are uninitialised memory, NaN now and then even on
-    # CPU; F3: EP router gradients) make old releases' EP gradients correct; this file tests the norm over them.
+    # The backports (F2 on 5.15/5.16: the grouped GEMM's backward leaves the sentinel-tail rows of d_input
+    # undefined, NaN now and then even on CPU; F3: EP router gradients) make old releases' EP gradients correct; this
+    # file tests the norm over them. F2 acts in the experts' forward, so they stay enabled through the backward.
     shardadopt.enable()
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                      distributed_config=DistributedConfig(**config))
+        ids = token_batch(BATCH_SEED, 2)
+        model(input_ids=ids, labels=ids).loss.backward()
     finally:
         shardadopt.disable()
-    ids = token_batch(BATCH_SEED, 2)
-    model(input_ids=ids, labels=ids).loss.backward()
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     grads = [p.grad for _, p in named]
     # Old transformers keep TP/EP shards as plain tensors: the topology says how many ranks hold each.
