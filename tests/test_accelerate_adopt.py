@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.selftest.accelerate import (compare_training, eval_rank, train_rank, train_reference)
+from shardadopt.selftest.trainer import distributed_sizes
 
 
 def _new_transformers() -> bool:
@@ -14,17 +15,15 @@ def _new_transformers() -> bool:
     return Version(transformers.__version__) >= Version("5.17")
 
 
-# (model, DistributedConfig sizes, data-parallel size) per layout; EP before 5.17 is enable_expert_parallel on tp.
-LAYOUTS = {
-    "fsdp": ("llama", {"fsdp_size": 2}, 2),
-    "tp": ("qwen3", {"tp_size": 2}, 1),
-    "ep": ("qwen3moe", {"ep_size": 2, "fsdp_size": 2}, 2),
-}
-LEGACY_EP = ("qwen3moe", {"tp_size": 2, "enable_expert_parallel": True}, 1)
+# The model per layout; the DistributedConfig sizes come from the installed transformers (EP without ep_size is
+# enable_expert_parallel on the tp mesh).
+MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe"}
 
 
-def _layout(name: str):
-    return LEGACY_EP if name == "ep" and not _new_transformers() else LAYOUTS[name]
+def _layout(name: str) -> tuple[str, dict, int]:
+    """(model, DistributedConfig sizes, data-parallel size) on 2 ranks."""
+    sizes, dp = distributed_sizes(name, 2)
+    return MODELS[name], sizes, dp
 
 
 @pytest.fixture(scope="module")
