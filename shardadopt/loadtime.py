@@ -4,23 +4,66 @@ transformers 5.18+ stamps ``model._tp_size`` and ``model._fsdp_size`` where it a
 (``maybe_distribute_model``) and exposes ``model.fsdp_size``; Trainer and accelerate read them to build their
 ``ParallelismConfig``. 5.15 sets ``_tp_size`` only when ``tp_size > 1``, 5.16 never sets it, and 5.15 .. 5.17 never
 record ``_fsdp_size``. :func:`record_sharding_degrees` does what 5.18 does.
+
+transformers 5.16 and 5.17 accept ``DistributedConfig(fsdp_size=N, tp_size=M)`` but shard with tensor parallelism
+alone; :func:`refuse_fsdp_with_tp` turns that into an error before any rank builds a mesh.
+
+transformers 5.18+ build new device meshes, with a new process group per mesh dimension, on every ``from_pretrained``
+with a ``DistributedConfig``, and nothing destroys them: a hyperparameter search whose ``model_init`` shards while
+loading gains 6 process groups per trial (each with its own connections and threads; NCCL communicators hold GPU
+memory). :func:`reuse_device_mesh` builds the meshes once per layout and process group and hands them out again.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["record_sharding_degrees"]
+__all__ = ["UnsupportedShardingError", "clear_device_mesh_cache", "record_sharding_degrees", "refuse_fsdp_with_tp",
+           "reuse_device_mesh"]
+
+
+class UnsupportedShardingError(ValueError):
+    """The installed transformers cannot shard a model the way its ``DistributedConfig`` asks."""
+
+
+def _as_config(distributed_config: Any) -> Any:
+    if isinstance(distributed_config, dict):
+        from transformers.distributed import DistributedConfig
+
+        return DistributedConfig.from_dict(distributed_config)
+    return distributed_config
+
+
+def refuse_fsdp_with_tp(distributed_config: Any, transformers_version: str) -> None:
+    """Raise :class:`UnsupportedShardingError` if ``distributed_config`` asks for ``fsdp_size`` and ``tp_size`` both
+    above 1, for a transformers release that applies only one of them.
+
+    Such a release (5.16, 5.17) builds a ``tp_size``-rank mesh and applies tensor parallelism alone: FSDP is never
+    applied, ranks outside that mesh fail with an ``IndexError`` and the others wait for them in collectives. The
+    check reads only the config, so every rank raises the same error before any collective.
+    """
+    if distributed_config is None:
+        return
+    # A dict is read as is: building a DistributedConfig from it may already refuse the combination (5.15).
+    sizes = distributed_config if isinstance(distributed_config, dict) else vars(distributed_config)
+    fsdp_size = sizes.get("fsdp_size") or 1
+    tp_size = sizes.get("tp_size") or 1
+    if fsdp_size > 1 and tp_size > 1:
+        raise UnsupportedShardingError(
+            f"DistributedConfig(fsdp_size={fsdp_size}, tp_size={tp_size}) asks for fully-sharded x tensor-parallel "
+            f"(2-D) loading, which transformers {transformers_version} cannot do: it accepts the config but applies "
+            f"tensor parallelism alone on a {tp_size}-rank mesh, so FSDP is never applied and the ranks outside that "
+            f"mesh fail. Upgrade to transformers>=5.18 for 2-D loading, or set only one of fsdp_size / tp_size.")
 
 
 def record_sharding_degrees(model: Any, distributed_config: Any) -> Any:
     """Stamp ``_tp_size`` / ``_fsdp_size`` (and ``fsdp_size`` where the class has no such property) on ``model``."""
+    distributed_config = _as_config(distributed_config)
     if distributed_config is None:
         return model
-    if isinstance(distributed_config, dict):
-        from transformers.distributed import DistributedConfig
-
-        distributed_config = DistributedConfig.from_dict(distributed_config)
     tp_size = getattr(distributed_config, "tp_size", None) or 1
     fsdp_size = getattr(distributed_config, "fsdp_size", None) or 1
     model._tp_size = tp_size
@@ -29,3 +72,65 @@ def record_sharding_degrees(model: Any, distributed_config: Any) -> Any:
         # An instance attribute, not a class property, so only models sharded at load time gain it.
         model.fsdp_size = fsdp_size
     return model
+
+
+_MESHES: dict[tuple, tuple[Any, Any, Any]] = {}  # layout key -> (default group, device_map, mesh)
+_MESHES_LOCK = threading.Lock()
+
+
+def _layout_key(distributed_config: Any) -> tuple:
+    """Every ``*_size`` field of the config (what the mesh shapes are made of) and the accelerator type."""
+    import torch
+
+    sizes = distributed_config if isinstance(distributed_config, dict) else {
+        field.name: getattr(distributed_config, field.name) for field in dataclasses.fields(distributed_config)}
+    return (torch._C._get_accelerator().type,
+            tuple(sorted((name, value) for name, value in sizes.items() if name.endswith("_size"))))
+
+
+def _device_meshes(mesh: Any) -> list[Any]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    candidates = [mesh, *(getattr(mesh, name, None) for name in ("_dense_mesh", "_expert_mesh"))]
+    return [candidate for candidate in candidates if isinstance(candidate, DeviceMesh)]
+
+
+def _alive(mesh: Any) -> bool:
+    """Whether every process group behind ``mesh`` is still registered (none was destroyed)."""
+    import torch.distributed as dist
+
+    meshes = _device_meshes(mesh)
+    try:
+        groups = [group for device_mesh in meshes for group in device_mesh.get_all_groups()]
+    except Exception:  # noqa: BLE001  (torch fails the lookup of a destroyed group's name in various ways)
+        return False
+    registered = dist.distributed_c10d._world.pg_map
+    return bool(meshes) and all(group in registered for group in groups)
+
+
+def reuse_device_mesh(distributed_config: Any, build: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+    """``build()`` -> ``(device_map, mesh)`` once per layout; later calls with the same layout return the same pair.
+
+    The layout is every ``*_size`` field of ``distributed_config`` on this process's accelerator, within one default
+    process group: a re-initialised world, or a mesh whose process group was destroyed, builds afresh. Every rank
+    takes the same path (the key is the same on every rank), so a build stays a collective that all ranks join.
+    Models loaded with the same layout then share one mesh, as the parts of a torchtitan model do.
+    """
+    import torch.distributed as dist
+
+    key = _layout_key(distributed_config)
+    with _MESHES_LOCK:
+        cached = _MESHES.get(key)
+        if (cached is not None and dist.is_initialized() and cached[0] is dist.group.WORLD
+                and _alive(cached[2])):
+            return cached[1], cached[2]
+        device_map, mesh = build()  # may initialise the default process group itself
+        if mesh is not None and dist.is_initialized():
+            _MESHES[key] = (dist.group.WORLD, device_map, mesh)
+        return device_map, mesh
+
+
+def clear_device_mesh_cache() -> None:
+    """Forget the meshes :func:`reuse_device_mesh` handed out (their process groups stay as they are)."""
+    with _MESHES_LOCK:
+        _MESHES.clear()

@@ -105,13 +105,9 @@ def twod_grads(path: str, micro_batches: int, exclude: list[str], shapes: dict[s
 
 
 def twod_unsupported() -> str | None:
-    from transformers.distributed import DistributedConfig
+    from shardadopt.selftest.trainer import unloadable_reason
 
-    try:
-        DistributedConfig(fsdp_size=2, tp_size=2)
-    except ValueError as exc:
-        return f"this transformers cannot load fsdp_size x tp_size: {exc}"
-    return None
+    return unloadable_reason({"fsdp_size": 2, "tp_size": 2})
 
 
 # -- tests ----------------------------------------------------------------------------------------------------------

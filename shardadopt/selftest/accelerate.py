@@ -238,7 +238,7 @@ def _multiple_of(needed: int):
 
 
 def _two_d_unsupported(nproc: int) -> str | None:
-    """fsdp x tp needs 4 ranks and a transformers that loads it (not 5.15)."""
+    """fsdp x tp needs 4 ranks and a transformers that loads it (5.18 and newer)."""
     from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
 
     try:

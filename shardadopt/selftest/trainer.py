@@ -62,11 +62,29 @@ def distributed_sizes(layout: str, world: int = 2) -> tuple[dict[str, Any], int]
         if "dp_replicate_size" not in fields:
             raise LayoutUnsupported("this transformers' DistributedConfig has no dp_replicate_size (HSDP)")
         return {"dp_replicate_size": 2, "fsdp_size": 2}, 4
-    try:
-        DistributedConfig(fsdp_size=2, tp_size=2)
-    except ValueError as exc:
-        raise LayoutUnsupported(f"this transformers refuses fsdp_size x tp_size: {exc}") from None
+    reason = unloadable_reason({"fsdp_size": 2, "tp_size": 2})
+    if reason:
+        raise LayoutUnsupported(reason)
     return {"fsdp_size": 2, "tp_size": 2}, 2
+
+
+def unloadable_reason(sizes: dict[str, Any]) -> str | None:
+    """Why the installed transformers cannot load a model with ``DistributedConfig(**sizes)``, or None."""
+    from transformers.distributed import DistributedConfig
+
+    from shardadopt.patches.transformers_fsdp_tp_refused import probe as fsdp_tp_refused
+
+    try:
+        DistributedConfig(**sizes)
+    except (TypeError, ValueError) as exc:
+        return f"this transformers refuses DistributedConfig({_kwargs(sizes)}): {exc}"
+    if (sizes.get("fsdp_size") or 1) > 1 and (sizes.get("tp_size") or 1) > 1 and fsdp_tp_refused().needed:
+        return "this transformers accepts fsdp_size x tp_size but applies TP alone (shardadopt refuses it)"
+    return None
+
+
+def _kwargs(sizes: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in sizes.items())
 
 
 class TokenDataset:
