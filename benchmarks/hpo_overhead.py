@@ -6,8 +6,10 @@ throughput with 1 vs 2 concurrent jobs.
 
 1. Per ``report`` + ``should_prune`` on 2 and 4 gloo ranks (``DistributedTrial`` inside ``shardadopt.hpo.optimize``,
    MedianPruner, in-memory storage): the median wall time per pair on rank 0, side by side with the floor the
-   FINDINGS name (one ``dist.broadcast`` of a one-byte tensor on the same gloo group) and with the same Optuna calls
-   in one process (what rank 0 spends in Optuna itself). Target: < 2 ms median.
+   FINDINGS name (one ``dist.broadcast`` of a one-byte tensor on the same gloo group), with one bare
+   ``dist.all_reduce`` of a control round's table (world x 4 int64: the collective a round is made of, so
+   ``rt/all_reduce`` is shardadopt's own share) and with the same Optuna calls in one process (what rank 0 spends
+   in Optuna itself). Target: < 2 ms median. With more ranks than cores the collectives wait for the scheduler.
 2. ``Trainer.hyperparameter_search`` on 2 ranks with the tiny qwen3 model: trials per minute without pruning
    (NopPruner) and with MedianPruner, same sampler seed.
 3. Study throughput: ``--study-trials`` trials of a cheap objective (``STUDY_STEPS`` steps, each a sleep standing in
@@ -56,12 +58,18 @@ def _round_trips(calls: int) -> dict:
 
     group = control_group(control_timeout())
     flag = torch.zeros(1, dtype=torch.uint8)
-    broadcasts = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        dist.broadcast(flag, src=0, group=group)
-        broadcasts.append(time.perf_counter() - start)
-    return {"pair": timings["pair"], "broadcast": statistics.median(broadcasts) * 1e3}
+    table = torch.zeros(dist.get_world_size(), 4, dtype=torch.int64)  # the size of one control round's message
+    floors = {"broadcast": lambda: dist.broadcast(flag, src=0, group=group),
+              "all_reduce": lambda: dist.all_reduce(table, group=group)}
+    result = {"pair": timings["pair"]}
+    for name, collective in floors.items():
+        samples = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            collective()
+            samples.append(time.perf_counter() - start)
+        result[name] = statistics.median(samples) * 1e3
+    return result
 
 
 def _report_prune_ms(trial, calls: int) -> float:
@@ -188,12 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     quiet = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     alone = _optuna_alone(options.calls)
     print(f"report+should_prune, median of {options.calls} (ms); target < 2 ms")
-    print(f"  {'ranks':>5} {'round trip':>11} {'1-byte broadcast':>17} {'optuna alone':>13} {'ratio rt/broadcast':>19}")
+    print(f"  {'ranks':>5} {'round trip':>11} {'1-byte broadcast':>17} {'bare all_reduce':>16} {'optuna alone':>13} "
+          f"{'rt/broadcast':>13} {'rt/all_reduce':>14}")
     for nproc in options.ranks:
         with RankPool(nproc, env=quiet) as pool:
             result = pool.run(_round_trips, options.calls, timeout=600)[0]
-        print(f"  {nproc:>5} {result['pair']:>11.3f} {result['broadcast']:>17.3f} {alone:>13.3f} "
-              f"{result['pair'] / result['broadcast']:>19.2f}", flush=True)
+        print(f"  {nproc:>5} {result['pair']:>11.3f} {result['broadcast']:>17.3f} {result['all_reduce']:>16.3f} "
+              f"{alone:>13.3f} {result['pair'] / result['broadcast']:>13.2f} "
+              f"{result['pair'] / result['all_reduce']:>14.2f}", flush=True)
     if not options.skip_study:
         with tempfile.TemporaryDirectory() as root:
             storage = options.study_storage or f"journal://{root}/study.log"
