@@ -18,7 +18,7 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
-from shardadopt.selftest.trainer import distributed_sizes, full_grads
+from shardadopt.selftest.trainer import distributed_sizes, full_grads, single_process_grads
 
 SIZES = "transformers-sharding-sizes"
 SENTINEL = "transformers-ep-grouped-mm-sentinel"
@@ -113,15 +113,7 @@ def ep_gradients(models: dict[str, str], exclude: list[str], nan_tail: bool) -> 
 
 @pytest.fixture(scope="module")
 def ep_reference(tiny_models) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    from shardadopt.testing import token_batch
-
-    _, dp = distributed_sizes("ep")
-    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"], dtype=torch.float32)
-    batch = token_batch(SEED, PER_RANK_BATCH * dp)
-    model(input_ids=batch, labels=batch).loss.backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return single_process_grads(tiny_models["qwen3moe"], "ep", SEED, per_rank_batch=PER_RANK_BATCH)
 
 
 def mismatched(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> list[str]:

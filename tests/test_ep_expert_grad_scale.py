@@ -14,7 +14,7 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
-from shardadopt.selftest.trainer import distributed_sizes, full_grads
+from shardadopt.selftest.trainer import distributed_sizes, full_grads, single_process_grads
 
 ID = "transformers-ep-expert-grad-scale"
 PER_RANK_BATCH = 2
@@ -50,15 +50,7 @@ def ep_gradients(models: dict[str, str], exclude: list[str], micro_batches: int)
 
 @pytest.fixture(scope="module")
 def reference(tiny_models) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    from shardadopt.testing import token_batch
-
-    _, dp = distributed_sizes("ep")
-    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"], dtype=torch.float32)
-    batch = token_batch(SEED, PER_RANK_BATCH * dp)
-    model(input_ids=batch, labels=batch).loss.backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    return single_process_grads(tiny_models["qwen3moe"], "ep", SEED, per_rank_batch=PER_RANK_BATCH)
 
 
 def state() -> str:

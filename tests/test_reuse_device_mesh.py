@@ -15,7 +15,7 @@ import torch
 from packaging.version import Version
 
 import shardadopt
-from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes, full_grads
+from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes, full_grads, single_process_grads
 
 pytestmark = pytest.mark.multiproc
 
@@ -144,20 +144,14 @@ def test_repeated_loads_add_no_process_groups(pool2, tiny_models):
 @pytest.fixture(scope="module")
 def reference(tiny_models):
     """One process's gradients per model on each layout's global batch."""
-    from transformers import AutoModelForCausalLM
-
     from shardadopt.selftest.trainer import LAYOUTS
-    from shardadopt.testing import token_batch
 
     cache: dict[str, dict] = {}
 
     def get(layout: str, world: int) -> dict:
         if layout not in cache:
-            _, dp = distributed_sizes(layout, world)
-            model = AutoModelForCausalLM.from_pretrained(tiny_models[LAYOUTS[layout].model], dtype=torch.float32)
-            batch = token_batch(SEED, PER_RANK_BATCH * dp)
-            model(input_ids=batch, labels=batch).loss.backward()
-            cache[layout] = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+            cache[layout] = single_process_grads(tiny_models[LAYOUTS[layout].model], layout, SEED,
+                                                 per_rank_batch=PER_RANK_BATCH, world=world)
         return cache[layout]
 
     return get

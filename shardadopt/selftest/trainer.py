@@ -208,14 +208,21 @@ def ep_grads_rank(ctx: Context) -> dict[str, Any]:
 
 
 def ep_grads_reference(ctx: Context) -> dict[str, Any]:
+    return single_process_grads(ctx.models["qwen3moe"], "ep", EP_SEED, world=ctx.nproc)
+
+
+def single_process_grads(path: str, layout: str, seed: int, *, per_rank_batch: int = PER_RANK_BATCH,
+                         world: int = 2) -> dict[str, Any]:
+    """The reference for a sharded backward: one process's gradients of the unsharded checkpoint after one backward
+    on ``layout``'s global batch over ``world`` ranks (``per_rank_batch`` rows per data-parallel rank)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from shardadopt.testing import token_batch
 
-    _, dp = distributed_sizes("ep", ctx.nproc)
-    model = AutoModelForCausalLM.from_pretrained(ctx.models["qwen3moe"], dtype=torch.float32)
-    batch = token_batch(EP_SEED, PER_RANK_BATCH * dp)
+    _, dp = distributed_sizes(layout, world)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    batch = token_batch(seed, per_rank_batch * dp)
     model(input_ids=batch, labels=batch).loss.backward()
     return {name: p.grad.detach().float().cpu() for name, p in model.named_parameters()}
 
