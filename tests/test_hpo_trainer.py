@@ -134,15 +134,19 @@ def _search(trainer, storage=None, **kwargs):
 
 
 def _recorder():
-    """A callback recording, on this rank, each trial's number, parameters and evaluations."""
+    """A callback recording, on this rank, each trial's parameters and evaluations, and the number of process groups
+    once the trial's model is built."""
+    import torch.distributed as dist
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
         def __init__(self):
             self.trials = []
+            self.process_groups = []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.trials.append([state.trial_params and dict(state.trial_params), 0])
+            self.process_groups.append(len(dist.distributed_c10d._world.pg_map))
 
         def on_evaluate(self, args, state, control, **kwargs):
             self.trials[-1][1] += 1
@@ -236,7 +240,7 @@ def sharded_searches(model_path: str, out: str) -> dict:
         recorder = _recorder()
         storage = f"sqlite:///{out}/{layout}.db"
         best = _search(_trainer(model_path, out, [recorder], distributed=sizes), storage=storage)
-        result[layout] = {"best": best, "seen": recorder.trials, "dp": dp,
+        result[layout] = {"best": best, "seen": recorder.trials, "dp": dp, "groups": recorder.process_groups,
                           "table": _table(storage) if dist.get_rank() == 0 else None}
     return result
 
@@ -384,9 +388,12 @@ def test_trainer_searches_prune_fail_timeout_and_sharded_model_init(tiny_models,
     assert r0["multi"] == r1["multi"] and len(r0["multi"]) >= 1
     assert all(len(values) == 2 for _, values in r0["multi"])
 
-    # model_init shards while loading (FSDP, then TP): the same guarantees
+    # model_init shards while loading (FSDP, then TP): the same guarantees, and the trials' models share one mesh
+    # (transformers 5.18+ would add a process group per mesh dimension per trial: transformers-reuse-device-mesh)
     for layout in ("fsdp", "tp"):
         _assert_pruned_in_step(r0[layout], r1[layout], data_parallel=r0[layout]["dp"])
+        for rank in (r0, r1):
+            assert len(set(rank[layout]["groups"])) == 1, f"{layout}: process groups per trial {rank[layout]['groups']}"
 
 
 def _assert_pruned_in_step(rank0: dict, rank1: dict, data_parallel: int) -> None:
