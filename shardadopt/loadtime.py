@@ -21,8 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["UnsupportedShardingError", "clear_device_mesh_cache", "record_sharding_degrees", "refuse_fsdp_with_tp",
-           "reuse_device_mesh"]
+__all__ = ["UnsupportedShardingError", "record_sharding_degrees", "refuse_fsdp_with_tp", "reuse_device_mesh"]
 
 
 class UnsupportedShardingError(ValueError):
@@ -128,9 +127,3 @@ def reuse_device_mesh(distributed_config: Any, build: Callable[[], tuple[Any, An
         if mesh is not None and dist.is_initialized():
             _MESHES[key] = (dist.group.WORLD, device_map, mesh)
         return device_map, mesh
-
-
-def clear_device_mesh_cache() -> None:
-    """Forget the meshes :func:`reuse_device_mesh` handed out (their process groups stay as they are)."""
-    with _MESHES_LOCK:
-        _MESHES.clear()

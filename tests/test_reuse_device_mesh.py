@@ -22,6 +22,10 @@ pytestmark = pytest.mark.multiproc
 ID = "transformers-reuse-device-mesh"
 TRANSFORMERS = Version(version("transformers"))
 BUILDS_MESHES_PER_LOAD = TRANSFORMERS >= Version("5.18")
+# 5.18 builds one (pp, fsdp, tp) mesh, which torch backs with the default group on 2 ranks (new groups only for
+# layouts of several dimensions); the expert mesh beside it adds groups on 2 ranks too (measured on 5.20.2, 5.22.0
+# and 5.24.0: 4, 4 and 6 per load).
+GROUPS_PER_LOAD_ON_TWO_RANKS = TRANSFORMERS >= Version("5.20")
 SEED = 5
 PER_RANK_BATCH = 2
 LOADS = 3
@@ -86,8 +90,9 @@ def shared_mesh_grads(models: dict[str, str], layout: str) -> tuple[bool, dict, 
         shardadopt.disable()
 
 
-def rebuilt_after_destroy(models: dict[str, str]) -> tuple[bool, bool]:
-    """On every rank: load, destroy one of the mesh's process groups, load again: (new mesh?, loss finite?)."""
+def rebuilt_after_destroy(models: dict[str, str]) -> tuple[bool, bool] | None:
+    """On every rank: load, destroy one of the mesh's process groups, load again: (new mesh?, loss finite?); None
+    when the mesh has no group of its own to destroy."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import AutoModelForCausalLM
@@ -106,7 +111,10 @@ def rebuilt_after_destroy(models: dict[str, str]) -> tuple[bool, bool]:
         first = load()
         meshes = [first._device_mesh] if isinstance(first._device_mesh, DeviceMesh) else [
             first._device_mesh._dense_mesh, first._device_mesh._expert_mesh]
-        doomed = next(group for mesh in meshes for group in mesh.get_all_groups() if group is not dist.group.WORLD)
+        doomed = next((group for mesh in meshes for group in mesh.get_all_groups() if group is not dist.group.WORLD),
+                      None)
+        if doomed is None:
+            return None
         dist.destroy_process_group(doomed)
         second = load()
         batch = token_batch(SEED, PER_RANK_BATCH)
@@ -135,8 +143,8 @@ def test_repeated_loads_add_no_process_groups(pool2, tiny_models):
     assert all(count == after_first_round for _, count in patched[0][3:]), patched[0]
     unpatched = pool2.run(group_counts, tiny_models, False)
     growth = unpatched[0][-1][1] - unpatched[0][2][1]
-    if BUILDS_MESHES_PER_LOAD:
-        assert growth > 0, f"transformers {TRANSFORMERS} no longer builds meshes per load: {unpatched[0]}"
+    if GROUPS_PER_LOAD_ON_TWO_RANKS:
+        assert growth > 0, f"transformers {TRANSFORMERS} no longer adds process groups per load: {unpatched[0]}"
     else:
         assert growth == 0, unpatched[0]
 
@@ -182,5 +190,8 @@ def test_two_d_models_sharing_a_mesh_train_like_one_process(pool4, tiny_models, 
 
 @pytest.mark.skipif(not BUILDS_MESHES_PER_LOAD, reason=f"transformers {TRANSFORMERS} builds no per-load meshes")
 def test_a_mesh_with_a_destroyed_group_is_rebuilt(pool2, tiny_models):
-    for rebuilt, finite in pool2.run(rebuilt_after_destroy, tiny_models):
+    results = pool2.run(rebuilt_after_destroy, tiny_models)
+    if results[0] is None:
+        pytest.skip(f"transformers {TRANSFORMERS} backs a 2-rank FSDP mesh with the default group alone")
+    for rebuilt, finite in results:
         assert rebuilt and finite
