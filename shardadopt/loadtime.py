@@ -10,8 +10,9 @@ alone; :func:`refuse_fsdp_with_tp` turns that into an error before any rank buil
 
 transformers 5.18+ build new device meshes, with a new process group per mesh dimension, on every ``from_pretrained``
 with a ``DistributedConfig``, and nothing destroys them: a hyperparameter search whose ``model_init`` shards while
-loading gains 6 process groups per trial (each with its own connections and threads; NCCL communicators hold GPU
-memory). :func:`reuse_device_mesh` builds the meshes once per layout and process group and hands them out again.
+loading gains process groups every trial (6 on 2 ranks with 5.24; each with its own connections and threads, and NCCL
+communicators hold GPU memory). :func:`reuse_device_mesh` builds the meshes once per layout and process group and
+hands them out again.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ class UnsupportedShardingError(ValueError):
     """The installed transformers cannot shard a model the way its ``DistributedConfig`` asks."""
 
 
-def _as_config(distributed_config: Any) -> Any:
+def _sizes(distributed_config: Any) -> dict[str, Any]:
+    """A ``DistributedConfig`` (a dataclass) or its dict form, as a dict. A dict is read as is: building a
+    ``DistributedConfig`` from it may already refuse the combination being checked (5.15)."""
     if isinstance(distributed_config, dict):
-        from transformers.distributed import DistributedConfig
-
-        return DistributedConfig.from_dict(distributed_config)
-    return distributed_config
+        return distributed_config
+    return {field.name: getattr(distributed_config, field.name) for field in dataclasses.fields(distributed_config)}
 
 
 def refuse_fsdp_with_tp(distributed_config: Any, transformers_version: str) -> None:
@@ -46,8 +47,7 @@ def refuse_fsdp_with_tp(distributed_config: Any, transformers_version: str) -> N
     """
     if distributed_config is None:
         return
-    # A dict is read as is: building a DistributedConfig from it may already refuse the combination (5.15).
-    sizes = distributed_config if isinstance(distributed_config, dict) else vars(distributed_config)
+    sizes = _sizes(distributed_config)
     fsdp_size = sizes.get("fsdp_size") or 1
     tp_size = sizes.get("tp_size") or 1
     if fsdp_size > 1 and tp_size > 1:
@@ -60,11 +60,11 @@ def refuse_fsdp_with_tp(distributed_config: Any, transformers_version: str) -> N
 
 def record_sharding_degrees(model: Any, distributed_config: Any) -> Any:
     """Stamp ``_tp_size`` / ``_fsdp_size`` (and ``fsdp_size`` where the class has no such property) on ``model``."""
-    distributed_config = _as_config(distributed_config)
     if distributed_config is None:
         return model
-    tp_size = getattr(distributed_config, "tp_size", None) or 1
-    fsdp_size = getattr(distributed_config, "fsdp_size", None) or 1
+    sizes = _sizes(distributed_config)
+    tp_size = sizes.get("tp_size") or 1
+    fsdp_size = sizes.get("fsdp_size") or 1
     model._tp_size = tp_size
     model._fsdp_size = fsdp_size
     if not isinstance(getattr(type(model), "fsdp_size", None), property):
@@ -81,8 +81,7 @@ def _layout_key(distributed_config: Any) -> tuple:
     """Every ``*_size`` field of the config (what the mesh shapes are made of) and the accelerator type."""
     import torch
 
-    sizes = distributed_config if isinstance(distributed_config, dict) else {
-        field.name: getattr(distributed_config, field.name) for field in dataclasses.fields(distributed_config)}
+    sizes = _sizes(distributed_config)
     return (torch._C._get_accelerator().type,
             tuple(sorted((name, value) for name, value in sizes.items() if name.endswith("_size"))))
 

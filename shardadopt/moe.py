@@ -5,9 +5,9 @@ Two fixes that upstream made in transformers#48205 (released in 5.17), as plain 
 - :func:`grouped_mm_experts_forward`: the ``grouped_mm`` experts forward with the sentinel-tail rows masked after
   *each* grouped GEMM. Under expert parallelism the slots routed to another rank's experts are sorted to the tail,
   beyond ``offsets[-1]``, and ``torch._grouped_mm`` leaves those output rows (forward output and backward
-  ``d_input``) undefined: uninitialised memory, NaN/Inf on CUDA and now and then on CPU. 5.15/5.16 mask only the input and the weighted output, so
-  NaN/Inf from those rows reaches the routing-weight gradient (``0 * NaN``) and, through the experts' gradient
-  all-reduce, every rank's gradients.
+  ``d_input``) undefined: uninitialised memory, NaN/Inf on CUDA and now and then on CPU. 5.15/5.16 mask only the
+  input and the weighted output, so NaN/Inf from those rows reaches the routing-weight gradient (``0 * NaN``) and,
+  through the experts' gradient all-reduce, every rank's gradients.
 - :func:`sum_router_score_grad`: under expert parallelism each rank zeroes the routing scores of experts it does not
   own, so in backward its score gradient covers only its own experts' slots. Summing the score gradient over the EP
   group *before* that mask gives every rank the full gradient (each slot has exactly one owning rank, so the sum is

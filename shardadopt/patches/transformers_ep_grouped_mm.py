@@ -13,9 +13,9 @@ output (``transformers/integrations/moe.py``, ``grouped_mm_experts_forward``)::
     weighted_out.masked_fill_(sentinel_mask, 0.0)
 
 ``torch._grouped_mm`` leaves the rows beyond ``offsets[-1]`` (the slots routed to another rank's experts) undefined
-in its output and in its backward ``d_input``; they hold uninitialised memory (NaN/Inf on CUDA, and on CPU in about one
-of 40 two-rank backward passes of a tiny Qwen3-MoE with torch 2.13), and the routing-weight
-gradient ``0 * NaN`` is NaN. The fix masks each GEMM's output (``proj_out = proj_out.masked_fill(sentinel_mask,
+in its output and in its backward ``d_input``; they hold uninitialised memory (NaN/Inf on CUDA, and on CPU in about
+one of 40 two-rank backward passes of a tiny Qwen3-MoE with torch 2.13), and the routing-weight gradient
+``0 * NaN`` is NaN. The fix masks each GEMM's output (``proj_out = proj_out.masked_fill(sentinel_mask,
 0.0)`` after both ``_grouped_linear`` calls) and drops the post-mask it supersedes.
 
 The patch routes ``ExpertsInterface.get_interface("grouped_mm")`` to :func:`shardadopt.moe.grouped_mm_experts_forward`

@@ -7,12 +7,13 @@
 
 and ``initialize_distributed_mesh`` (``transformers/distributed/utils.py``) calls
 ``torch.distributed.init_device_mesh`` for the dense and the expert mesh each time (5.18: one mesh). Every call
-creates process groups for its dimensions that nothing destroys. Measured on 2 gloo ranks: 6 more per load with 5.24,
-4 with 5.20 / 5.22; 5.18's single mesh adds groups only for layouts of several dimensions (2-D, HSDP), since torch
-backs a mesh over the whole world with the default group. A hyperparameter search whose ``model_init`` shards while loading builds
-one model per trial, so groups, their connections and threads (and, on NCCL, communicators holding GPU memory)
-pile up trial after trial. The wrapper routes the call through :func:`shardadopt.loadtime.reuse_device_mesh`, so
-every load with the same ``*_size`` fields gets the first load's meshes.
+creates process groups for its dimensions that nothing destroys. Measured on 2 gloo ranks: 6 more per load with
+5.24, 4 with 5.20 / 5.22; 5.18's single mesh adds groups only for layouts of several dimensions (2-D, HSDP), since
+torch backs a mesh over the whole world with the default group. A hyperparameter search whose ``model_init`` shards
+while loading builds one model per trial, so groups, their connections and threads (and, on NCCL, communicators
+holding GPU memory) pile up trial after trial. The wrapper routes the call through
+:func:`shardadopt.loadtime.reuse_device_mesh`, so every load with the same ``*_size`` fields gets the first load's
+meshes.
 
 transformers 5.15 .. 5.17 build 1-D meshes over the world, which torch backs with the default process group: nothing
 to reuse (``not-needed``).
