@@ -21,6 +21,7 @@ def doctor(as_json: bool = False) -> int:
 
     rows = versions.report()
     backends = _backends()
+    behaviour = _torch_behaviour(backends)
     shardadopt.enable()
     import_errors = {}
     try:
@@ -36,13 +37,19 @@ def doctor(as_json: bool = False) -> int:
               or any(p["state"] == "unsupported" for p in patches))
     if as_json:
         print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "backends": backends,
-                          "import_errors": import_errors, "patches": patches, "ok": not broken}, indent=2))
+                          "torch_behaviour": behaviour, "import_errors": import_errors, "patches": patches,
+                          "ok": not broken}, indent=2))
         return 1 if broken else 0
     print(f"shardadopt {shardadopt.__version__}")
     for row in rows:
         mark = "ok " if row["ok"] else "BAD"
         print(f"  {mark} {row['name']:<13} {row['installed'] or 'not installed':<16} supported {row['supported']}")
     print("backends: " + ", ".join(f"{name}={'yes' if ok else 'no'}" for name, ok in backends.items()))
+    if behaviour:
+        print("torch behaviour (workarounds stay on either way):")
+    for row in behaviour:
+        state = "fixed in this torch" if row["fixed"] else "still there"
+        print(f"  {row['name']:<42} {state:<20} {row['workaround']}")
     for module, error in import_errors.items():
         print(f"  BAD import {module}: {error}")
     print(f"patches ({len(patches)}):")
@@ -63,6 +70,14 @@ def _backends() -> dict[str, bool]:
     return {"gloo": dist.is_available() and dist.is_gloo_available(),
             "nccl": dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available(),
             "cuda": torch.cuda.is_available()}
+
+
+def _torch_behaviour(backends: dict[str, bool]) -> list[dict[str, Any]]:
+    if not backends.get("gloo"):  # torch itself is missing (or has no torch.distributed): nothing to probe
+        return []
+    from shardadopt import torchprobe
+
+    return torchprobe.report(("cpu", "cuda") if backends.get("cuda") else ("cpu",))
 
 
 def selftest(nproc: int, device: str, only: Sequence[str] | None, timeout: float) -> int:
