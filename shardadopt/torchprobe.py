@@ -37,7 +37,8 @@ def fused_adamw_strided_ok(device: str = "cpu") -> bool:
         optimizer.step()
         return param.detach().cpu()
 
-    return torch.equal(step(fused=True), step(fused=False))
+    # A mis-update is off by about the learning rate; fused kernels may differ from the loop in the last bits.
+    return torch.allclose(step(fused=True), step(fused=False), rtol=1e-5, atol=1e-6)
 
 
 @functools.cache
