@@ -374,8 +374,12 @@ def load_rng_state(directory: str) -> bool:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])  # the current device's, as saved
+        else:
+            warnings.warn(f"{path} holds a CUDA RNG state, but CUDA is not available here: the CPU, python and "
+                          f"numpy RNG states are restored, CUDA random streams are not", stacklevel=3)
     return True
 
 
@@ -546,6 +550,29 @@ def _pieces(tensor: Any) -> list[tuple[int, tuple[slice, ...]]] | None:
     return out
 
 
+# Device types each backend's send/recv take (torch.distributed's backend table): gloo's point-to-point hands the
+# tensor's data pointer to its TCP transport, so CUDA tensors must not reach it; NCCL takes CUDA tensors only.
+_P2P_DEVICE_TYPES = {"gloo": ("cpu",), "nccl": ("cuda",), "xccl": ("xpu",)}
+
+
+def _p2p_device(local: torch.device) -> torch.device:
+    """Where a tensor on ``local`` goes through ``dist.send``/``dist.recv`` on the default group: ``local`` when
+    the backend serving that device type sends it (CUDA on NCCL, CPU on gloo, either on ``cpu:gloo,cuda:nccl``),
+    else a device that backend does send (CPU shards under NCCL: the current GPU; CUDA shards under gloo: CPU)."""
+    backend = str(dist.get_backend())
+    if ":" in backend:  # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
+        served = [tuple(item.split(":", 1)) for item in backend.split(",")]
+    else:
+        served = [(kind, backend) for kind in dist.distributed_c10d._device_capability()]
+    usable = [kind for kind, name in served if kind in _P2P_DEVICE_TYPES.get(name, (kind,))]
+    if local.type in usable or not usable:
+        return local
+    kind = "cpu" if "cpu" in usable else usable[0]
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
 def _gather_to_root(tensor: torch.Tensor) -> torch.Tensor | None:
     """The full tensor on CPU on global rank 0, ``None`` elsewhere; a collective in the same order on every rank.
 
@@ -561,19 +588,20 @@ def _gather_to_root(tensor: torch.Tensor) -> torch.Tensor | None:
         value = _full_value(tensor)
         return value if rank == 0 else None
     local = tensor.to_local().detach()
+    wire = _p2p_device(local.device)
     if rank != 0:
         if any(source == rank for source, _ in pieces):
-            dist.send(local.contiguous(), dst=0)
+            dist.send(local.to(wire).contiguous(), dst=0)
         return None
     full_value = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     for source, box in pieces:
         target = full_value[box]
         if source == 0:
             target.copy_(local)
-        elif target.is_contiguous() and local.device.type == "cpu":
+        elif target.is_contiguous() and wire.type == "cpu":
             dist.recv(target, src=source)
-        else:  # a non-contiguous box (a Shard(1) piece) or a device tensor: through one piece-sized buffer
-            buffer = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+        else:  # a non-contiguous box (a Shard(1) piece) or a device wire: through one piece-sized buffer
+            buffer = torch.empty(target.shape, dtype=local.dtype, device=wire)
             dist.recv(buffer, src=source)
             target.copy_(buffer)
             del buffer

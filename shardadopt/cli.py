@@ -21,6 +21,7 @@ def doctor(as_json: bool = False) -> int:
 
     rows = versions.report()
     backends = _backends()
+    behaviour = _torch_behaviour(backends)
     shardadopt.enable()
     import_errors = {}
     try:
@@ -36,13 +37,19 @@ def doctor(as_json: bool = False) -> int:
               or any(p["state"] == "unsupported" for p in patches))
     if as_json:
         print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "backends": backends,
-                          "import_errors": import_errors, "patches": patches, "ok": not broken}, indent=2))
+                          "torch_behaviour": behaviour, "import_errors": import_errors, "patches": patches,
+                          "ok": not broken}, indent=2))
         return 1 if broken else 0
     print(f"shardadopt {shardadopt.__version__}")
     for row in rows:
         mark = "ok " if row["ok"] else "BAD"
         print(f"  {mark} {row['name']:<13} {row['installed'] or 'not installed':<16} supported {row['supported']}")
     print("backends: " + ", ".join(f"{name}={'yes' if ok else 'no'}" for name, ok in backends.items()))
+    if behaviour:
+        print("torch behaviour (workarounds stay on either way):")
+    for row in behaviour:
+        state = "fixed in this torch" if row["fixed"] else "still there"
+        print(f"  {row['name']:<42} {state:<20} {row['workaround']}")
     for module, error in import_errors.items():
         print(f"  BAD import {module}: {error}")
     print(f"patches ({len(patches)}):")
@@ -65,18 +72,35 @@ def _backends() -> dict[str, bool]:
             "cuda": torch.cuda.is_available()}
 
 
-def selftest(nproc: int, device: str, only: Sequence[str] | None, timeout: float) -> int:
-    from shardadopt.selftest import run_selftest
+def _torch_behaviour(backends: dict[str, bool]) -> list[dict[str, Any]]:
+    if not backends.get("gloo"):  # torch itself is missing (or has no torch.distributed): nothing to probe
+        return []
+    from shardadopt import torchprobe
 
+    return torchprobe.report(("cpu", "cuda") if backends.get("cuda") else ("cpu",))
+
+
+def selftest(nproc: int, device: str, only: Sequence[str] | None, timeout: float, backend: str | None = None) -> int:
+    from shardadopt.selftest import run_selftest
+    from shardadopt.testing.pool import default_backend
+
+    backend = backend or default_backend(device)
+    if device == "cpu" and backend != "gloo":
+        print(f"selftest --device cpu runs on gloo, not {backend}", file=sys.stderr)
+        return 2
     if device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < nproc:
-            print(f"selftest --device cuda needs {nproc} GPUs, found {torch.cuda.device_count()}; "
-                  f"pass --nproc {max(torch.cuda.device_count(), 1)} or --device cpu", file=sys.stderr)
+        found = torch.cuda.device_count()
+        if found == 0:
+            print("selftest --device cuda: no CUDA device here; pass --device cpu", file=sys.stderr)
             return 2
-    print(f"shardadopt selftest: {nproc} ranks on {device}")
-    outcomes = run_selftest(nproc=nproc, device=device, only=only, timeout=timeout)
+        if backend == "nccl" and found < nproc:  # NCCL refuses two ranks on one GPU
+            print(f"selftest --device cuda needs {nproc} GPUs on nccl, found {found}; pass --nproc {found}, "
+                  f"--backend gloo (ranks share the GPUs) or --device cpu", file=sys.stderr)
+            return 2
+    print(f"shardadopt selftest: {nproc} ranks on {device} ({backend})")
+    outcomes = run_selftest(nproc=nproc, device=device, only=only, timeout=timeout, backend=backend)
     failed = [o for o in outcomes if not o.ok]
     print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed else 0
@@ -90,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
     test = sub.add_parser("selftest", help="run every capability on worker processes against one process")
     test.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
     test.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    test.add_argument("--backend", choices=["gloo", "nccl"], default=None,
+                      help="process group backend (default: gloo on cpu, nccl on cuda; gloo on cuda lets ranks share "
+                           "a GPU)")
     test.add_argument("--only", nargs="+", metavar="SCENARIO", help="run only these scenarios")
     test.add_argument("--timeout", type=float, default=300.0, help="seconds per scenario before it fails")
     from shardadopt.hpo.report import add_commands
@@ -112,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"shardadopt hpo: {exc}", file=sys.stderr)
             return 2
     try:
-        return selftest(args.nproc, args.device, args.only, args.timeout)
+        return selftest(args.nproc, args.device, args.only, args.timeout, args.backend)
     except ValueError as exc:
         print(f"shardadopt selftest: {exc}", file=sys.stderr)
         return 2

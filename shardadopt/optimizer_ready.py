@@ -7,7 +7,8 @@ Two upstream states make an optimizer built from ``model.parameters()`` silently
   FSDP discards, and those weights never train (:func:`reshard_fsdp_modules`);
 - transformers 5.15's tensor parallelism keeps row-parallel shards as plain, non-contiguous views into the full
   loaded weight (which stays alive behind them); torch's fused AdamW on CPU mis-updates non-contiguous parameters
-  (each step off by up to 2x the learning rate) (:func:`make_shards_contiguous`).
+  (each step off by up to 2x the learning rate; torch 2.13-2.15, :func:`shardadopt.torchprobe.fused_adamw_strided_ok`)
+  (:func:`make_shards_contiguous`).
 """
 
 from __future__ import annotations

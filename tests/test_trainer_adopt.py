@@ -8,7 +8,8 @@ Against a single-process Trainer on the same global batches (fp32, rtol 1e-5):
 - ``optim="adamw_torch_fused"`` on TP and EP models (F4/F5 through Trainer: the optimizer sees parameters on
   several meshes, or DTensors next to plain tensors, and Trainer clips over all of them). On transformers 5.15
   the TP row-parallel shards are non-contiguous views, which torch's fused CPU AdamW mis-updates when their grads
-  are contiguous; the patch gives them their own storage before the optimizer is built.
+  are contiguous; the patch gives them their own storage before the optimizer is built (that torch behaviour
+  itself: tests/test_torch_behaviour.py).
 """
 
 from __future__ import annotations
@@ -98,25 +99,3 @@ def test_fused_optimizer_matches_single_process(pool2, tiny_models, layout):
         problem = compare_logs(result, expected)
         assert problem is None, f"{layout} rank {rank}: {problem}"
 
-
-def test_fused_adamw_needs_contiguous_shards():
-    """Why create_optimizer makes plain shards contiguous: transformers 5.15 TP leaves row-parallel shards as
-    strided views, and torch's fused CPU AdamW pairs a strided parameter with its contiguous grad element-wise."""
-    import torch
-
-    from shardadopt.optimizer_ready import make_shards_contiguous
-
-    def step(fused: bool, compact: bool) -> torch.Tensor:
-        full = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-        model = torch.nn.Module()
-        model.weight = torch.nn.Parameter(full[:, 8:])  # this rank's column shard, a view
-        if compact:
-            assert make_shards_contiguous(model) == ["weight"]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
-        (model.weight * torch.arange(64.0).reshape(8, 8).sin()).sum().backward()
-        optimizer.step()
-        return model.weight.detach().clone()
-
-    reference = step(fused=False, compact=False)
-    assert not torch.equal(step(fused=True, compact=False), reference)  # the hazard is real in this torch
-    torch.testing.assert_close(step(fused=True, compact=True), reference, rtol=1e-6, atol=1e-7)

@@ -89,7 +89,7 @@ def local_payload(pieces: Iterable[Piece], norm_type: float, device: torch.devic
         t, replicas = piece
         if not (isinstance(replicas, int) and replicas >= 1):
             raise ValueError(f"replicas must be a positive int, got {replicas!r}")
-        if t.numel():  # uneven shards leave empty pieces; torch's inf-norm refuses them, and they add nothing
+        if t.numel():  # uneven shards leave empty pieces: torch's inf-norm refuses them (torchprobe); they add 0
             tensors, counts = groups.setdefault((t.device, t.dtype), ([], []))
             tensors.append(t)
             counts.append(replicas)

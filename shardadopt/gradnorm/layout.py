@@ -71,7 +71,7 @@ def count_shards(mesh, placements, group: Group) -> int:
             f"that hold copies of this mesh, or reduce such gradients in a separate call.")
     shards = 1
     for dim, placement in enumerate(placements):
-        if isinstance(placement, (Shard, _StridedShard)):  # _StridedShard is not a Shard in torch 2.13
+        if isinstance(placement, (Shard, _StridedShard)):  # not a Shard in 2.13-2.15 (torchprobe)
             shards *= mesh.size(dim)
         elif not isinstance(placement, Replicate):
             raise LayoutError(f"unsupported placement {placement!r} on mesh dim {dim} of {mesh}; "

@@ -55,7 +55,7 @@ def _scenarios() -> list[Scenario]:
 
 
 def run_selftest(nproc: int = 2, device: str = "cpu", only: Sequence[str] | None = None,
-                 timeout: float = 300.0, out: Any = None) -> list[Outcome]:
+                 timeout: float = 300.0, out: Any = None, backend: str | None = None) -> list[Outcome]:
     out = out or sys.stdout
     # Loading bars from every rank would bury the table.
     quiet = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -81,7 +81,7 @@ def run_selftest(nproc: int = 2, device: str = "cpu", only: Sequence[str] | None
                 try:
                     expected = scenario.reference(ctx)
                     if pool is None:
-                        pool = RankPool(nproc, device=device, env=quiet)
+                        pool = RankPool(nproc, device=device, backend=backend, env=quiet)
                     result = pool.run(scenario.run, ctx, timeout=timeout)[0]
                     problem = scenario.compare(result, expected)
                     outcome = Outcome(scenario.name, problem is None, time.monotonic() - start,

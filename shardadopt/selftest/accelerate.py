@@ -112,8 +112,8 @@ def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "tog
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}", "unchanged": unchanged}
         # DTensors gathered whole; plain tensors as each rank holds them (old transformers keep TP/EP shards
-        # plain: compare_training reassembles them)
-        params = {n: full(p).detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+        # plain: compare_training reassembles them); on the CPU, where the reference is
+        params = {n: full(p).detach().cpu() for n, p in accelerator.unwrap_model(model).named_parameters()}
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, params)
         return {"losses": losses, "norms": norms, "sync_flags": sync_flags, "batches": seen,

@@ -80,7 +80,7 @@ def train_steps(model, optimizer, scheduler, distributed, steps: int) -> list[fl
     losses = []
     for _ in range(steps):
         ids = torch.randint(0, VOCAB_SIZE, (PER_DP_RANK_BATCH * dp_size, 16))
-        local = ids.chunk(dp_size)[dp_rank]
+        local = ids.chunk(dp_size)[dp_rank].to(model.device)  # drawn on the CPU RNG, used where the model is
         loss = model(input_ids=local, labels=local).loss
         loss.backward()
         optimizer.step()

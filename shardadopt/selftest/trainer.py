@@ -202,7 +202,7 @@ def ep_grads_rank(ctx: Context) -> dict[str, Any]:
     sizes, dp = distributed_sizes("ep", ctx.nproc)
     model = AutoModelForCausalLM.from_pretrained(ctx.models["qwen3moe"], dtype=torch.float32,
                                                  distributed_config=DistributedConfig(**sizes))
-    batch = token_batch(EP_SEED, PER_RANK_BATCH * dp).chunk(dp)[dist.get_rank() % dp]
+    batch = token_batch(EP_SEED, PER_RANK_BATCH * dp).chunk(dp)[dist.get_rank() % dp].to(model.device)
     model(input_ids=batch, labels=batch).loss.backward()
     return full_grads(model)
 

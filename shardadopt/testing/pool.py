@@ -43,15 +43,18 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
             env: dict[str, str], inbox: Any, outbox: Any) -> None:
     sys.path[:] = sys_path
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
 
+    # transformers and accelerate bind each process to cuda:LOCAL_RANK, so on CUDA LOCAL_RANK is the rank's GPU
+    # (ranks share GPUs round-robin when there are more ranks than GPUs: gloo only, NCCL refuses a shared GPU).
+    local_rank = rank % torch.cuda.device_count() if device == "cuda" else rank
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))
     # Several ranks share few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(int(env.get("SHARDADOPT_THREADS_PER_RANK", "1")))
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_rank)
     try:
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size)
         outbox.put((rank, "ready", None))
@@ -70,19 +73,29 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
     dist.destroy_process_group()
 
 
+def default_backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
 class RankPool:
-    """``nproc`` ranks in one process group (gloo on CPU, nccl on CUDA), reused across ``run`` calls.
+    """``nproc`` ranks in one process group (gloo on CPU, nccl on CUDA by default), reused across ``run`` calls.
+
+    ``backend="gloo"`` with ``device="cuda"`` lets more ranks than GPUs share them (CUDA tensors through gloo).
 
     >>> with RankPool(2) as pool:
     ...     results = pool.run(my_module.fn, arg)   # fn(arg) on every rank; list of the ranks' return values
     """
 
-    def __init__(self, nproc: int, *, device: str = "cpu", env: dict[str, str] | None = None,
-                 start_timeout: float = 180.0):
+    def __init__(self, nproc: int, *, device: str = "cpu", backend: str | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 180.0):
         if nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {nproc}")
+        backend = backend or default_backend(device)
+        if (device, backend) not in {("cpu", "gloo"), ("cuda", "gloo"), ("cuda", "nccl")}:
+            raise ValueError(f"backend {backend!r} cannot run ranks on {device!r}; use gloo on cpu, gloo or nccl on "
+                             f"cuda")
         self.nproc = nproc
-        backend = "nccl" if device == "cuda" else "gloo"
+        self.backend = backend
         ctx = mp.get_context("spawn")
         self._inboxes = [ctx.Queue() for _ in range(nproc)]
         self._outbox = ctx.Queue()

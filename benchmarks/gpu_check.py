@@ -1,0 +1,339 @@
+"""The CUDA paths of shardadopt on one GPU, one PASS/FAIL/SKIP line per item; exits 1 on any failure.
+
+    python benchmarks/gpu_check.py                      # on a CUDA machine (one GPU is enough); < 8 minutes
+    python benchmarks/gpu_check.py --device cpu         # the same items on gloo/CPU (a dry run; CUDA-only items skip)
+    python benchmarks/gpu_check.py --only fused-adamw-mesh checkpoint-cuda-rng   # some items; --list names them
+
+Items (each with its own timeout; a failed item never stops the next):
+
+- ``environment``: torch, transformers, the GPU, NCCL; the torch behaviours shardadopt works around, probed on
+  this device (``shardadopt.torchprobe``: informational, the workarounds stay on either way).
+- ``grouped-mm-sentinel``: ``benchmarks/gpu_grouped_mm_sentinel.py`` (F2 on the real CUDA grouped GEMM kernel).
+- ``fused-adamw-mesh``: fused AdamW on CUDA parameters on two device meshes plus plain and strided ones, split by
+  mesh (``shardadopt.split_param_groups_by_mesh``; strided shards made contiguous as Trainer's path does) against
+  single-tensor AdamW on the same values.
+- ``checkpoint-cuda-rng``: an FSDP2 model on the GPU whose batches and dropout draw on the CUDA RNG: save at step
+  2 (``shardadopt.checkpoint``), load into fresh objects under another seed: steps 3-4 and the parameters must
+  equal the uninterrupted run bit for bit, which needs the CUDA RNG state restored; ``full_state_dict`` gathers
+  the CUDA shards to the CPU.
+- ``hpo-gloo-beside-nccl``: ``shardadopt.hpo.optimize`` with pruning whose objective all-reduces CUDA tensors on
+  the NCCL default group while control messages use their own gloo group; study equal to plain Optuna.
+- ``selftest-2-ranks``: every ``shardadopt selftest`` scenario on 2 ranks: NCCL when there are 2 GPUs, else the
+  2 ranks share the GPU over gloo (NCCL refuses two ranks on one device; gloo all-reduces, all-gathers and
+  reduce-scatters CUDA tensors, and shardadopt sends point-to-point traffic through the CPU).
+
+Items 3-5 run on one rank of a real process group (NCCL on cuda, gloo on cpu), the rest in subprocesses. This is
+a script, not a selftest mode: the grouped-GEMM check and the torch probes look at kernels and torch itself, not at
+a capability users turn on, and one file keeps the whole GPU session to one command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # this checkout's shardadopt, also for the ranks (RankPool passes sys.path on)
+
+
+# -- rank functions (run on the one rank of the pool; module level so the pool can pickle them) -----------------
+
+def _device(device: str):
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def fused_adamw_rank(device: str, steps: int = 3) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from shardadopt import split_param_groups_by_mesh
+    from shardadopt.optimizer_ready import make_shards_contiguous
+
+    dev = _device(device)
+    world = torch.distributed.get_world_size()
+    meshes = {"fsdp": init_device_mesh(device, (world,), mesh_dim_names=("fsdp",)),
+              "ep": init_device_mesh(device, (world,), mesh_dim_names=("ep",))}
+    gen = torch.Generator().manual_seed(0)
+    values = {name: torch.randn(shape, generator=gen) for name, shape in
+              (("sharded", (8, 4)), ("replicated", (4,)), ("expert", (6, 4)), ("plain", (6,)), ("strided", (5, 6)))}
+    model = torch.nn.Module()
+    model.sharded = torch.nn.Parameter(distribute_tensor(values["sharded"].to(dev), meshes["fsdp"], [Shard(0)]))
+    model.replicated = torch.nn.Parameter(distribute_tensor(values["replicated"].to(dev), meshes["fsdp"],
+                                                            [Replicate()]))
+    model.expert = torch.nn.Parameter(distribute_tensor(values["expert"].to(dev), meshes["ep"], [Shard(0)]))
+    model.plain = torch.nn.Parameter(values["plain"].to(dev))
+    wide = torch.cat([values["strided"], values["strided"]], dim=1).to(dev)
+    model.strided = torch.nn.Parameter(wide[:, 6:])  # a column shard left as a view (transformers 5.15 TP)
+    compacted = make_shards_contiguous(model)
+    optimizer = split_param_groups_by_mesh(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    references = {name: torch.nn.Parameter(value.to(dev)) for name, value in values.items()}
+    reference_opt = torch.optim.AdamW(references.values(), lr=1e-2, foreach=False)
+    for step in range(steps):
+        for name, param in model.named_parameters():
+            grad = (references[name].detach() * (step + 2)).sin()
+            references[name].grad = grad.clone()
+            param.grad = distribute_tensor(grad, param.device_mesh, param.placements) if isinstance(
+                param, DTensor) else grad.clone()
+        optimizer.step()
+        reference_opt.step()
+    bad = []
+    for name, param in model.named_parameters():
+        got = (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        if got.device != dev or not torch.allclose(got, references[name].detach(), rtol=1e-5, atol=1e-6):
+            diff = (got.cpu() - references[name].detach().cpu()).abs().max()
+            bad.append(f"{name} on {got.device}: max |diff| {diff:.2e}")
+    return {"problem": f"fused AdamW differs from single-tensor AdamW: {bad}" if bad else None,
+            "detail": f"fused AdamW split by mesh on {dev}, {steps} steps, strided shards compacted: {compacted}"}
+
+
+def checkpoint_rank(device: str, root: str) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardadopt import checkpoint
+    from shardadopt.testing import full
+
+    dev = _device(device)
+
+    def build():
+        torch.manual_seed(0)  # the same initial weights every time; what follows comes from the checkpoint
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.2),
+                                    torch.nn.Linear(32, 16)).to(dev)
+        mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+        for layer in (model[0], model[3], model):
+            fully_shard(layer, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **({"fused": True} if device == "cuda" else {}))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 3))
+        return model, optimizer, scheduler
+
+    def train(model, optimizer, scheduler, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            batch = torch.randn(8, 16, device=dev)  # on the device's RNG, as is the dropout mask
+            loss = model(batch).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model, optimizer, scheduler = build()
+    torch.manual_seed(1)
+    train(model, optimizer, scheduler, 2)
+    directory = checkpoint.save(os.path.join(root, "step-2"), model, optimizer, scheduler, step=2)
+    expected = train(model, optimizer, scheduler, 2)
+    expected_params = {n: full(p).detach().cpu() for n, p in model.named_parameters()}
+    gathered = checkpoint.full_state_dict(model)
+
+    fresh = build()
+    torch.manual_seed(12345)  # another seed: the continuation must come from the checkpoint's RNG states
+    info = checkpoint.load(directory, *fresh)
+    resumed = train(*fresh, 2)
+    params = {n: full(p).detach().cpu() for n, p in fresh[0].named_parameters()}
+    rng_file = torch.load(os.path.join(directory, f"rng_state_{torch.distributed.get_rank()}.pt"),
+                          weights_only=False)
+    problems = []
+    if device == "cuda" and "cuda" not in rng_file:
+        problems.append("the checkpoint holds no CUDA RNG state")
+    if not info.rng_restored:
+        problems.append("load did not restore the RNG states")
+    if resumed != expected:
+        problems.append(f"resumed losses {resumed} != uninterrupted {expected}")
+    differ = [n for n, p in expected_params.items() if not torch.equal(params[n], p)]
+    if differ:
+        problems.append(f"parameters differ after resuming: {differ}")
+    cpu = all(t.device.type == "cpu" for t in gathered.values())
+    if not cpu or set(gathered) != set(fresh[0].state_dict()):
+        devices = sorted({str(t.device) for t in gathered.values()})
+        problems.append(f"full_state_dict gave {sorted(gathered)} on {devices}")
+    return {"problem": "; ".join(problems) or None,
+            "detail": f"FSDP2 on {dev}: save at step 2, resume under another seed: steps 3-4 and params exact, "
+                      f"RNG saved: {sorted(k for k in rng_file if k in ('cpu', 'cuda'))}"}
+
+
+def hpo_rank(device: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from shardadopt.hpo import channel
+    from shardadopt.selftest import Context
+    from shardadopt.selftest.hpo import hpo_rank as run
+
+    result = run(Context(models={}, nproc=dist.get_world_size(), device=device))
+    return {"result": result, "default": dist.get_backend(),
+            "control": sorted({dist.get_backend(group) for group in channel._GROUPS.values()})}
+
+
+# -- items (run in the launcher) -----------------------------------------------------------------------------------
+
+@dataclass
+class Item:
+    name: str
+    run: Callable[[argparse.Namespace, dict[str, Any]], tuple[str, str]]  # -> (PASS/FAIL/SKIP, detail)
+
+
+def _pool(args: argparse.Namespace, state: dict[str, Any]):
+    from shardadopt.testing import RankPool
+
+    if state.get("pool") is None:
+        state["pool"] = RankPool(1, device=args.device, env={"HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+    return state["pool"]
+
+
+def _seconds(args: argparse.Namespace, state: dict[str, Any]) -> float:
+    """This item's timeout: ``--timeout``, cut to what is left of ``--budget``."""
+    return max(min(args.timeout, state["deadline"] - time.monotonic()), 1.0)
+
+
+def _on_rank(args: argparse.Namespace, state: dict[str, Any], fn, *fn_args) -> Any:
+    from shardadopt.testing import RankError, RankTimeout
+
+    try:
+        return _pool(args, state).run(fn, *fn_args, timeout=_seconds(args, state))[0]
+    except (RankError, RankTimeout):
+        state["pool"] = None  # the pool shut itself down; the next item starts a fresh one
+        raise
+
+
+def environment(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from shardadopt import torchprobe
+
+    parts = [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            return "FAIL", "no CUDA device (run with --device cpu for the dry run)"
+        nccl = dist.is_nccl_available()
+        nccl_version = ".".join(map(str, torch.cuda.nccl.version())) if nccl else "no"
+        parts += [f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()} "
+                  f"(sm{''.join(map(str, torch.cuda.get_device_capability()))})",
+                  f"CUDA {torch.version.cuda}", f"NCCL {nccl_version}"]
+        if not nccl:
+            return "FAIL", ", ".join(parts)
+    devices = ("cpu", "cuda") if args.device == "cuda" else ("cpu",)
+    probes = [f"{row['name']}: {'fixed' if row['fixed'] else 'still there'}" for row in torchprobe.report(devices)]
+    return "PASS", ", ".join(parts) + "\n" + "\n".join(probes)
+
+
+def grouped_mm_sentinel(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    if args.device != "cuda":
+        return "SKIP", "the real grouped GEMM kernel needs CUDA"
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_grouped_mm_sentinel.py"),
+                          "--steps", "3"], capture_output=True, text=True, timeout=_seconds(args, state), env=_env())
+    return ("PASS" if out.returncode == 0 else "FAIL"), (out.stdout + out.stderr).strip()
+
+
+def fused_adamw_mesh(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    result = _on_rank(args, state, fused_adamw_rank, args.device)
+    return ("FAIL", result["problem"]) if result["problem"] else ("PASS", result["detail"])
+
+
+def checkpoint_cuda_rng(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    with tempfile.TemporaryDirectory(prefix="shardadopt-gpu-check-") as root:
+        result = _on_rank(args, state, checkpoint_rank, args.device, root)
+    return ("FAIL", result["problem"]) if result["problem"] else ("PASS", result["detail"])
+
+
+def hpo_gloo_beside_nccl(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    from shardadopt.selftest import Context
+    from shardadopt.selftest.hpo import compare_studies, hpo_reference
+
+    result = _on_rank(args, state, hpo_rank, args.device)
+    expected_default = "nccl" if args.device == "cuda" else "gloo"
+    problem = compare_studies(result["result"], hpo_reference(Context(models={}, nproc=1, device=args.device)))
+    if result["default"] != expected_default or result["control"] != ["gloo"]:
+        problem = f"default group {result['default']!r}, control group(s) {result['control']}"
+    detail = f"training collectives on {result['default']}, control on {'+'.join(result['control'])}: study as Optuna"
+    return ("FAIL", problem) if problem else ("PASS", detail)
+
+
+def selftest_two_ranks(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    import torch
+
+    left = max(state["deadline"] - time.monotonic(), 1.0)
+    command = [sys.executable, "-m", "shardadopt", "selftest", "--nproc", "2", "--device", args.device,
+               "--timeout", f"{min(args.timeout, left):.0f}"]
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        command += ["--backend", "gloo"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=left, env=_env())
+    status = "PASS" if out.returncode == 0 else "FAIL"
+    return status, " ".join(command[1:]) + "\n" + (out.stdout + out.stderr).strip()
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+
+
+ITEMS = [Item("environment", environment), Item("grouped-mm-sentinel", grouped_mm_sentinel),
+         Item("fused-adamw-mesh", fused_adamw_mesh), Item("checkpoint-cuda-rng", checkpoint_cuda_rng),
+         Item("hpo-gloo-beside-nccl", hpo_gloo_beside_nccl), Item("selftest-2-ranks", selftest_two_ranks)]
+
+
+def _row(status: str, name: str, seconds: float, detail: str) -> str:
+    first, *rest = detail.strip().splitlines() or [""]
+    return "\n".join([f"{status:<4}  {name:<22} {seconds:6.1f}s  {first}", *("      " + line for line in rest)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--only", nargs="+", metavar="ITEM", help="run only these items")
+    parser.add_argument("--timeout", type=float, default=150.0,
+                        help="seconds per item (per scenario in the selftest item; default 150)")
+    parser.add_argument("--budget", type=float, default=450.0,
+                        help="seconds for all items together; items past it fail as out of time (default 450)")
+    parser.add_argument("--list", action="store_true", help="print the item names and exit")
+    args = parser.parse_args(argv)
+    names = [item.name for item in ITEMS]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    unknown = sorted(set(args.only or ()) - set(names))
+    if unknown:
+        parser.error(f"unknown item(s) {unknown}; known: {names}")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    state: dict[str, Any] = {"deadline": time.monotonic() + args.budget}
+    counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    start_all = time.monotonic()
+    try:
+        for item in ITEMS:
+            if args.only and item.name not in args.only:
+                continue
+            start = time.monotonic()
+            try:
+                if start > state["deadline"] - 5:
+                    raise subprocess.TimeoutExpired(item.name, 0)
+                status, detail = item.run(args, state)
+            except subprocess.TimeoutExpired as exc:
+                status, detail = "FAIL", (f"no answer within {exc.timeout:.0f}s" if exc.timeout else
+                                          f"out of time: --budget {args.budget:.0f}s spent before this item")
+            except Exception:
+                status, detail = "FAIL", traceback.format_exc()
+            counts[status] += 1
+            print(_row(status, item.name, time.monotonic() - start, detail), flush=True)
+    finally:
+        if state.get("pool") is not None:
+            state["pool"].close()
+    print(f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
+          f"in {time.monotonic() - start_all:.0f}s ({args.device})")
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
