@@ -10,7 +10,7 @@ from shardadopt.registry import installed_version
 
 # Mirrors pyproject.toml's dependency ranges; torch is tested on 2.13 only.
 SUPPORTED: dict[str, str] = {
-    "torch": ">=2.13,<2.14",
+    "torch": ">=2.13,<2.16",
     "transformers": ">=5.15,<5.25",
     "accelerate": ">=1.13,<1.16",
     "optuna": ">=4,<6",

@@ -32,7 +32,7 @@ sharded model outside accelerate's FSDP/DeepSpeed plugins: ``_move_model_to_devi
 
 from __future__ import annotations
 
-import inspect
+import ast
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
@@ -66,21 +66,55 @@ def create_optimizer(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+# Conditions under which upstream keeps a load-time-sharded model in place: 5.19+ test
+# `self.is_distributed_loading_by_transformers`, 5.18 `getattr(model, "_device_mesh", None) is not None`.
+_IN_PLACE_MARKERS = {"is_distributed_loading_by_transformers", "_device_mesh"}
+
+
+def _keeps_sharded_model_in_place(init) -> bool:
+    """From ``Trainer.__init__``: the condition list that sets ``self.place_model_on_device = False`` (an ``or`` of
+    DeepSpeed, FSDP, model parallel, ...), and whether it names a load-time-sharded model."""
+    from shardadopt.probing import if_chains, names, undecided
+
+    for chain in if_chains(init):
+        for test, body in chain:
+            sets_false = any(isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant) and s.value.value is False
+                             and any(isinstance(t, ast.Attribute) and t.attr == "place_model_on_device"
+                                     for t in s.targets) for s in body)
+            if test is not None and sets_false and "is_deepspeed_enabled" in names(test):
+                return bool(names(test) & _IN_PLACE_MARKERS)
+    raise undecided("Trainer.__init__", "the conditions that set place_model_on_device = False")
+
+
+def _reshards_before_optimizer(prepare) -> bool:
+    """From ``Trainer._prepare_for_training``: whether a ``.reshard()`` comes before ``self.create_optimizer()``."""
+    from shardadopt.probing import callee, in_order, undecided
+
+    seen_reshard = False
+    for node in in_order(prepare):
+        if isinstance(node, ast.Call) and callee(node) == "reshard":
+            seen_reshard = True
+        if isinstance(node, ast.Call) and callee(node) == "create_optimizer":
+            return seen_reshard
+    raise undecided("Trainer._prepare_for_training", "the self.create_optimizer() call")
+
+
 def probe() -> Probe:
+    """Parse ``Trainer.__init__`` (device placement) and ``Trainer._prepare_for_training`` (optimizer creation)."""
     from transformers.trainer import Trainer
 
-    init = inspect.getsource(Trainer.__init__)
-    training = inspect.getsource(Trainer._inner_training_loop)
-    if hasattr(Trainer, "_prepare_for_training"):
-        training += inspect.getsource(Trainer._prepare_for_training)
-    in_place, reshards = "is_distributed_loading_by_transformers" in init, ".reshard()" in training
+    from shardadopt.probing import source_tree, upstream_function
+
+    where = "trainer-adopt probe"
+    in_place = _keeps_sharded_model_in_place(source_tree(upstream_function(Trainer, "__init__", where)))
+    reshards = _reshards_before_optimizer(source_tree(upstream_function(Trainer, "_prepare_for_training", where)))
     if in_place and reshards:
         return Probe(False, "Trainer keeps load-time-sharded models in place and reshards them before building the "
                             "optimizer")
-    # 5.19 .. 5.20 already keep the model in place but still build the optimizer without resharding.
     moves = "" if in_place else "moves load-time-sharded models with .to() and "
+    fixed = "; it does keep them in place" if in_place else ""
     return Probe(True, f"Trainer {moves}builds the optimizer from whatever parameters FSDP2 exposes (unsharded ones "
-                       "after an evaluate() before train())")
+                       f"after an evaluate() before train()){fixed}")
 
 
 PATCH = Patch(
