@@ -250,4 +250,7 @@ PATCH = Patch(
         Target(_MODULE, "Accelerator.save_model"): save_model,
     },
     probe=probe,
+    # A sharded model reaches save_state only adopted (prepare DDP-wraps it otherwise), and load_state reads the
+    # AdoptionKwargs that only the adoption patch records.
+    depends_on=("accelerate-adopt-sharded-model",),
 )

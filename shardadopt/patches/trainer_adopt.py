@@ -87,14 +87,15 @@ def _keeps_sharded_model_in_place(init) -> bool:
 
 
 def _reshards_before_optimizer(prepare) -> bool:
-    """From ``Trainer._prepare_for_training``: whether a ``.reshard()`` comes before ``self.create_optimizer()``."""
+    """From ``Trainer._prepare_for_training``: whether a ``.reshard()`` comes before ``self.create_optimizer()`` (the
+    call without arguments; ``create_optimizer(model)`` is the FSDP-plugin path that creates it after ``prepare``)."""
     from shardadopt.probing import callee, in_order, undecided
 
     seen_reshard = False
     for node in in_order(prepare):
         if isinstance(node, ast.Call) and callee(node) == "reshard":
             seen_reshard = True
-        if isinstance(node, ast.Call) and callee(node) == "create_optimizer":
+        if isinstance(node, ast.Call) and callee(node) == "create_optimizer" and not node.args:
             return seen_reshard
     raise undecided("Trainer._prepare_for_training", "the self.create_optimizer() call")
 
@@ -126,4 +127,6 @@ PATCH = Patch(
     wrappers={Target(_MODULE, "Trainer._move_model_to_device"): move_model_to_device,
               Target(_MODULE, "Trainer.create_optimizer"): create_optimizer},
     probe=probe,
+    # Trainer prepares the model through accelerate: without adoption it DDP-wraps the sharded model.
+    depends_on=("accelerate-adopt-sharded-model",),
 )
