@@ -1,6 +1,6 @@
 """``Accelerator.save_state`` / ``load_state`` / ``get_state_dict`` / ``save_model`` for sharded models.
 
-Upstream (accelerate 1.13 .. 1.15, ``accelerate/accelerator.py``): outside accelerate's own FSDP/DeepSpeed/Megatron
+Upstream (every supported accelerate, ``accelerate/accelerator.py``): outside accelerate's own FSDP/DeepSpeed/Megatron
 plugins, ``save_state`` saves each model as one local state dict::
 
     else:
@@ -32,6 +32,7 @@ import re
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "accelerate-sharded-checkpoint"
 _MODULE = "accelerate.accelerator"
@@ -208,7 +209,7 @@ def save_model(wrapped, instance, args, kwargs):
 
 
 # The tests of the if-chains that pick accelerate's own FSDP/DeepSpeed/Megatron/XLA savers: the known broken shape
-# (1.13 .. 1.15) is such a chain whose final `else` saves the model as a local state dict.
+# (every supported release) is such a chain whose final `else` saves the model as a local state dict.
 _PLUGIN_TEST = {"self", "distributed_type", "DistributedType", "DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "is_fsdp2"}
 
 
@@ -242,7 +243,7 @@ PATCH = Patch(
     summary="save_state/load_state (atomic, resumable DCP), get_state_dict/save_model (full tensors) for "
             "sharded models",
     upstream="anticipates huggingface/accelerate: DCP checkpoints for models sharded outside accelerate's plugins",
-    requires={"accelerate": ">=1.13,<1.16", "transformers": ">=5.15,<5.25"},
+    requires=supported("accelerate", "transformers"),
     wrappers={
         Target(_MODULE, "Accelerator.save_state"): save_state,
         Target(_MODULE, "Accelerator.load_state"): load_state,

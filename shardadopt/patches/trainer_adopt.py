@@ -1,8 +1,8 @@
 """Trainer leaves a load-time-sharded model where it is and hands the optimizer its sharded parameters (F6).
 
-Upstream (transformers 5.15 .. 5.18, ``transformers/trainer.py``) treats such a model like a plain one:
-
-``Trainer.__init__`` moves it (``place_model_on_device`` is True unless DeepSpeed/FSDP-plugin/model-parallel)::
+Upstream (``transformers/trainer.py``; which releases need the patch is what its probe says, recorded per release in
+``tests/data/release_matrix.json``) treated such a model like a plain one. ``Trainer.__init__`` moves it
+(``place_model_on_device`` is True unless DeepSpeed/FSDP-plugin/model-parallel)::
 
     if self.place_model_on_device and ...:
         self._move_model_to_device(model, args.device)      # model.to(device) on FSDP2 / DTensor parameters
@@ -17,10 +17,12 @@ happens again for ``model_init`` in ``train()``. And ``_prepare_for_training`` b
 from ``model.parameters()`` as they are at that moment: after any forward before training (``trainer.evaluate()``
 before ``train()``), the FSDP2 groups built with ``reshard_after_forward=False`` (the final norm and LM head) still
 expose their *unsharded* plain parameters, so the optimizer steps copies that FSDP throws away and those weights
-silently never train. 5.19 sets ``place_model_on_device = False`` for ``is_distributed_loading_by_transformers``
-models; later releases (5.24 has it, 5.20 not yet) also call ``module.reshard()`` on every FSDP2 module before
-``create_optimizer``. 5.15's tensor
-parallelism also leaves row-parallel shards as plain non-contiguous views, which torch's fused CPU AdamW
+silently never train. Read in each release: 5.15 .. 5.17 move the model; 5.18 sets ``place_model_on_device =
+False`` for a model with a ``_device_mesh``, 5.19 for ``is_distributed_loading_by_transformers`` models; only 5.24
+also calls ``module.reshard()`` on every FSDP2 module before ``create_optimizer()``. The probe parses both places
+(the ``place_model_on_device = False`` conditions in ``__init__``, a ``reshard()`` before ``create_optimizer()`` in
+``_prepare_for_training``) and answers not-needed only where it finds both fixes. 5.15's tensor parallelism also
+leaves row-parallel shards as plain non-contiguous views, which torch's fused CPU AdamW
 (``optim="adamw_torch_fused"``) mis-updates (5.19+ shard TP with DTensors).
 
 The accelerate side of adoption (no DDP wrap, data split, clipping, optimizer groups) is the
@@ -36,6 +38,7 @@ import ast
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "trainer-adopt-sharded-model"
 _MODULE = "transformers.trainer"
@@ -121,9 +124,9 @@ def probe() -> Probe:
 PATCH = Patch(
     id=PATCH_ID,
     summary="Trainer: no .to() of load-time-sharded models; optimizer built from the resharded FSDP2 parameters",
-    upstream="backports huggingface/transformers 5.19 (Trainer.is_distributed_loading_by_transformers: "
-             "place_model_on_device=False, FSDP2 reshard before create_optimizer)",
-    requires={"transformers": ">=5.15,<5.25"},
+    upstream="backports huggingface/transformers: load-time-sharded models stay in place (5.18 `_device_mesh`, "
+             "5.19 is_distributed_loading_by_transformers) and FSDP2 reshards before create_optimizer (5.24)",
+    requires=supported("transformers"),
     wrappers={Target(_MODULE, "Trainer._move_model_to_device"): move_model_to_device,
               Target(_MODULE, "Trainer.create_optimizer"): create_optimizer},
     probe=probe,

@@ -34,6 +34,7 @@ import warnings
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "trainer-sharded-checkpoint"
 _MODULE = "transformers.trainer"
@@ -250,7 +251,8 @@ def probe() -> Probe:
         local = os.path.isfile(path) and torch.load(path, weights_only=True) == local_state
     if not local:
         raise undecided("Trainer._save_optimizer_and_scheduler", "the main process's local optimizer state dict "
-                        f"saved as {trainer_module.OPTIMIZER_NAME} (this patch's broken shape) nor a known sharded save")
+                        f"saved as {trainer_module.OPTIMIZER_NAME} (this patch's broken shape) nor a known sharded "
+                        "save")
     refuses = _refuses_sharded_checkpoints(source_tree(upstream_function(Trainer, "__init__", where)))
     return Probe(True, "Trainer " + ("refuses to checkpoint" if refuses else "cannot checkpoint")
                  + " load-time-sharded models resumably (optimizer state is rank 0's local shard)")
@@ -261,7 +263,7 @@ PATCH = Patch(
     summary="Trainer: resumable, atomic DCP checkpoints and streamed full export for load-time-sharded models",
     upstream="anticipates huggingface/transformers: lift 'Resuming is not supported for models sharded at load "
              "time' by checkpointing through torch.distributed.checkpoint",
-    requires={"transformers": ">=5.15,<5.25", "accelerate": ">=1.13,<1.16"},
+    requires=supported("transformers", "accelerate"),
     wrappers={
         Target(_MODULE, "Trainer.__init__"): init,
         Target(_MODULE, "Trainer._save_checkpoint"): save_checkpoint,

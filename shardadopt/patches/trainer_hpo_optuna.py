@@ -1,6 +1,6 @@
 """Optuna ``hyperparameter_search`` under torch.distributed without hangs: every rank runs, prunes and stops together.
 
-Upstream (transformers 5.0 .. 5.24, byte-identical; ``integrations/integration_utils.py``,
+Upstream (byte-identical in every transformers 5.x read so far; ``integrations/integration_utils.py``,
 ``run_hp_search_optuna``)::
 
     fixed_trial = optuna.trial.FixedTrial(trial.params, trial.number)
@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "trainer-hpo-optuna"
 
@@ -61,7 +62,8 @@ def _report_to_hp_search(wrapped, instance, args, kwargs):
 
 
 def probe() -> Probe:
-    """Parse ``run_hp_search_optuna``: the broken shape builds a ``FixedTrial`` for the other ranks and broadcasts it."""
+    """Parse ``run_hp_search_optuna``: the broken shape builds a ``FixedTrial`` for the other ranks and broadcasts
+    it."""
     from transformers.integrations import integration_utils
 
     from shardadopt.probing import calls, source_tree, undecided, upstream_function
@@ -78,7 +80,7 @@ PATCH = Patch(
     id=PATCH_ID,
     summary="Trainer Optuna HPO under torch.distributed: collective trials, pruning, stop and errors on every rank",
     upstream="transformers: run_hp_search_optuna / _report_to_hp_search (FixedTrial on ranks > 0, all 5.x)",
-    requires={"transformers": ">=5.15,<5.25", "optuna": ">=4,<6"},
+    requires=supported("transformers", "optuna"),
     wrappers={
         Target("transformers.integrations.integration_utils", "run_hp_search_optuna"): _run_hp_search_optuna,
         Target("transformers.hyperparameter_search", "run_hp_search_optuna"): _run_hp_search_optuna,

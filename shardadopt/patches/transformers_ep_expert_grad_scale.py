@@ -23,6 +23,7 @@ import ast
 
 from shardadopt.probing import Undecided, callee, calls, names, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 FUNCTION = "apply_fully_sharded_data_parallelism"
@@ -88,7 +89,7 @@ PATCH = Patch(
     id="transformers-ep-expert-grad-scale",
     summary="EP + FSDP with efsdp_size == 1: expert gradients are not divided by fsdp_size twice",
     upstream="fixed in huggingface/transformers v5.23.0 (fsdp.py: forced sum only when efsdp_size > 1)",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "apply_fully_sharded_data_parallelism"): _apply_fully_sharded_data_parallelism},
     probe=probe,
 )

@@ -29,6 +29,7 @@ from typing import Any
 
 from shardadopt.probing import callee, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.integrations.moe"
 
@@ -97,7 +98,7 @@ PATCH = Patch(
     id="transformers-ep-grouped-mm-sentinel",
     summary="expert-parallel grouped_mm: zero the undefined sentinel-tail rows after each grouped GEMM (no NaN grads)",
     upstream="huggingface/transformers#48205",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "ExpertsInterface.get_interface"): _get_interface},
     probe=probe,
 )

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 
 from shardadopt.probing import undecided
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.integrations.tensor_parallel"
 
@@ -166,7 +167,7 @@ PATCH = Patch(
     id="transformers-ep-router-grad",
     summary="expert-parallel router: sum the routing-score gradient over the EP group before the non-local mask",
     upstream="huggingface/transformers#48205",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "RouterParallel._prepare_output_fn"): _prepare_output_fn},
     probe=probe,
 )
@@ -185,7 +186,7 @@ PATCH_POST_FORWARD = Patch(
     summary="expert-parallel router (transformers 5.16 layout): sum the routing-score gradient over the EP group "
             "before the non-local mask",
     upstream="huggingface/transformers#48205",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward"):
               _transform_output_post_forward},
     probe=probe_post_forward,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 FSDP_APPLY = "apply_fully_sharded_data_parallelism"
@@ -76,7 +77,7 @@ PATCH = Patch(
     id="transformers-fsdp-tp-refused",
     summary="fsdp_size with tp_size (2-D) raises a clear error where transformers accepts it but applies TP alone",
     upstream="fixed by 2-D loading in transformers 5.18 (maybe_distribute_model applies TP then FSDP)",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.prepare_distribute_model"): _prepare_distribute_model},
     probe=probe,
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 BUILDER = "initialize_distributed_mesh"
@@ -62,8 +63,8 @@ def _initialize_distributed_mesh(wrapped, instance, args, kwargs):
 PATCH = Patch(
     id="transformers-reuse-device-mesh",
     summary="sharded loads with the same layout reuse one device mesh (no new process groups per model / HPO trial)",
-    upstream="not reported yet (transformers 5.18 .. 5.24 build meshes per from_pretrained)",
-    requires={"transformers": ">=5.15,<5.25"},
+    upstream="not reported yet (transformers builds meshes per from_pretrained from 5.18 on)",
+    requires=supported("transformers"),
     wrappers={Target(MODULE, BUILDER): _initialize_distributed_mesh},
     probe=probe,
 )

@@ -24,6 +24,7 @@ import ast
 
 from shardadopt.probing import source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 
@@ -63,7 +64,7 @@ PATCH = Patch(
     id="transformers-sharding-sizes",
     summary="models sharded at load time record _tp_size/_fsdp_size and expose fsdp_size (Trainer needs them)",
     upstream="huggingface/transformers#48208 (_tp_size), huggingface/transformers#48204 (_fsdp_size, fsdp_size)",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
     probe=probe,
 )

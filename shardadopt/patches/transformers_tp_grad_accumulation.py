@@ -2,7 +2,7 @@
 
 Upstream: not reported yet (anticipates a transformers fix; the diff is patches/transformers-tp-replicated-grad-
 accumulation.diff). The style keeps a parameter whole on every TP rank while each rank's gradient covers only its
-own heads (Qwen3 / Qwen3-MoE / Gemma3 / ... ``q_norm``/``k_norm``). transformers 5.21 .. 5.24
+own heads (Qwen3 / Qwen3-MoE / Gemma3 / ... ``q_norm``/``k_norm``). transformers 5.21 and later
 (``transformers/distributed/tensor_parallel.py``, ``ReplicatedWithGradAllReduce.install_forward``) sums the
 *accumulated* gradient after every backward::
 
@@ -31,6 +31,7 @@ import os
 import threading
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 ID = "transformers-tp-replicated-grad-accumulation"
 
@@ -137,7 +138,7 @@ PATCH = Patch(
             "gradient accumulation is right",
     upstream="anticipates a transformers fix (not reported yet); patches/transformers-tp-replicated-grad-"
              "accumulation.diff",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, f"ReplicatedWithGradAllReduce.{METHOD}"): _install},
     probe=probe,
 )
