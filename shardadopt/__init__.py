@@ -6,17 +6,23 @@
 ``enable()`` patches only what the installed upstream lacks (each patch probes upstream first), lazily: nothing
 from transformers or accelerate is imported here. ``disable()`` restores every original object. The fixes are
 also plain functions for code that prefers no monkeypatching.
+
+Each patch state change is logged on rank 0 to the ``shardadopt`` logger at INFO; the package itself only adds a
+``logging.NullHandler``, so nothing is printed unless the application configures logging.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 from shardadopt.registry import PatchStatus, Registry
 
 __version__ = "0.1.0.dev0"
+
+logging.getLogger("shardadopt").addHandler(logging.NullHandler())
 
 __all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm",
            "topology", "Topology", "TopologyError",

@@ -5,11 +5,16 @@ A patch names the upstream objects it replaces (``Target``), a version gate per 
 itself: it registers wrapt post-import hooks, so a patch is applied the moment its last target module finishes
 importing (immediately, when it is already imported). Every replaced object is remembered and ``disable()`` puts
 the original back, so ``getattr(owner, name) is original`` holds again afterwards.
+
+A patch may name others it ``depends_on``: it applies only once those are ``applied`` or ``not-needed``, and is
+``unsupported`` (naming the dependency) while one is off or unsupported. Every state change is logged once, on
+rank 0, to the ``shardadopt`` logger at INFO (the package adds no handler but ``logging.NullHandler``).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import sys
 import threading
@@ -22,6 +27,8 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from shardadopt.probing import Undecided
+
 APPLIED = "applied"
 NOT_NEEDED = "not-needed"
 UNSUPPORTED = "unsupported"
@@ -29,6 +36,8 @@ OFF = "off"
 PENDING = "pending"  # enabled, waiting for its upstream modules to be imported
 
 DISABLE_ENV = "SHARDADOPT_DISABLE"
+
+logger = logging.getLogger("shardadopt")
 
 # A wrapper in wrapt's convention: wrapper(wrapped, instance, args, kwargs).
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
@@ -70,6 +79,8 @@ class Patch:
     probe: Callable[[], Probe]
     # Modules that must be imported before the probe can look (defaults to the targets' modules).
     probe_modules: tuple[str, ...] = ()
+    # Patches this one only works on top of (each must be applied or not-needed first).
+    depends_on: tuple[str, ...] = ()
 
     @property
     def targets(self) -> tuple[Target, ...]:
@@ -107,6 +118,7 @@ class _Entry:
     state: str = OFF
     reason: str = "not enabled"
     applied: list[_Applied] = field(default_factory=list)
+    blocked: bool = False  # unsupported because a dependency is off or unsupported
 
 
 def installed_version(distribution: str) -> Version | None:
@@ -126,6 +138,17 @@ def version_gate(requires: dict[str, str]) -> str | None:
             return (f"{distribution} {version} is outside the range this patch supports ({spec}); "
                     f"install a supported release: pip install '{distribution}{spec}'")
     return None
+
+
+def _rank() -> int:
+    """This process's rank, without importing torch (patches apply while upstream is imported)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
 
 
 def _ready(name: str, just_imported: ModuleType | None) -> bool:
@@ -160,6 +183,10 @@ class Registry:
         duplicates = {i for i in ids if ids.count(i) > 1}
         if duplicates:
             raise ValueError(f"duplicate patch ids: {sorted(duplicates)}")
+        for patch in patches:
+            unknown = [d for d in patch.depends_on if d not in ids or d == patch.id]
+            if unknown:
+                raise ValueError(f"patch {patch.id} depends on {unknown}, which is not another registered patch")
         self._entries = {p.id: _Entry(p) for p in patches}
         self._lock = threading.RLock()
         self._hooked_modules: set[str] = set()
@@ -193,12 +220,17 @@ class Registry:
                 self._revert(self._entries[pid], OFF, reason)
             for pid in selected:
                 entry = self._entries[pid]
-                if entry.state == OFF:
-                    entry.state, entry.reason = PENDING, "waiting for " + ", ".join(
-                        m for m in entry.patch.modules if m not in sys.modules)
+                if entry.state == OFF or entry.blocked:
                     gate = version_gate(entry.patch.requires)
                     if gate is not None:
-                        entry.state, entry.reason = UNSUPPORTED, gate
+                        self._set(entry, UNSUPPORTED, gate)
+                    else:
+                        self._set(entry, PENDING, "waiting for " + ", ".join(
+                            m for m in entry.patch.modules if m not in sys.modules))
+            for entry in self._entries.values():  # a dependency switched off takes its dependents with it
+                blocked = self._blocked_by(entry)
+                if entry.state == APPLIED and blocked:
+                    self._revert(entry, UNSUPPORTED, blocked, blocked=True)
             for module in sorted({m for pid in selected for m in self._entries[pid].patch.modules}):
                 self._hook(module)
             self._on_import(None)  # modules imported before this call, or hooked in an earlier enable()
@@ -255,19 +287,50 @@ class Registry:
         with self._lock:
             if not self._enabled:
                 return
-            for entry in self._entries.values():
-                if entry.state == PENDING and all(_ready(m, module) for m in entry.patch.modules):
-                    self._apply(entry)
+            progress = True
+            while progress:  # a patch waiting for a dependency goes once the dependency is decided
+                progress = False
+                for entry in self._entries.values():
+                    if entry.state != PENDING or not all(_ready(m, module) for m in entry.patch.modules):
+                        continue
+                    waiting = [d for d in entry.patch.depends_on if self._entries[d].state == PENDING]
+                    blocked = self._blocked_by(entry)
+                    if blocked:
+                        self._set(entry, UNSUPPORTED, blocked, blocked=True)
+                    elif waiting:
+                        entry.reason = "waiting for " + ", ".join(waiting)
+                        continue
+                    else:
+                        self._apply(entry)
+                    progress = True
+
+    def _blocked_by(self, entry: _Entry) -> str | None:
+        """Why ``entry`` cannot apply because of a dependency, or None."""
+        for dependency in entry.patch.depends_on:
+            other = self._entries[dependency]
+            if other.state in (OFF, UNSUPPORTED):
+                return (f"needs {dependency}, which is {other.state} ({other.reason}); enable it too or "
+                        f"switch this one off")
+        return None
+
+    def _set(self, entry: _Entry, state: str, reason: str, blocked: bool = False) -> None:
+        changed = state != entry.state
+        entry.state, entry.reason, entry.blocked = state, reason, blocked
+        if changed and _rank() == 0:
+            logger.info("%s: %s (%s)", entry.patch.id, state, reason)
 
     def _apply(self, entry: _Entry) -> None:
         patch = entry.patch
         try:
             found = patch.probe()
+        except Undecided as exc:
+            self._set(entry, UNSUPPORTED, f"probe could not decide: {exc}")
+            return
         except Exception as exc:  # a probe must never break the user's import
-            entry.state, entry.reason = UNSUPPORTED, f"probe failed: {type(exc).__name__}: {exc}"
+            self._set(entry, UNSUPPORTED, f"probe failed: {type(exc).__name__}: {exc}")
             return
         if not found.needed:
-            entry.state, entry.reason = NOT_NEEDED, found.reason
+            self._set(entry, NOT_NEEDED, found.reason)
             return
         try:
             self._wrap(entry)
@@ -275,7 +338,7 @@ class Registry:
             self._revert(entry, UNSUPPORTED, f"could not patch: {type(exc).__name__}: {exc}")
             return
         self._applied_order.append(entry)
-        entry.state, entry.reason = APPLIED, found.reason
+        self._set(entry, APPLIED, found.reason)
 
     @staticmethod
     def _wrap(entry: _Entry) -> None:
@@ -293,7 +356,7 @@ class Registry:
             setattr(applied.owner, applied.attribute, applied.original)
         entry.applied.clear()
 
-    def _revert(self, entry: _Entry, state: str, reason: str) -> None:
+    def _revert(self, entry: _Entry, state: str, reason: str, blocked: bool = False) -> None:
         if entry in self._applied_order:
             # Patches applied later may wrap the same attributes on top of this one: peel them off newest
             # first, remove this one, then wrap the later ones again around what is left.
@@ -307,4 +370,4 @@ class Registry:
             del self._applied_order[position]
         else:
             self._unwrap(entry)  # a partial application that failed
-        entry.state, entry.reason = state, reason
+        self._set(entry, state, reason, blocked)

@@ -18,6 +18,12 @@ SUPPORTED: dict[str, str] = {
 }
 
 
+def supported(*distributions: str) -> dict[str, str]:
+    """``SUPPORTED`` for these distributions: a patch's ``requires`` (its first one is the upstream its probe reads,
+    whose releases the README's "needed on" column names)."""
+    return {name: SUPPORTED[name] for name in distributions}
+
+
 def report() -> list[dict[str, str | bool | None]]:
     """One row per dependency: name, installed version (or None), supported range, whether it is inside."""
     rows: list[dict[str, str | bool | None]] = [

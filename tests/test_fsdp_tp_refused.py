@@ -16,7 +16,7 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt.loadtime import UnsupportedShardingError, refuse_fsdp_with_tp
-from shardadopt.patches.transformers_fsdp_tp_refused import fsdp_applied_only_without_tp
+from shardadopt.patches.transformers_fsdp_tp_refused import fsdp_with_tp
 
 ID = "transformers-fsdp-tp-refused"
 TRANSFORMERS = Version(version("transformers"))
@@ -24,7 +24,8 @@ ACCEPTS_BUT_APPLIES_TP_ALONE = Version("5.16") <= TRANSFORMERS < Version("5.18")
 
 
 def test_probe_reads_which_sharding_applies(tmp_path, monkeypatch):
-    """5.17's ``if tp: ... elif fsdp:`` needs the refusal; 5.18's two independent ``if``s do not."""
+    """5.17's ``if tp: ... elif fsdp:`` needs the refusal; 5.18's two independent ``if``s do not; a function that
+    applies neither through those calls is unknown (the probe then reports ``unsupported``)."""
     monkeypatch.syspath_prepend(tmp_path)
     (tmp_path / "shapes.py").write_text(textwrap.dedent('''
         def either(model, distributed_config, device_mesh):
@@ -48,12 +49,20 @@ def test_probe_reads_which_sharding_applies(tmp_path, monkeypatch):
                 else:
                     model = fsdp.apply_fully_sharded_data_parallelism(model, device_mesh)
             return model
+
+        def renamed(model, distributed_config, device_mesh):
+            if distributed_config.tp_size > 1:
+                model = shard_tensors(model, device_mesh)
+            elif distributed_config.fsdp_size > 1:
+                model = shard_fully(model, device_mesh)
+            return model
     '''))
     import shapes
 
-    assert fsdp_applied_only_without_tp(shapes.either)
-    assert fsdp_applied_only_without_tp(shapes.nested)
-    assert not fsdp_applied_only_without_tp(shapes.both)
+    assert fsdp_with_tp(shapes.either) is False
+    assert fsdp_with_tp(shapes.nested) is False
+    assert fsdp_with_tp(shapes.both) is True
+    assert fsdp_with_tp(shapes.renamed) is None
 
 
 @pytest.mark.parametrize("config", [{"fsdp_size": 2, "tp_size": 2}, {"fsdp_size": 4, "tp_size": 2}])

@@ -137,6 +137,55 @@ def test_reverting_one_of_two_stacked_patches_keeps_the_other(upstream):
     assert module.compute is original
 
 
+def dependent(module: str, probe=None) -> Patch:
+    """A patch that triples ``compute`` and only works on top of the one with id "fix-compute"."""
+    return Patch(id="on-top", summary="triples", upstream="example/upstream#3", requires={"wrapt": ">=2"},
+                 wrappers={Target(module, "compute"): times_three}, probe=probe or (lambda: Probe(True, "needed")),
+                 depends_on=("fix-compute",))
+
+
+def test_a_patch_waits_for_its_dependency_and_follows_it_off_and_back(upstream):
+    registry = Registry([dependent(upstream), make_patch(upstream)])  # the dependent is registered first
+    registry.enable()
+    module = importlib.import_module(upstream)
+    assert states(registry) == {"on-top": APPLIED, "fix-compute": APPLIED}
+    assert module.compute(1) == (1 + 1 + 10) * 3, "the dependency applied first, the dependent around it"
+
+    status = {s.id: s for s in registry.enable(exclude=["fix-compute"])}
+    assert status["on-top"].state == UNSUPPORTED
+    assert status["on-top"].reason.startswith("needs fix-compute, which is off (excluded"), status["on-top"].reason
+    assert module.compute(1) == 2, "a dependent whose dependency went off is reverted too"
+
+    assert states_after(registry.enable()) == {"on-top": APPLIED, "fix-compute": APPLIED}
+    assert module.compute(1) == (1 + 1 + 10) * 3
+    registry.disable()
+    assert module.compute(1) == 2
+
+
+@pytest.mark.parametrize("dependency_probe, state", [(lambda: Probe(False, "upstream has it"), APPLIED),
+                                                      (lambda: 1 / 0, UNSUPPORTED)])
+def test_a_dependency_not_needed_suffices_an_unsupported_one_blocks(upstream, dependency_probe, state):
+    module = importlib.import_module(upstream)
+    registry = Registry([make_patch(upstream, probe=dependency_probe), dependent(upstream)])
+    status = {s.id: s for s in registry.enable()}
+    assert status["on-top"].state == state, status["on-top"].reason
+    if state == UNSUPPORTED:
+        assert "needs fix-compute, which is unsupported (probe failed: ZeroDivisionError" in status["on-top"].reason
+        assert module.compute(1) == 2
+    registry.disable()
+
+
+def test_unknown_dependency_is_refused(upstream):
+    with pytest.raises(ValueError, match="depends on .'fix-compute'.. which is not another registered patch"):
+        Registry([dependent(upstream)])
+
+
+def test_patches_built_on_accelerate_adoption_declare_it():
+    depends = {p.id: p.depends_on for p in shardadopt._registry().patches()}
+    for pid in ("trainer-adopt-sharded-model", "accelerate-sharded-checkpoint"):
+        assert depends[pid] == ("accelerate-adopt-sharded-model",), pid
+
+
 def test_disable_before_import_leaves_module_untouched(upstream):
     registry = Registry([make_patch(upstream)])
     registry.enable()

@@ -1,6 +1,6 @@
 """``Accelerator.prepare`` adopts a model that is already sharded (at load time or by hand) instead of wrapping it.
 
-Upstream (accelerate 1.13 .. 1.15, ``accelerate/accelerator.py``, ``Accelerator.prepare_model``) has no path for a
+Upstream (every supported accelerate, ``accelerate/accelerator.py``, ``Accelerator.prepare_model``) has no path for a
 model that arrives sharded; on CPU it ends in::
 
     elif self.distributed_type == DistributedType.MULTI_CPU:
@@ -25,6 +25,7 @@ import inspect
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "accelerate-adopt-sharded-model"
 _MODULE = "accelerate.accelerator"
@@ -116,12 +117,25 @@ def _gather_for_metrics(wrapped, instance, args, kwargs):
 
 
 def probe() -> Probe:
+    """Read ``Accelerator.prepare_model``: the CPU branch of its distribution chain must be the plain DDP wrap."""
     from accelerate.accelerator import Accelerator
 
-    source = inspect.getsource(Accelerator.prepare_model)
-    if "is_distributed_loading_by_transformers" in source or "adopt" in source:
-        return Probe(False, "Accelerator.prepare_model has an adoption path for models sharded at load time")
-    return Probe(True, "Accelerator.prepare_model has no adoption path for already-sharded models (DDP-wraps them)")
+    from shardadopt.probing import body_calls, if_chains, names, source_tree, undecided, upstream_function
+
+    tree = source_tree(upstream_function(Accelerator, "prepare_model", "accelerate-adopt probe"))
+    for chain in if_chains(tree):
+        for test, body in chain:
+            # Known broken shape (every supported release): `elif self.distributed_type ==
+            # DistributedType.MULTI_CPU:` and nothing else decides, then `model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)`.
+            if (test is not None and "MULTI_CPU" in names(test) and names(test) <= _CPU_TEST
+                    and body_calls(body, "DistributedDataParallel")):
+                return Probe(True, "Accelerator.prepare_model DDP-wraps every model on CPU processes (MULTI_CPU), "
+                                   "already-sharded ones included: no adoption path")
+    raise undecided("Accelerator.prepare_model", "the DDP wrap of its MULTI_CPU branch (this patch's broken shape) "
+                    "nor a known adoption path for already-sharded models")
+
+
+_CPU_TEST = {"self", "distributed_type", "DistributedType", "MULTI_CPU"}
 
 
 def _target(name: str) -> Target:
@@ -133,7 +147,7 @@ PATCH = Patch(
     summary="Accelerator.prepare adopts sharded models: dp-rank data split, metrics, no_sync, clipping, optimizers",
     upstream="anticipates huggingface/accelerate (adopt models sharded by transformers DistributedConfig); "
              "huggingface/transformers#45662 (EP experts overwritten)",
-    requires={"accelerate": ">=1.13,<1.16", "transformers": ">=5.15,<5.25"},
+    requires=supported("accelerate", "transformers"),
     wrappers={_target("__init__"): _init, _target("prepare_model"): _prepare_model,
               _target("prepare_data_loader"): _prepare_data_loader,
               _target("prepare_optimizer"): _prepare_optimizer, _target("clip_grad_norm_"): _clip_grad_norm_,

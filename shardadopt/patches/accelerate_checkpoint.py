@@ -1,6 +1,6 @@
 """``Accelerator.save_state`` / ``load_state`` / ``get_state_dict`` / ``save_model`` for sharded models.
 
-Upstream (accelerate 1.13 .. 1.15, ``accelerate/accelerator.py``): outside accelerate's own FSDP/DeepSpeed/Megatron
+Upstream (every supported accelerate, ``accelerate/accelerator.py``): outside accelerate's own FSDP/DeepSpeed/Megatron
 plugins, ``save_state`` saves each model as one local state dict::
 
     else:
@@ -32,6 +32,7 @@ import re
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "accelerate-sharded-checkpoint"
 _MODULE = "accelerate.accelerator"
@@ -207,16 +208,34 @@ def save_model(wrapped, instance, args, kwargs):
               write_config=False)
 
 
-def probe() -> Probe:
-    import inspect
+# The tests of the if-chains that pick accelerate's own FSDP/DeepSpeed/Megatron/XLA savers: the known broken shape
+# (every supported release) is such a chain whose final `else` saves the model as a local state dict.
+_PLUGIN_TEST = {"self", "distributed_type", "DistributedType", "DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "is_fsdp2"}
 
+
+def _local_fallback(function, call: str, where: str) -> bool:
+    """Whether ``function`` has an if-chain over accelerate's plugins only, whose ``else`` calls ``call``."""
     from accelerate.accelerator import Accelerator
 
-    source = inspect.getsource(Accelerator.save_state) + inspect.getsource(Accelerator.get_state_dict)
-    if "DTensor" in source or "distributed_loading" in source:
-        return Probe(False, "accelerate saves DTensor/load-time-sharded models itself")
-    return Probe(True, "accelerate's save_state/get_state_dict treat a sharded model's DTensor shards as a local "
-                       "state dict outside its FSDP plugin")
+    from shardadopt.probing import body_calls, if_chains, names, source_tree, upstream_function
+
+    tree = source_tree(upstream_function(Accelerator, function, where))
+    return any(chain[-1][0] is None and body_calls(chain[-1][1], call)
+               and all(names(test) <= _PLUGIN_TEST for test, _ in chain[:-1]) for chain in if_chains(tree))
+
+
+def probe() -> Probe:
+    """Read ``Accelerator.get_state_dict`` and ``save_state``: outside the plugins, both take the local state dict."""
+    from shardadopt.probing import undecided
+
+    where = "accelerate-sharded-checkpoint probe"
+    if _local_fallback("get_state_dict", "state_dict", where) and _local_fallback("save_state", "get_state_dict",
+                                                                                   where):
+        return Probe(True, "accelerate's save_state/get_state_dict treat a sharded model's DTensor shards as a local "
+                           "state dict outside its FSDP plugin")
+    raise undecided("Accelerator.get_state_dict / save_state", "the plain model.state_dict() fallback after the "
+                    "FSDP/DeepSpeed/Megatron branches (this patch's broken shape) nor a known save path for models "
+                    "sharded outside those plugins")
 
 
 PATCH = Patch(
@@ -224,7 +243,7 @@ PATCH = Patch(
     summary="save_state/load_state (atomic, resumable DCP), get_state_dict/save_model (full tensors) for "
             "sharded models",
     upstream="anticipates huggingface/accelerate: DCP checkpoints for models sharded outside accelerate's plugins",
-    requires={"accelerate": ">=1.13,<1.16", "transformers": ">=5.15,<5.25"},
+    requires=supported("accelerate", "transformers"),
     wrappers={
         Target(_MODULE, "Accelerator.save_state"): save_state,
         Target(_MODULE, "Accelerator.load_state"): load_state,
@@ -232,4 +251,7 @@ PATCH = Patch(
         Target(_MODULE, "Accelerator.save_model"): save_model,
     },
     probe=probe,
+    # A sharded model reaches save_state only adopted (prepare DDP-wraps it otherwise), and load_state reads the
+    # AdoptionKwargs that only the adoption patch records.
+    depends_on=("accelerate-adopt-sharded-model",),
 )

@@ -1,6 +1,7 @@
 """Let ``ParallelismConfig`` (TP, HSDP, 2-D) run on CPU processes (``DistributedType.MULTI_CPU``, gloo).
 
-Upstream (accelerate 1.13 .. 1.15, ``accelerate/parallelism_config.py``, ``ParallelismConfig._validate_accelerator``)::
+Upstream (every supported accelerate, ``accelerate/parallelism_config.py``,
+``ParallelismConfig._validate_accelerator``)::
 
     if self.total_size > 1 and not (
         accelerator.is_fsdp2
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "accelerate-cpu-parallelism-config"
 _REFUSAL = "ParallelismConfig is only compatible"
@@ -89,7 +91,7 @@ PATCH = Patch(
     id=PATCH_ID,
     summary="ParallelismConfig (TP, HSDP, 2-D) accepted for CPU processes (gloo)",
     upstream="anticipates huggingface/accelerate: count MULTI_CPU as multi-device in ParallelismConfig validation",
-    requires={"accelerate": ">=1.13,<1.16", "transformers": ">=5.15,<5.25"},
+    requires=supported("accelerate", "transformers"),
     wrappers={Target("accelerate.parallelism_config", "ParallelismConfig._validate_accelerator"):
               _validate_accelerator},
     probe=probe,

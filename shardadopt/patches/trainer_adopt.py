@@ -1,8 +1,8 @@
 """Trainer leaves a load-time-sharded model where it is and hands the optimizer its sharded parameters (F6).
 
-Upstream (transformers 5.15 .. 5.18, ``transformers/trainer.py``) treats such a model like a plain one:
-
-``Trainer.__init__`` moves it (``place_model_on_device`` is True unless DeepSpeed/FSDP-plugin/model-parallel)::
+Upstream (``transformers/trainer.py``; which releases need the patch is what its probe says, recorded per release in
+``tests/data/release_matrix.json``) treated such a model like a plain one. ``Trainer.__init__`` moves it
+(``place_model_on_device`` is True unless DeepSpeed/FSDP-plugin/model-parallel)::
 
     if self.place_model_on_device and ...:
         self._move_model_to_device(model, args.device)      # model.to(device) on FSDP2 / DTensor parameters
@@ -17,10 +17,12 @@ happens again for ``model_init`` in ``train()``. And ``_prepare_for_training`` b
 from ``model.parameters()`` as they are at that moment: after any forward before training (``trainer.evaluate()``
 before ``train()``), the FSDP2 groups built with ``reshard_after_forward=False`` (the final norm and LM head) still
 expose their *unsharded* plain parameters, so the optimizer steps copies that FSDP throws away and those weights
-silently never train. 5.19 sets ``place_model_on_device = False`` for ``is_distributed_loading_by_transformers``
-models; later releases (5.24 has it, 5.20 not yet) also call ``module.reshard()`` on every FSDP2 module before
-``create_optimizer``. 5.15's tensor
-parallelism also leaves row-parallel shards as plain non-contiguous views, which torch's fused CPU AdamW
+silently never train. Read in each release: 5.15 .. 5.17 move the model; 5.18 sets ``place_model_on_device =
+False`` for a model with a ``_device_mesh``, 5.19 for ``is_distributed_loading_by_transformers`` models; only 5.24
+also calls ``module.reshard()`` on every FSDP2 module before ``create_optimizer()``. The probe parses both places
+(the ``place_model_on_device = False`` conditions in ``__init__``, a ``reshard()`` before ``create_optimizer()`` in
+``_prepare_for_training``) and answers not-needed only where it finds both fixes. 5.15's tensor parallelism also
+leaves row-parallel shards as plain non-contiguous views, which torch's fused CPU AdamW
 (``optim="adamw_torch_fused"``) mis-updates (5.19+ shard TP with DTensors).
 
 The accelerate side of adoption (no DDP wrap, data split, clipping, optimizer groups) is the
@@ -32,10 +34,11 @@ sharded model outside accelerate's FSDP/DeepSpeed plugins: ``_move_model_to_devi
 
 from __future__ import annotations
 
-import inspect
+import ast
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "trainer-adopt-sharded-model"
 _MODULE = "transformers.trainer"
@@ -66,30 +69,67 @@ def create_optimizer(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+# Conditions under which upstream keeps a load-time-sharded model in place: 5.19+ test
+# `self.is_distributed_loading_by_transformers`, 5.18 `getattr(model, "_device_mesh", None) is not None`.
+_IN_PLACE_MARKERS = {"is_distributed_loading_by_transformers", "_device_mesh"}
+
+
+def _keeps_sharded_model_in_place(init) -> bool:
+    """From ``Trainer.__init__``: the condition list that sets ``self.place_model_on_device = False`` (an ``or`` of
+    DeepSpeed, FSDP, model parallel, ...), and whether it names a load-time-sharded model."""
+    from shardadopt.probing import if_chains, names, undecided
+
+    for chain in if_chains(init):
+        for test, body in chain:
+            sets_false = any(isinstance(s, ast.Assign) and isinstance(s.value, ast.Constant) and s.value.value is False
+                             and any(isinstance(t, ast.Attribute) and t.attr == "place_model_on_device"
+                                     for t in s.targets) for s in body)
+            if test is not None and sets_false and "is_deepspeed_enabled" in names(test):
+                return bool(names(test) & _IN_PLACE_MARKERS)
+    raise undecided("Trainer.__init__", "the conditions that set place_model_on_device = False")
+
+
+def _reshards_before_optimizer(prepare) -> bool:
+    """From ``Trainer._prepare_for_training``: whether a ``.reshard()`` comes before ``self.create_optimizer()`` (the
+    call without arguments; ``create_optimizer(model)`` is the FSDP-plugin path that creates it after ``prepare``)."""
+    from shardadopt.probing import callee, in_order, undecided
+
+    seen_reshard = False
+    for node in in_order(prepare):
+        if isinstance(node, ast.Call) and callee(node) == "reshard":
+            seen_reshard = True
+        if isinstance(node, ast.Call) and callee(node) == "create_optimizer" and not node.args:
+            return seen_reshard
+    raise undecided("Trainer._prepare_for_training", "the self.create_optimizer() call")
+
+
 def probe() -> Probe:
+    """Parse ``Trainer.__init__`` (device placement) and ``Trainer._prepare_for_training`` (optimizer creation)."""
     from transformers.trainer import Trainer
 
-    init = inspect.getsource(Trainer.__init__)
-    training = inspect.getsource(Trainer._inner_training_loop)
-    if hasattr(Trainer, "_prepare_for_training"):
-        training += inspect.getsource(Trainer._prepare_for_training)
-    in_place, reshards = "is_distributed_loading_by_transformers" in init, ".reshard()" in training
+    from shardadopt.probing import source_tree, upstream_function
+
+    where = "trainer-adopt probe"
+    in_place = _keeps_sharded_model_in_place(source_tree(upstream_function(Trainer, "__init__", where)))
+    reshards = _reshards_before_optimizer(source_tree(upstream_function(Trainer, "_prepare_for_training", where)))
     if in_place and reshards:
         return Probe(False, "Trainer keeps load-time-sharded models in place and reshards them before building the "
                             "optimizer")
-    # 5.19 .. 5.20 already keep the model in place but still build the optimizer without resharding.
     moves = "" if in_place else "moves load-time-sharded models with .to() and "
+    fixed = "; it does keep them in place" if in_place else ""
     return Probe(True, f"Trainer {moves}builds the optimizer from whatever parameters FSDP2 exposes (unsharded ones "
-                       "after an evaluate() before train())")
+                       f"after an evaluate() before train()){fixed}")
 
 
 PATCH = Patch(
     id=PATCH_ID,
     summary="Trainer: no .to() of load-time-sharded models; optimizer built from the resharded FSDP2 parameters",
-    upstream="backports huggingface/transformers 5.19 (Trainer.is_distributed_loading_by_transformers: "
-             "place_model_on_device=False, FSDP2 reshard before create_optimizer)",
-    requires={"transformers": ">=5.15,<5.25"},
+    upstream="backports huggingface/transformers: load-time-sharded models stay in place (5.18 `_device_mesh`, "
+             "5.19 is_distributed_loading_by_transformers) and FSDP2 reshards before create_optimizer (5.24)",
+    requires=supported("transformers"),
     wrappers={Target(_MODULE, "Trainer._move_model_to_device"): move_model_to_device,
               Target(_MODULE, "Trainer.create_optimizer"): create_optimizer},
     probe=probe,
+    # Trainer prepares the model through accelerate: without adoption it DDP-wraps the sharded model.
+    depends_on=("accelerate-adopt-sharded-model",),
 )

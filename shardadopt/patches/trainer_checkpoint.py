@@ -28,15 +28,16 @@ DeepSpeed plugins (every other model keeps upstream's exact path):
 
 from __future__ import annotations
 
+import ast
 import os
 import warnings
 from typing import Any
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "trainer-sharded-checkpoint"
 _MODULE = "transformers.trainer"
-_REFUSAL = "Resuming is not supported for models sharded at load time"
 
 
 def _ours(trainer: Any) -> bool:
@@ -207,15 +208,52 @@ def export_full_model(trainer: Any, output_dir: str) -> None:
         torch.save(trainer.args, os.path.join(output_dir, trainer_module.TRAINING_ARGS_NAME))
 
 
-def probe() -> Probe:
-    import inspect
+def _refuses_sharded_checkpoints(init) -> bool:
+    """From ``Trainer.__init__``: whether it raises for a load-time-sharded model unless ``save_only_model`` (5.18+;
+    ``init`` above lifts exactly that test). A refusal that does not test ``save_only_model`` is unknown."""
+    from shardadopt.probing import if_chains, names, undecided
 
+    for chain in if_chains(init):
+        for test, body in chain:
+            tested = names(test) if test is not None else set()
+            if ({"is_distributed_loading_by_transformers", "_device_mesh"} & tested and "save_strategy" in tested
+                    and any(isinstance(s, ast.Raise) for s in body)):
+                if "save_only_model" not in tested:
+                    raise undecided("Trainer.__init__", "a refusal of sharded checkpoints that save_only_model lifts")
+                return True
+    return False
+
+
+def probe() -> Probe:
+    """Run upstream's ``Trainer._save_optimizer_and_scheduler`` on the main process of a stand-in trainer holding a
+    load-time-sharded model outside accelerate's plugins: the broken shape writes the process's local optimizer state
+    dict as the one ``optimizer.pt`` (rank 0's shards only)."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import trainer as trainer_module
     from transformers.trainer import Trainer
 
-    saving = inspect.getsource(Trainer._save_optimizer_and_scheduler)
-    if "distributed_loading" in saving or "distributed.checkpoint" in saving:
-        return Probe(False, "Trainer checkpoints the optimizer of load-time-sharded models itself")
-    refuses = _REFUSAL in inspect.getsource(Trainer.__init__)
+    from shardadopt.probing import source_tree, undecided, upstream_function
+
+    where = "trainer-sharded-checkpoint probe"
+    save = upstream_function(Trainer, "_save_optimizer_and_scheduler", where)
+    local_state = {"state": {}, "param_groups": [{"lr": 0.5, "params": [0]}]}
+    stub = SimpleNamespace(state_dict=lambda: local_state)
+    trainer = SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=False, is_fsdp_xla_v1_enabled=False,
+                              is_distributed_loading_by_transformers=True, optimizer=stub, lr_scheduler=stub,
+                              model=torch.nn.Linear(1, 1), args=SimpleNamespace(should_save=True, process_index=0,
+                                                                                 world_size=2))
+    with tempfile.TemporaryDirectory() as directory:
+        save(trainer, directory)
+        path = os.path.join(directory, trainer_module.OPTIMIZER_NAME)
+        local = os.path.isfile(path) and torch.load(path, weights_only=True) == local_state
+    if not local:
+        raise undecided("Trainer._save_optimizer_and_scheduler", "the main process's local optimizer state dict "
+                        f"saved as {trainer_module.OPTIMIZER_NAME} (this patch's broken shape) nor a known sharded "
+                        "save")
+    refuses = _refuses_sharded_checkpoints(source_tree(upstream_function(Trainer, "__init__", where)))
     return Probe(True, "Trainer " + ("refuses to checkpoint" if refuses else "cannot checkpoint")
                  + " load-time-sharded models resumably (optimizer state is rank 0's local shard)")
 
@@ -225,7 +263,7 @@ PATCH = Patch(
     summary="Trainer: resumable, atomic DCP checkpoints and streamed full export for load-time-sharded models",
     upstream="anticipates huggingface/transformers: lift 'Resuming is not supported for models sharded at load "
              "time' by checkpointing through torch.distributed.checkpoint",
-    requires={"transformers": ">=5.15,<5.25", "accelerate": ">=1.13,<1.16"},
+    requires=supported("transformers", "accelerate"),
     wrappers={
         Target(_MODULE, "Trainer.__init__"): init,
         Target(_MODULE, "Trainer._save_checkpoint"): save_checkpoint,

@@ -1,6 +1,6 @@
 """Optuna ``hyperparameter_search`` under torch.distributed without hangs: every rank runs, prunes and stops together.
 
-Upstream (transformers 5.0 .. 5.24, byte-identical; ``integrations/integration_utils.py``,
+Upstream (byte-identical in every transformers 5.x read so far; ``integrations/integration_utils.py``,
 ``run_hp_search_optuna``)::
 
     fixed_trial = optuna.trial.FixedTrial(trial.params, trial.number)
@@ -29,7 +29,7 @@ The patch routes ``run_hp_search_optuna`` (the definition and the global that ``
 runs every trial through ``shardadopt.hpo.optimize`` with a ``DistributedTrial``), and the Optuna branch of
 ``_report_to_hp_search`` for a ``DistributedTrial`` to ``trainer_backend.report_to_hp_search`` (one collective
 per report; every rank raises ``TrialPruned`` at the same report). Any other trial takes upstream's exact path.
-The probe looks for the ``FixedTrial`` broadcast in upstream's ``run_hp_search_optuna``.
+The probe parses upstream's ``run_hp_search_optuna`` for the ``FixedTrial`` broadcast.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 PATCH_ID = "trainer-hpo-optuna"
 
@@ -61,20 +62,25 @@ def _report_to_hp_search(wrapped, instance, args, kwargs):
 
 
 def probe() -> Probe:
+    """Parse ``run_hp_search_optuna``: the broken shape builds a ``FixedTrial`` for the other ranks and broadcasts
+    it."""
     from transformers.integrations import integration_utils
 
-    source = inspect.getsource(integration_utils.run_hp_search_optuna)
-    if "FixedTrial" in source:
+    from shardadopt.probing import calls, source_tree, undecided, upstream_function
+
+    tree = source_tree(upstream_function(integration_utils, "run_hp_search_optuna", "trainer-hpo-optuna probe"))
+    if calls(tree, "FixedTrial") and calls(tree, "broadcast_object_list"):
         return Probe(True, "run_hp_search_optuna gives ranks > 0 a FixedTrial: they never prune and loop a fixed "
                            "n_trials, so pruning, timeout and errors hang the job")
-    return Probe(False, "run_hp_search_optuna no longer hands ranks > 0 a FixedTrial")
+    raise undecided("run_hp_search_optuna", "the FixedTrial broadcast to ranks > 0 (this patch's broken shape) nor a "
+                    "known collective trial")
 
 
 PATCH = Patch(
     id=PATCH_ID,
     summary="Trainer Optuna HPO under torch.distributed: collective trials, pruning, stop and errors on every rank",
     upstream="transformers: run_hp_search_optuna / _report_to_hp_search (FixedTrial on ranks > 0, all 5.x)",
-    requires={"transformers": ">=5.15,<5.25", "optuna": ">=4,<6"},
+    requires=supported("transformers", "optuna"),
     wrappers={
         Target("transformers.integrations.integration_utils", "run_hp_search_optuna"): _run_hp_search_optuna,
         Target("transformers.hyperparameter_search", "run_hp_search_optuna"): _run_hp_search_optuna,

@@ -20,44 +20,61 @@ modules sharded over a one-rank mesh. The function is only called for models sha
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 
+from shardadopt.probing import Undecided, callee, calls, names, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
+FUNCTION = "apply_fully_sharded_data_parallelism"
 
 
-def _unguarded_forced_sums(function) -> int:
-    """How many ``set_force_sum_reduction_for_comms(True)`` calls are not under an ``if`` that tests ``efsdp_size``."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+def _forced_sums(tree: ast.AST) -> tuple[int, int]:
+    """(unguarded, guarded): ``set_force_sum_reduction_for_comms(True)`` calls outside / inside an ``if`` that tests
+    ``efsdp_size``."""
+    counts = [0, 0]
 
-    def visit(node: ast.AST, guarded: bool) -> int:
-        if isinstance(node, ast.If) and any(isinstance(n, ast.Attribute) and n.attr == "efsdp_size"
-                                            for n in ast.walk(node.test)):
+    def visit(node: ast.AST, guarded: bool) -> None:
+        if isinstance(node, ast.If) and "efsdp_size" in names(node.test):
             guarded = True
-        count = int(not guarded and isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "set_force_sum_reduction_for_comms"
-                    and any(isinstance(a, ast.Constant) and a.value is True for a in node.args))
-        return count + sum(visit(child, guarded) for child in ast.iter_child_nodes(node))
+        if (isinstance(node, ast.Call) and callee(node) == "set_force_sum_reduction_for_comms"
+                and any(isinstance(a, ast.Constant) and a.value is True for a in node.args)):
+            counts[guarded] += 1
+        for child in ast.iter_child_nodes(node):
+            visit(child, guarded)
 
-    return visit(tree, False)
+    visit(tree, False)
+    return counts[0], counts[1]
+
+
+def _one_mesh_for_all(tree: ast.FunctionDef) -> bool:
+    """The 5.15 .. 5.18 shape: one mesh parameter, and every ``fully_shard`` call uses it (no expert mesh)."""
+    meshes = [a.arg for a in tree.args.args if "mesh" in a.arg]
+    shards = calls(tree, "fully_shard")
+    return len(meshes) == 1 and bool(shards) and all(
+        any(k.arg == "mesh" and isinstance(k.value, ast.Name) and k.value.id == meshes[0] for k in c.keywords)
+        for c in shards)
 
 
 def probe() -> Probe:
+    """Parse ``apply_fully_sharded_data_parallelism`` as the mixin calls it."""
     from transformers.distributed import fsdp, mixin
 
-    function = getattr(fsdp, "apply_fully_sharded_data_parallelism", None)
-    if function is None or getattr(mixin, "apply_fully_sharded_data_parallelism", None) is not function:
-        return Probe(False, "transformers.distributed.mixin does not call fsdp.apply_fully_sharded_data_parallelism")
-    if "set_force_sum_reduction_for_comms" not in inspect.getsource(function):
-        return Probe(False, "apply_fully_sharded_data_parallelism never forces sum reduction (no expert FSDP divide "
-                            "factor)")
-    if not _unguarded_forced_sums(function):
-        return Probe(False, "apply_fully_sharded_data_parallelism forces sum reduction for the experts only when "
-                            "efsdp_size > 1")
-    return Probe(True, "apply_fully_sharded_data_parallelism forces sum reduction for the experts even on a one-rank "
-                       "efsdp mesh, where FSDP2 then divides their gradients by fsdp_size twice")
+    where = "transformers-ep-expert-grad-scale probe"
+    function = upstream_function(fsdp, FUNCTION, where)
+    if getattr(mixin, FUNCTION, None) is not function:
+        raise Undecided(f"{where}: transformers.distributed.mixin no longer calls fsdp.{FUNCTION}")
+    tree = source_tree(function)
+    unguarded, guarded = _forced_sums(tree)
+    if unguarded and calls(tree, "set_gradient_divide_factor"):
+        return Probe(True, f"{FUNCTION} forces sum reduction for the experts even on a one-rank efsdp mesh, where "
+                           "FSDP2 then divides their gradients by fsdp_size twice")
+    if guarded and not unguarded:
+        return Probe(False, f"{FUNCTION} forces sum reduction for the experts only when efsdp_size > 1")
+    if not unguarded and not guarded and _one_mesh_for_all(tree):
+        return Probe(False, f"{FUNCTION} shards every module on one mesh (no expert FSDP mesh, no divide factor)")
+    raise undecided(FUNCTION, "the experts' forced sum reduction (guarded or not by efsdp_size) nor one mesh for "
+                    "every module")
 
 
 def _apply_fully_sharded_data_parallelism(wrapped, instance, args, kwargs):
@@ -72,7 +89,7 @@ PATCH = Patch(
     id="transformers-ep-expert-grad-scale",
     summary="EP + FSDP with efsdp_size == 1: expert gradients are not divided by fsdp_size twice",
     upstream="fixed in huggingface/transformers v5.23.0 (fsdp.py: forced sum only when efsdp_size > 1)",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "apply_fully_sharded_data_parallelism"): _apply_fully_sharded_data_parallelism},
     probe=probe,
 )

@@ -25,25 +25,26 @@ for experts sharded by expert; every other experts module runs upstream's functi
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 from typing import Any
 
+from shardadopt.probing import callee, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.integrations.moe"
 
 
-def _unmasked_gemm_outputs(function: Any) -> list[str]:
-    """Names assigned from a ``_grouped_linear(...)`` call whose next use is not a ``masked_fill`` of that name."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    statements = [node for node in ast.walk(tree) if isinstance(node, ast.stmt)]
+def _gemm_outputs(function: Any) -> tuple[int, list[str]]:
+    """How many names are assigned from a ``_grouped_linear(...)`` call, and those whose next use is not a
+    ``masked_fill`` of that name."""
+    statements = [node for node in ast.walk(source_tree(function)) if isinstance(node, ast.stmt)]
     statements.sort(key=lambda node: (node.lineno, node.col_offset))
-    unmasked = []
+    gemms, unmasked = 0, []
     for index, statement in enumerate(statements):
         if not (isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Call)
-                and getattr(statement.value.func, "id", None) == "_grouped_linear"):
+                and callee(statement.value) == "_grouped_linear"):
             continue
+        gemms += 1
         name = statement.targets[0].id if isinstance(statement.targets[0], ast.Name) else None
         masked = False
         for later in statements[index + 1:]:
@@ -58,20 +59,22 @@ def _unmasked_gemm_outputs(function: Any) -> list[str]:
             break
         if not masked:
             unmasked.append(name or "<expression>")
-    return unmasked
+    return gemms, unmasked
 
 
 def probe() -> Probe:
+    """Parse ``grouped_mm_experts_forward``: each ``_grouped_linear`` output must be masked before its next use."""
     from transformers.integrations import moe
 
-    forward = getattr(moe, "grouped_mm_experts_forward", None)
-    if forward is None or not hasattr(moe, "ExpertsInterface"):
-        return Probe(False, "transformers has no grouped_mm experts forward to fix")
-    unmasked = _unmasked_gemm_outputs(forward)
+    where = "transformers-ep-grouped-mm-sentinel probe"
+    upstream_function(moe, "ExpertsInterface", where)
+    gemms, unmasked = _gemm_outputs(upstream_function(moe, "grouped_mm_experts_forward", where))
+    if not gemms:
+        raise undecided("grouped_mm_experts_forward", "its _grouped_linear GEMM calls")
     if not unmasked:
         return Probe(False, "grouped_mm_experts_forward masks the sentinel-tail rows after each grouped GEMM")
     return Probe(True, "grouped_mm_experts_forward leaves the sentinel-tail rows of its grouped GEMM outputs unmasked "
-                       f"({len(unmasked)} of them), so expert-parallel training can get NaN gradients")
+                       f"({len(unmasked)} of {gemms}), so expert-parallel training can get NaN gradients")
 
 
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -95,7 +98,7 @@ PATCH = Patch(
     id="transformers-ep-grouped-mm-sentinel",
     summary="expert-parallel grouped_mm: zero the undefined sentinel-tail rows after each grouped GEMM (no NaN grads)",
     upstream="huggingface/transformers#48205",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "ExpertsInterface.get_interface"): _get_interface},
     probe=probe,
 )

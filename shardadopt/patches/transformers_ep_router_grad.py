@@ -32,11 +32,15 @@ upstream diff; each probe says ``not-needed`` on the layout it does not target.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
+import warnings
 from types import SimpleNamespace
 
+from shardadopt.probing import undecided
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.integrations.tensor_parallel"
 
@@ -71,52 +75,83 @@ class _ProbeMesh:
 
 
 def probe() -> Probe:
+    """The 5.15 layout: run ``RouterParallel._prepare_output_fn`` on a 2-rank layout and read its autograd graph."""
     from transformers.integrations import tensor_parallel
 
     router = getattr(tensor_parallel, "RouterParallel", None)
-    if router is None:
+    if router is not None and hasattr(router, "_prepare_output_fn"):
+        return _probe_hook(lambda module, outputs, mesh: router()._prepare_output_fn(module, outputs, mesh))
+    if router is not None and hasattr(router, "transform_output_post_forward"):
+        return Probe(False, "RouterParallel is EpRouterParallel (transformers >= 5.16), which masks in "
+                            "transform_output_post_forward: see transformers-ep-router-grad-post-forward")
+    if router is None and _dispatches_tokens():
         return Probe(False, _NO_ROUTER)
-    if not hasattr(router, "_prepare_output_fn"):
-        return Probe(False, "RouterParallel has no _prepare_output_fn (transformers >= 5.16 masks in EpRouterParallel."
-                            "transform_output_post_forward: see transformers-ep-router-grad-post-forward)")
-    return _probe_hook(lambda module, outputs, mesh: router()._prepare_output_fn(module, outputs, mesh))
+    raise undecided("transformers.integrations.tensor_parallel", "RouterParallel._prepare_output_fn, "
+                    "EpRouterParallel.transform_output_post_forward nor the token-dispatch EPImplementation")
 
 
 def probe_post_forward() -> Probe:
+    """The 5.16 .. 5.22 layout: run ``EpRouterParallel.transform_output_post_forward`` and read its autograd graph."""
     tensor_parallel = importlib.import_module(POST_FORWARD_MODULE)
 
-    router = getattr(tensor_parallel, "EpRouterParallel", None)
-    if router is None:
-        if getattr(tensor_parallel, "RouterParallel", None) is not None:
-            return Probe(False, "transformers < 5.16 masks in RouterParallel._prepare_output_fn: see "
-                                "transformers-ep-router-grad")
+    with warnings.catch_warnings():  # 5.22 re-exports it from expert_parallel with a FutureWarning
+        warnings.simplefilter("ignore", FutureWarning)
+        router = getattr(tensor_parallel, "EpRouterParallel", None)
+    if router is not None and hasattr(router, "transform_output_post_forward"):
+        return _probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
+    if router is None and hasattr(getattr(tensor_parallel, "RouterParallel", None), "_prepare_output_fn"):
+        return Probe(False, "transformers < 5.16 masks in RouterParallel._prepare_output_fn: see "
+                            "transformers-ep-router-grad")
+    if router is None and _dispatches_tokens():
         return Probe(False, _NO_ROUTER)
-    return _probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
+    raise undecided(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward, "
+                    "RouterParallel._prepare_output_fn nor the token-dispatch EPImplementation")
 
 
-_NO_ROUTER = ("upstream no longer masks router scores per rank: expert parallelism dispatches tokens with all-to-all "
-              "and applies the routing weights on the sending rank")
+_NO_ROUTER = ("upstream no longer masks router scores per rank: expert parallelism dispatches tokens "
+              "(transformers.distributed.expert_parallel.EPImplementation: all-to-all, or an all-reduce that sums the "
+              "routing-weight gradient)")
+
+
+def _dispatches_tokens() -> bool:
+    """Whether ``transformers/distributed/expert_parallel.py`` defines ``EPImplementation`` and no router class (the
+    5.23+ design), read from its syntax tree: importing it from a post-import hook could catch it half-initialised."""
+    spec = importlib.util.find_spec("transformers")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = os.path.join(root, "distributed", "expert_parallel.py")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                classes = {n.name for n in ast.walk(ast.parse(handle.read())) if isinstance(n, ast.ClassDef)}
+            return "EPImplementation" in classes and not {"EpRouterParallel", "RouterParallel"} & classes
+    return False
 
 
 def _probe_hook(hook) -> Probe:
     import torch
 
-    # Run the hook's forward on a 2-rank layout and look at the autograd graph it records between the mask and the
-    # scores: the upstream fix puts a gradient all-reduce there.
+    # Run the hook's forward on a 2-rank layout and read the autograd graph it records from the masked scores back
+    # to the scores: upstream's fix puts its gradient all-reduce (a custom autograd Function) there.
     scores = torch.rand(3, 2, requires_grad=True)
     indices = torch.tensor([[0, 3], [1, 2], [3, 0]])
     with torch.enable_grad():
         outputs = hook(SimpleNamespace(num_experts=4), (scores, scores, indices), _ProbeMesh())
-    names, frontier = [], [outputs[1].grad_fn]
+    nodes, frontier = [], [outputs[1].grad_fn]
     while frontier:
         node = frontier.pop()
         if node is not None:
-            names.append(type(node).__name__)
+            nodes.append(node)
             frontier.extend(next_node for next_node, _ in node.next_functions)
-    if any("AllReduce" in name or "SumOverGroup" in name for name in names):
+    reaches_scores = any(getattr(n, "variable", None) is scores for n in nodes)
+    masks = any(type(n).__name__.startswith("MaskedFill") for n in nodes)
+    custom = [type(n).__name__ for n in nodes if isinstance(n, torch.autograd.function.BackwardCFunction)]
+    if reaches_scores and masks and custom and all("AllReduce" in c or "SumOverGroup" in c for c in custom):
         return Probe(False, "the EP router hook sums the score gradient over the EP group before its mask")
-    return Probe(True, "the EP router hook masks non-local scores without summing their gradient over the EP group "
-                       "(router and upstream gradients are partial and differ between ranks)")
+    if reaches_scores and masks and not custom:
+        return Probe(True, "the EP router hook masks non-local scores without summing their gradient over the EP "
+                           "group (router and upstream gradients are partial and differ between ranks)")
+    raise undecided("the EP router hook", "a plain mask of the scores (this patch's broken shape) nor a mask behind "
+                    f"a gradient all-reduce (its autograd graph: {[type(n).__name__ for n in nodes]})")
 
 
 def _prepare_output_fn(wrapped, instance, args, kwargs):
@@ -132,7 +167,7 @@ PATCH = Patch(
     id="transformers-ep-router-grad",
     summary="expert-parallel router: sum the routing-score gradient over the EP group before the non-local mask",
     upstream="huggingface/transformers#48205",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "RouterParallel._prepare_output_fn"): _prepare_output_fn},
     probe=probe,
 )
@@ -151,7 +186,7 @@ PATCH_POST_FORWARD = Patch(
     summary="expert-parallel router (transformers 5.16 layout): sum the routing-score gradient over the EP group "
             "before the non-local mask",
     upstream="huggingface/transformers#48205",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward"):
               _transform_output_post_forward},
     probe=probe_post_forward,

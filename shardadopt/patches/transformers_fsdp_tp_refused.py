@@ -19,39 +19,46 @@ so every rank raises the same error naming the fix.
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-
+from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 FSDP_APPLY = "apply_fully_sharded_data_parallelism"
+TP_APPLY = "apply_tensor_parallelism"
 
 
-def fsdp_applied_only_without_tp(function) -> bool:
-    """Whether ``function`` calls ``apply_fully_sharded_data_parallelism`` only in the else branch of a
-    ``tp_size`` test (so it never applies both)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-
-    def calls_fsdp(nodes) -> bool:
-        return any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == FSDP_APPLY
-                   for node in nodes for n in ast.walk(node))
-
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "tp_size" in ast.unparse(node.test) and calls_fsdp(node.orelse):
-            return not calls_fsdp(node.body)
-    return False
+def fsdp_with_tp(function) -> bool | None:
+    """Whether ``function`` can apply FSDP and TP together: True when ``apply_fully_sharded_data_parallelism`` sits in
+    an ``if`` chain without ``apply_tensor_parallelism`` (5.18+), False when both are branches of one chain (5.16 /
+    5.17: ``if tp_size > 1: .. elif fsdp_size > 1: ..``), None when it finds neither."""
+    tree = source_tree(function)
+    tp_anywhere = bool(calls(tree, TP_APPLY))
+    for chain in if_chains(tree):
+        fsdp = [i for i, (_, body) in enumerate(chain) if body_calls(body, FSDP_APPLY)]
+        tp = [i for i, (_, body) in enumerate(chain) if body_calls(body, TP_APPLY)]
+        if fsdp and tp and not set(fsdp) & set(tp):
+            return False
+        if fsdp and not tp and tp_anywhere:
+            return True
+    return None
 
 
 def probe() -> Probe:
+    """Build the 2-D ``DistributedConfig`` (5.15 refuses it), then parse ``maybe_distribute_model``."""
     from transformers.distributed import DistributedConfig, mixin
 
     try:
         DistributedConfig(fsdp_size=2, tp_size=2)
-    except (TypeError, ValueError):
+    except ValueError:
         return Probe(False, "DistributedConfig itself refuses fsdp_size with tp_size")
-    if not fsdp_applied_only_without_tp(mixin.DistributedMixin.maybe_distribute_model):
+    where = "transformers-fsdp-tp-refused probe"
+    both = fsdp_with_tp(upstream_function(upstream_function(mixin, "DistributedMixin", where),
+                                          "maybe_distribute_model", where))
+    if both is None:
+        raise undecided("DistributedMixin.maybe_distribute_model", f"{FSDP_APPLY} and {TP_APPLY} as branches of one "
+                        "if/elif (this patch's broken shape) nor in separate ifs (2-D loading)")
+    if both:
         return Probe(False, "maybe_distribute_model applies FSDP and TP together (2-D loading)")
     return Probe(True, "DistributedConfig accepts fsdp_size with tp_size, but maybe_distribute_model applies TP "
                        "alone: 2-D loading fails on the ranks outside the TP mesh")
@@ -70,7 +77,7 @@ PATCH = Patch(
     id="transformers-fsdp-tp-refused",
     summary="fsdp_size with tp_size (2-D) raises a clear error where transformers accepts it but applies TP alone",
     upstream="fixed by 2-D loading in transformers 5.18 (maybe_distribute_model applies TP then FSDP)",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.prepare_distribute_model"): _prepare_distribute_model},
     probe=probe,
 )

@@ -21,32 +21,36 @@ to reuse (``not-needed``).
 
 from __future__ import annotations
 
-import ast
-import inspect
-import textwrap
-
+from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 BUILDER = "initialize_distributed_mesh"
 
 
-def _calls(function, name: str) -> bool:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    return any(isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == name
-               for node in ast.walk(tree))
+_ONE_D = ("initialize_tensor_parallelism", "initialize_fully_sharded_data_parallelism")
 
 
 def probe() -> Probe:
+    """Parse ``DistributedMixin.prepare_distribute_model`` and the mesh builder it calls."""
     from transformers.distributed import mixin
 
+    where = "transformers-reuse-device-mesh probe"
+    prepare = source_tree(upstream_function(upstream_function(mixin, "DistributedMixin", where),
+                                            "prepare_distribute_model", where))
     builder = getattr(mixin, BUILDER, None)
-    if builder is None:
-        return Probe(False, "this transformers builds 1-D meshes over the default process group (no per-load groups)")
-    if not _calls(builder, "init_device_mesh"):
-        return Probe(False, f"{BUILDER} does not build a new device mesh on every call")
-    return Probe(True, f"{BUILDER} builds new device meshes (a process group per dimension) on every sharded load, "
-                       "and nothing destroys them")
+    if builder is not None and calls(prepare, BUILDER) and calls(source_tree(builder), "init_device_mesh"):
+        return Probe(True, f"{BUILDER} builds new device meshes (a process group per dimension) on every sharded "
+                           "load, and nothing destroys them")
+    # 5.15 .. 5.17: one if/elif picks a TP or an FSDP mesh, each 1-D over the world (tp_size * fsdp_size must equal
+    # the world size), which torch backs with the default process group.
+    if builder is None and any(all(any(body_calls(body, name) for _, body in chain) for name in _ONE_D)
+                               for chain in if_chains(prepare)):
+        return Probe(False, "this transformers builds one 1-D mesh over the world per load (the default process "
+                            "group; no per-load groups)")
+    raise undecided("DistributedMixin.prepare_distribute_model", f"a call of {BUILDER} building meshes with "
+                    "init_device_mesh (this patch's broken shape) nor the 1-D TP-or-FSDP meshes of 5.15 .. 5.17")
 
 
 def _initialize_distributed_mesh(wrapped, instance, args, kwargs):
@@ -59,8 +63,8 @@ def _initialize_distributed_mesh(wrapped, instance, args, kwargs):
 PATCH = Patch(
     id="transformers-reuse-device-mesh",
     summary="sharded loads with the same layout reuse one device mesh (no new process groups per model / HPO trial)",
-    upstream="not reported yet (transformers 5.18 .. 5.24 build meshes per from_pretrained)",
-    requires={"transformers": ">=5.15,<5.25"},
+    upstream="not reported yet (transformers builds meshes per from_pretrained from 5.18 on)",
+    requires=supported("transformers"),
     wrappers={Target(MODULE, BUILDER): _initialize_distributed_mesh},
     probe=probe,
 )

@@ -21,28 +21,33 @@ that model (models loaded without ``distributed_config`` are untouched).
 from __future__ import annotations
 
 import ast
-import inspect
-import textwrap
 
+from shardadopt.probing import source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 
 
 def _assigned_attributes(function) -> set[str]:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    return {target.attr for node in ast.walk(tree) if isinstance(node, ast.Assign)
+    return {target.attr for node in ast.walk(source_tree(function)) if isinstance(node, ast.Assign)
             for target in node.targets if isinstance(target, ast.Attribute)}
 
 
 def probe() -> Probe:
+    """Parse ``DistributedMixin.maybe_distribute_model``: which attributes it sets on the model next to the mesh."""
     # Only the mixin is inspected: this runs while transformers.modeling_utils is still importing it.
     from transformers.distributed import mixin
 
-    missing = sorted({"_tp_size", "_fsdp_size"} - _assigned_attributes(mixin.DistributedMixin.maybe_distribute_model))
+    where = "transformers-sharding-sizes probe"
+    assigned = _assigned_attributes(upstream_function(upstream_function(mixin, "DistributedMixin", where),
+                                                      "maybe_distribute_model", where))
+    if "_device_mesh" not in assigned:
+        raise undecided("DistributedMixin.maybe_distribute_model", "where it records the model's _device_mesh")
+    missing = sorted({"_tp_size", "_fsdp_size"} - assigned)
     if not missing:
         return Probe(False, "maybe_distribute_model records _tp_size and _fsdp_size")
-    return Probe(True, f"maybe_distribute_model does not record {' or '.join(missing)} on the model")
+    return Probe(True, f"maybe_distribute_model records the mesh but not {' or '.join(missing)} on the model")
 
 
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
@@ -59,7 +64,7 @@ PATCH = Patch(
     id="transformers-sharding-sizes",
     summary="models sharded at load time record _tp_size/_fsdp_size and expose fsdp_size (Trainer needs them)",
     upstream="huggingface/transformers#48208 (_tp_size), huggingface/transformers#48204 (_fsdp_size, fsdp_size)",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
     probe=probe,
 )

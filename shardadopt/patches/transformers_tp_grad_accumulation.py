@@ -2,7 +2,7 @@
 
 Upstream: not reported yet (anticipates a transformers fix; the diff is patches/transformers-tp-replicated-grad-
 accumulation.diff). The style keeps a parameter whole on every TP rank while each rank's gradient covers only its
-own heads (Qwen3 / Qwen3-MoE / Gemma3 / ... ``q_norm``/``k_norm``). transformers 5.21 .. 5.24
+own heads (Qwen3 / Qwen3-MoE / Gemma3 / ... ``q_norm``/``k_norm``). transformers 5.21 and later
 (``transformers/distributed/tensor_parallel.py``, ``ReplicatedWithGradAllReduce.install_forward``) sums the
 *accumulated* gradient after every backward::
 
@@ -31,6 +31,7 @@ import os
 import threading
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
 
 ID = "transformers-tp-replicated-grad-accumulation"
 
@@ -74,12 +75,11 @@ def probe() -> Probe:
     backward's gradient reduced once."""
     import torch
     import torch.distributed as dist
-    style = getattr(importlib.import_module(MODULE), "ReplicatedWithGradAllReduce", None)
-    if style is None:
-        return Probe(False, "transformers has no replicated_with_grad_allreduce TP style")
-    if not hasattr(style, METHOD):
-        raise RuntimeError(f"ReplicatedWithGradAllReduce has no {METHOD}(): this transformers installs the style's "
-                           "gradient all-reduce in a way this patch does not know")
+    from shardadopt.probing import Undecided, upstream_function
+
+    where = "transformers-tp-replicated-grad-accumulation probe"
+    style = upstream_function(importlib.import_module(MODULE), "ReplicatedWithGradAllReduce", where)
+    upstream_function(style, METHOD, where)
 
     class Scale(torch.nn.Module):
         def __init__(self):
@@ -109,15 +109,17 @@ def probe() -> Probe:
         finally:
             dist.all_reduce = real
     grad = module.weight.grad
-    if grad is not None and torch.equal(grad, 2 * (inputs[0] + inputs[1])):
+    once = 2 * (inputs[0] + inputs[1])  # each backward's gradient summed over the two ranks once
+    again = 2 * (2 * inputs[0] + inputs[1])  # the accumulated .grad summed after each backward
+    if calls and grad is not None and torch.equal(grad, once):
         return Probe(False, "replicated_with_grad_allreduce reduces each backward's gradient once")
-    if not calls:
-        raise RuntimeError("replicated_with_grad_allreduce reduced no gradient through torch.distributed.all_reduce "
-                           "in the probe: this transformers sums the style's gradient in a way the patch does not know")
-    return Probe(True, "replicated_with_grad_allreduce all-reduces the accumulated .grad after every backward, so "
-                       "with gradient accumulation earlier micro-batches are summed over the TP group again "
-                       f"(probe: {grad.tolist() if grad is not None else None} for "
-                       f"{(2 * (inputs[0] + inputs[1])).tolist()})")
+    if calls and grad is not None and torch.equal(grad, again):
+        return Probe(True, "replicated_with_grad_allreduce all-reduces the accumulated .grad after every backward, so "
+                           "with gradient accumulation earlier micro-batches are summed over the TP group again "
+                           f"(probe: {grad.tolist()} for {once.tolist()})")
+    raise Undecided(f"{where}: replicated_with_grad_allreduce gave {grad.tolist() if grad is not None else None} over "
+                    f"two backwards ({len(calls)} torch.distributed.all_reduce calls): neither each gradient reduced "
+                    f"once ({once.tolist()}) nor the accumulated one reduced again ({again.tolist()})")
 
 
 def _install(wrapped, instance, args, kwargs):
@@ -136,7 +138,7 @@ PATCH = Patch(
             "gradient accumulation is right",
     upstream="anticipates a transformers fix (not reported yet); patches/transformers-tp-replicated-grad-"
              "accumulation.diff",
-    requires={"transformers": ">=5.15,<5.25"},
+    requires=supported("transformers"),
     wrappers={Target(MODULE, f"ReplicatedWithGradAllReduce.{METHOD}"): _install},
     probe=probe,
 )

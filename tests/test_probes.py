@@ -1,0 +1,243 @@
+"""Probes fail loudly: an upstream they cannot read is ``unsupported`` (and ``doctor`` exits 1), never ``not-needed``.
+
+Each case replaces one upstream function a probe reads with a copy of the installed one that has one name changed (the
+harmless rename that used to turn text-searching probes into ``not-needed``), or with a function of another shape,
+and checks the registry then reports the patch ``unsupported`` with the probe's reason. The replacements are undone
+after each test (``monkeypatch``); they run on both dependency sets.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import itertools
+import json
+import logging
+import textwrap
+
+import pytest
+
+from shardadopt import cli
+from shardadopt.patches import ALL_PATCHES
+from shardadopt.probing import Undecided
+from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED, Registry
+
+_files = itertools.count()
+
+
+def renamed(owner, name: str, replacements: dict[str, str], tmp_path):
+    """A copy of upstream ``owner.name`` with each ``old`` name replaced by ``new`` (in upstream's own globals)."""
+    raw = inspect.getattr_static(owner, name)
+    function = inspect.unwrap(raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    tree.body[0].decorator_list = []
+    source = ast.unparse(tree)
+    changed = source
+    for old, new in replacements.items():
+        changed = changed.replace(old, new)
+    assert changed != source, f"none of {list(replacements)} occurs in {owner.__name__}.{name}"
+    path = tmp_path / f"renamed_{next(_files)}.py"
+    path.write_text(changed + "\n")
+    namespace = dict(function.__globals__)
+    exec(compile(changed, str(path), "exec"), namespace)  # noqa: S102  (a test double of upstream's own code)
+    copy = namespace[function.__name__]
+    return type(raw)(copy) if isinstance(raw, (staticmethod, classmethod)) else copy
+
+
+def state_of(pid: str) -> tuple[str, str]:
+    """Enable ``pid`` (with what it depends on) in a registry of every patch; its state and reason."""
+    registry = Registry(ALL_PATCHES)
+    patch = next(p for p in ALL_PATCHES if p.id == pid)
+    for module in patch.modules:
+        importlib.import_module(module)
+    try:
+        status = {s.id: s for s in registry.enable(only=[pid, *patch.depends_on])}[pid]
+    finally:
+        registry.disable()
+    return status.state, status.reason
+
+
+def _owner(path: str):
+    module, _, attribute = path.partition(":")
+    owner = importlib.import_module(module)
+    return getattr(owner, attribute) if attribute else owner
+
+
+# (patch id, owner, function, renames): each rename hits the installed 5.15 and 5.24 sources.
+RENAMES = [
+    ("accelerate-adopt-sharded-model", "accelerate.accelerator:Accelerator", "prepare_model",
+     {"MULTI_CPU": "MULTI_HOST"}),
+    ("accelerate-sharded-checkpoint", "accelerate.accelerator:Accelerator", "get_state_dict",
+     {"model.state_dict()": "model.local_state_dict()"}),
+    ("trainer-adopt-sharded-model", "transformers.trainer:Trainer", "_prepare_for_training",
+     {"self.create_optimizer()": "self.build_optimizer()"}),
+    ("trainer-adopt-sharded-model", "transformers.trainer:Trainer", "__init__",
+     {"place_model_on_device = False": "place_model_on_device = None"}),
+    ("trainer-hpo-optuna", "transformers.integrations.integration_utils", "run_hp_search_optuna",
+     {"FixedTrial": "FrozenTrial"}),
+    ("transformers-ep-grouped-mm-sentinel", "transformers.integrations.moe", "grouped_mm_experts_forward",
+     {"_grouped_linear": "_grouped_gemm"}),
+    ("transformers-sharding-sizes", "transformers.distributed.mixin:DistributedMixin", "maybe_distribute_model",
+     {"_device_mesh": "_mesh"}),
+    ("transformers-reuse-device-mesh", "transformers.distributed.mixin:DistributedMixin", "prepare_distribute_model",
+     {"initialize_distributed_mesh": "build_meshes", "initialize_fully_sharded_data_parallelism": "init_fsdp"}),
+]
+
+
+@pytest.mark.parametrize("pid,owner,name,renames", RENAMES, ids=[f"{c[0]}:{c[2]}" for c in RENAMES])
+def test_a_renamed_upstream_name_is_unsupported_not_not_needed(pid, owner, name, renames, tmp_path, monkeypatch):
+    target = _owner(owner)
+    before = state_of(pid)[0]
+    assert before in (APPLIED, NOT_NEEDED)
+    monkeypatch.setattr(target, name, renamed(target, name, renames, tmp_path))
+    state, reason = state_of(pid)
+    assert state == UNSUPPORTED, f"{pid} said {state} ({reason}) on a renamed {name}"
+    assert "probe could not decide" in reason and "found neither" in reason, reason
+
+
+def test_the_expert_grad_scale_probe_reads_the_function_the_mixin_calls(tmp_path, monkeypatch):
+    from transformers.distributed import fsdp, mixin
+
+    name = "apply_fully_sharded_data_parallelism"
+    copy = renamed(fsdp, name, {"fully_shard(": "shard_fully(", "set_force_sum_reduction_for_comms": "set_sum"},
+                   tmp_path)
+    monkeypatch.setattr(fsdp, name, copy)
+    monkeypatch.setattr(mixin, name, copy)
+    state, reason = state_of("transformers-ep-expert-grad-scale")
+    assert state == UNSUPPORTED and "found neither" in reason, reason
+
+
+def test_a_deleted_upstream_method_makes_doctor_fail(monkeypatch, capsys):
+    """The issue's "Done when": rename (here: remove) one upstream function a probe depends on."""
+    from transformers.trainer import Trainer
+
+    cli.doctor(as_json=True)
+    before = json.loads(capsys.readouterr().out)
+    assert before["ok"], before
+    assert {p["id"]: p["state"] for p in before["patches"]}["trainer-adopt-sharded-model"] in (APPLIED, NOT_NEEDED)
+    monkeypatch.delattr(Trainer, "_prepare_for_training")
+    assert cli.doctor(as_json=True) == 1
+    after = {p["id"]: p for p in json.loads(capsys.readouterr().out)["patches"]}
+    adopt = after["trainer-adopt-sharded-model"]
+    assert adopt["state"] == UNSUPPORTED
+    assert "Trainer._prepare_for_training does not exist" in adopt["reason"], adopt["reason"]
+
+
+# -- shapes the probes have never seen, one per probe that runs upstream code --------------------------------------
+
+def test_cpu_parallelism_probe_refuses_an_unknown_refusal(monkeypatch):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    def validate(self, accelerator):
+        raise ValueError("ParallelismConfig needs a GPU")
+
+    monkeypatch.setattr(ParallelismConfig, "_validate_accelerator", validate)
+    state, reason = state_of("accelerate-cpu-parallelism-config")
+    assert state == UNSUPPORTED and "ParallelismConfig needs a GPU" in reason, reason
+
+
+def test_trainer_checkpoint_probe_refuses_an_optimizer_save_it_does_not_know(monkeypatch):
+    from transformers.trainer import Trainer
+
+    def save_optimizer_and_scheduler(self, output_dir):  # e.g. a DCP save under another name
+        self.save_sharded_optimizer(output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", save_optimizer_and_scheduler)
+    state, reason = state_of("trainer-sharded-checkpoint")
+    assert state == UNSUPPORTED and "save_sharded_optimizer" in reason, reason
+
+    def writes_nothing(self, output_dir):
+        return None
+
+    monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", writes_nothing)
+    state, reason = state_of("trainer-sharded-checkpoint")
+    assert state == UNSUPPORTED and "found neither" in reason, reason
+
+
+def test_tp_grad_accumulation_probe_refuses_an_installer_that_reduces_nothing(monkeypatch):
+    from shardadopt.patches import transformers_tp_grad_accumulation as patch
+
+    style = getattr(importlib.import_module(patch.MODULE), "ReplicatedWithGradAllReduce")
+    monkeypatch.setattr(style, patch.METHOD, lambda self, module, mesh, **kwargs: module)
+    state, reason = state_of(patch.ID)
+    assert state == UNSUPPORTED and "neither each gradient reduced once" in reason, reason
+
+
+def _scores_hook(transform):
+    """A router hook of upstream's signature that returns ``transform(scores, non-local mask)``."""
+    def hook(module, outputs, mesh):
+        logits, scores, indices = outputs
+        non_local = (indices // (module.num_experts // mesh.size())) != mesh.get_local_rank()
+        return logits, transform(scores, non_local), indices
+    return hook
+
+
+def test_router_probe_reads_the_hooks_autograd_graph():
+    import torch
+
+    from shardadopt.patches.transformers_ep_router_grad import _probe_hook
+
+    class SumOverGroup(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class Detour(SumOverGroup):
+        pass
+
+    masked = _probe_hook(_scores_hook(lambda s, m: s.masked_fill(m, 0.0)))
+    assert masked.needed, masked.reason
+    summed = _probe_hook(_scores_hook(lambda s, m: SumOverGroup.apply(s).masked_fill(m, 0.0)))
+    assert not summed.needed, summed.reason
+    for unknown in (lambda s, m: s * (~m),  # a mask that is not masked_fill
+                    lambda s, m: Detour.apply(s).masked_fill(m, 0.0),  # a custom Function it does not know
+                    lambda s, m: s.detach().masked_fill(m, 0.0)):  # a graph that does not reach the scores
+        with pytest.raises(Undecided, match="found neither"):
+            _probe_hook(_scores_hook(unknown))
+
+
+def test_every_patch_is_decided_on_the_installed_release():
+    """No patch is ``unsupported`` on a release of the supported range (the matrix test checks which state)."""
+    registry = Registry(ALL_PATCHES)
+    for module in {m for p in ALL_PATCHES for m in p.modules}:
+        importlib.import_module(module)
+    try:
+        statuses = registry.enable()
+    finally:
+        registry.disable()
+    undecided = {s.id: s.reason for s in statuses if s.state not in (APPLIED, NOT_NEEDED)}
+    assert not undecided, undecided
+
+
+def test_state_changes_are_logged_once_on_rank_zero(caplog, monkeypatch):
+    for module in {m for p in ALL_PATCHES for m in p.modules}:
+        importlib.import_module(module)
+    registry = Registry(ALL_PATCHES)
+    with caplog.at_level(logging.INFO, logger="shardadopt"):
+        statuses = registry.enable()
+        registry.enable()  # nothing changes: nothing logged
+        registry.disable()
+    lines = [r.getMessage() for r in caplog.records if r.name == "shardadopt"]
+    for status in statuses:  # off -> pending -> decided -> off: three changes, one line each
+        own = [line for line in lines if line.startswith(f"{status.id}: ")]
+        assert len(own) == 3 and own[0].startswith(f"{status.id}: pending (waiting for"), own
+        assert own[1:] == [f"{status.id}: {status.state} ({status.reason})", f"{status.id}: off (disabled)"], own
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "shardadopt")
+
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")
+    other_rank = Registry(ALL_PATCHES)
+    with caplog.at_level(logging.INFO, logger="shardadopt"):
+        other_rank.enable()
+        other_rank.disable()
+    assert not [r for r in caplog.records if r.name == "shardadopt"], "ranks other than 0 log nothing"
+
+
+def test_the_package_adds_only_a_null_handler():
+    handlers = logging.getLogger("shardadopt").handlers
+    assert handlers and all(isinstance(h, logging.NullHandler) for h in handlers), handlers

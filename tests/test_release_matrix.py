@@ -1,0 +1,105 @@
+"""Version facts from one source: ``versions.SUPPORTED`` for the ranges, the recorded release matrix for the probes.
+
+``tests/data/release_matrix.json`` holds what ``shardadopt doctor`` said on every release of the supported range
+(``tools/release_matrix.py`` writes it). The README's "needed on" column must be what that matrix derives, and the
+installed release must still get the states its row records, so neither the README nor a probe can drift unnoticed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+import shardadopt
+from shardadopt import versions
+from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = json.loads((REPO / "tests" / "data" / "release_matrix.json").read_text())["releases"]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("release_matrix", REPO / "tools" / "release_matrix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _minors(spec: str, candidates) -> list[str]:
+    return sorted({c for c in candidates if Version(c) in SpecifierSet(spec)}, key=Version)
+
+
+def test_pyproject_dependencies_are_the_supported_ranges():
+    tomllib = pytest.importorskip("tomllib") if sys.version_info >= (3, 11) else pytest.importorskip("tomli")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {(r := Requirement(line)).name: str(r.specifier) for line in project["dependencies"]}
+    for name, spec in versions.SUPPORTED.items():
+        assert SpecifierSet(declared.get(name, "")) == SpecifierSet(spec), (
+            f"pyproject.toml declares {name}{declared.get(name, '')!s}, shardadopt.versions.SUPPORTED {spec}")
+    assert set(declared) - set(versions.SUPPORTED) <= {"packaging"}, declared
+
+
+def test_every_patch_requires_the_supported_ranges():
+    for patch in shardadopt._registry().patches():
+        for name, spec in patch.requires.items():
+            assert spec == versions.SUPPORTED[name], f"{patch.id} requires {name}{spec}, not the supported range"
+
+
+def test_the_matrix_covers_the_supported_range_and_decides_every_patch():
+    ids = {p.id for p in shardadopt._registry().patches()}
+    every_minor = {f"{major}.{minor}" for major in (1, 5) for minor in range(40)}
+    for name in ("transformers", "accelerate"):
+        recorded = {".".join(row[name].split(".")[:2]) for row in DATA}
+        assert recorded == set(_minors(versions.SUPPORTED[name], every_minor)), (
+            f"{name}: the matrix has {sorted(recorded)}; rerun tools/release_matrix.py for the supported range")
+    for row in DATA:
+        assert set(row["patches"]) == ids, f"transformers {row['transformers']}: rerun tools/release_matrix.py"
+        undecided = {pid: row["reasons"][pid] for pid, state in row["patches"].items()
+                     if state not in (APPLIED, NOT_NEEDED)}
+        assert not undecided, f"transformers {row['transformers']}: {undecided}"
+
+
+def test_readme_needed_on_column_is_what_the_matrix_derives():
+    tool = _tool()
+    cells = tool.readme_cells((REPO / "README.md").read_text())
+    derived = tool.derived_cells()
+    wrong = {pid: (cells.get(pid), cell) for pid, cell in derived.items() if cells.get(pid) != cell}
+    assert not wrong, ("README 'needed on' cells (README, matrix) differ; run `python tools/release_matrix.py "
+                       f"--readme`: {wrong}")
+
+
+def test_the_installed_release_gets_the_states_its_matrix_row_records():
+    """Run on each CI dependency set: the probes on this installation agree with the recorded row."""
+    installed = {name: installed_version(name) for name in ("transformers", "accelerate")}
+    row = next((r for r in DATA if all(Version(r[n]).release[:2] == installed[n].release[:2] for n in installed)),
+               None)
+    assert row is not None, (f"no matrix row for transformers {installed['transformers']} / accelerate "
+                             f"{installed['accelerate']}: add the pair to tools/release_matrix.py and rerun it")
+    for patch in shardadopt._registry().patches():
+        for module in patch.modules:
+            importlib.import_module(module)
+    try:
+        live = {s.id: (s.state, s.reason) for s in shardadopt.enable()}
+    finally:
+        shardadopt.disable()
+    differ = {pid: (state, live[pid]) for pid, state in row["patches"].items() if live[pid][0] != state}
+    assert not differ, f"recorded state vs live (state, reason) on transformers {installed['transformers']}: {differ}"
+
+
+def test_needed_on_names_runs_of_releases():
+    tool = _tool()
+    rows = [{"transformers": t, "accelerate": "1.15.0", "patches": {"p": s}}
+            for t, s in [("5.15.0", "applied"), ("5.16.1", "applied"), ("5.17.0", "not-needed"),
+                         ("5.18.0", "applied")]]
+    assert tool.needed_on(rows, "p", "transformers") == "transformers 5.15–5.16, 5.18"
+    assert tool.needed_on(rows[2:3], "p", "transformers") == "none of the tested releases"
+    with pytest.raises(ValueError, match="depends on another upstream"):
+        tool.needed_on(rows, "p", "accelerate")

@@ -1,0 +1,153 @@
+"""Record what every patch's probe says on each upstream release of the supported range.
+
+For each (transformers, accelerate) pair below, install that pair into one scratch virtual environment (built once:
+torch, this checkout editable), run ``shardadopt doctor --json`` from this checkout and keep each patch's state.
+The result, ``tests/data/release_matrix.json``, is what the README's "needed on" column is checked against
+(``tests/test_release_matrix.py``), and CI compares its own ``shardadopt.status()`` with the row of the installed
+release, so the column cannot drift from the probes.
+
+    python tools/release_matrix.py --venv /tmp/matrix-venv            # every release below
+    python tools/release_matrix.py --venv /tmp/matrix-venv 5.18.0      # refresh some rows only
+    python tools/release_matrix.py --readme                            # rewrite the README's "needed on" cells
+
+Run it after changing a probe or the supported range; it takes about a minute per release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "tests" / "data" / "release_matrix.json"
+README = REPO / "README.md"
+# A row of the README's "What it fixes" table: | `patch-id` | what it fixes | needed on |
+README_ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<fixes>.*) \| (?P<needed>[^|]*) \|$")
+
+# Every transformers minor of the supported range (the newest patch release of each), with the accelerate release
+# current when it came out; every accelerate minor of the range appears at least once.
+RELEASES: list[tuple[str, str]] = [
+    ("5.15.0", "1.13.0"), ("5.16.1", "1.14.0"), ("5.17.0", "1.14.0"), ("5.18.0", "1.14.0"), ("5.19.0", "1.14.0"),
+    ("5.20.2", "1.15.0"), ("5.21.0", "1.15.0"), ("5.22.2", "1.15.0"), ("5.23.0", "1.15.0"), ("5.24.0", "1.15.0"),
+]
+
+
+def _run(*command: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, check=True, text=True, **kwargs)
+
+
+def _ensure_venv(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.exists():
+        _run(sys.executable, "-m", "venv", str(venv))
+        # torch first and pinned: the local CPU build; a range would let pip pull a CUDA build.
+        _run(str(python), "-m", "pip", "install", "-q", "torch==2.13.0")
+        _run(str(python), "-m", "pip", "install", "-q", "-e", str(REPO))
+    return python
+
+
+def doctor(python: Path, transformers: str, accelerate: str) -> dict:
+    _run(str(python), "-m", "pip", "install", "-q", f"transformers=={transformers}", f"accelerate=={accelerate}")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([str(python), "-m", "shardadopt", "doctor", "--json"], capture_output=True, text=True,
+                         env=env, cwd=REPO)
+    try:
+        report = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        raise RuntimeError(f"shardadopt doctor failed on transformers {transformers}:\n{out.stderr}") from None
+    installed = {row["name"]: row["installed"] for row in report["versions"]}
+    if (installed["transformers"], installed["accelerate"]) != (transformers, accelerate):
+        raise RuntimeError(f"asked for transformers {transformers} / accelerate {accelerate}, doctor saw {installed}")
+    return {"transformers": transformers, "accelerate": accelerate, "torch": installed["torch"],
+            "patches": {p["id"]: p["state"] for p in report["patches"]},
+            "reasons": {p["id"]: p["reason"] for p in report["patches"]}}
+
+
+def minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def needed_on(releases: list[dict], pid: str, distribution: str) -> str:
+    """The README cell for ``pid``: the ``distribution`` releases (minor versions) on which its probe applies it."""
+    states: dict[str, set[str]] = {}
+    for row in releases:
+        states.setdefault(minor(row[distribution]), set()).add(row["patches"][pid])
+    mixed = {version: sorted(s) for version, s in states.items() if len(s) > 1}
+    if mixed:
+        raise ValueError(f"{pid}: on {distribution} {mixed} its state depends on another upstream too; the README "
+                         f"column cannot name it by {distribution} release alone")
+    order = sorted(states, key=lambda v: tuple(int(part) for part in v.split(".")))
+    runs: list[list[str]] = []
+    for index, version in enumerate(order):
+        if states[version] == {"applied"}:
+            if runs and order.index(runs[-1][-1]) == index - 1:
+                runs[-1].append(version)
+            else:
+                runs.append([version])
+    if not runs:
+        return "none of the tested releases"
+    return f"{distribution} " + ", ".join(run[0] if len(run) == 1 else f"{run[0]}–{run[-1]}" for run in runs)
+
+
+def readme_cells(text: str) -> dict[str, str]:
+    """patch id -> its "needed on" cell in the README."""
+    return {m["id"]: m["needed"] for line in text.splitlines() if (m := README_ROW.match(line))}
+
+
+def derived_cells() -> dict[str, str]:
+    """patch id -> the "needed on" cell derived from the recorded matrix (each patch named by the upstream its probe
+    reads: the first distribution of its ``requires``)."""
+    sys.path.insert(0, str(REPO))
+    import shardadopt
+
+    releases = json.loads(DATA.read_text())["releases"]
+    return {p.id: needed_on(releases, p.id, next(iter(p.requires))) for p in shardadopt._registry().patches()}
+
+
+def write_readme() -> None:
+    cells = derived_cells()
+
+    def rewrite(line: str) -> str:
+        m = README_ROW.match(line)
+        return f"| `{m['id']}` | {m['fixes']} | {cells[m['id']]} |" if m and m["id"] in cells else line
+
+    README.write_text("\n".join(rewrite(line) for line in README.read_text().split("\n")))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--venv", type=Path, help="scratch virtual environment (created if missing)")
+    parser.add_argument("--readme", action="store_true", help="only rewrite the README's needed-on cells")
+    parser.add_argument("only", nargs="*", help="transformers releases to refresh (default: all)")
+    args = parser.parse_args(argv)
+    if args.readme:
+        write_readme()
+        return 0
+    if args.venv is None:
+        parser.error("--venv is required to run the matrix")
+    python = _ensure_venv(args.venv)
+    rows = {r["transformers"]: r for r in json.loads(DATA.read_text())["releases"]} if DATA.exists() else {}
+    ordered = [rows[t] for t, _ in RELEASES if t in rows]
+    for transformers, accelerate in RELEASES:
+        if args.only and transformers not in args.only:
+            continue
+        print(f"=== transformers {transformers}, accelerate {accelerate}", flush=True)
+        rows[transformers] = doctor(python, transformers, accelerate)
+        for pid, state in rows[transformers]["patches"].items():
+            print(f"  {pid:<46} {state}")
+        ordered = [rows[t] for t, _ in RELEASES if t in rows]
+        DATA.parent.mkdir(parents=True, exist_ok=True)  # written after each release: a long run keeps its progress
+        DATA.write_text(json.dumps({"generated_by": "tools/release_matrix.py", "releases": ordered}, indent=1) + "\n")
+    bad = [(r["transformers"], pid) for r in ordered for pid, state in r["patches"].items()
+           if state not in ("applied", "not-needed")]
+    print(f"wrote {DATA.relative_to(REPO)}; " + (f"NOT DECIDED: {bad}" if bad else "every patch decided everywhere"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
