@@ -5,8 +5,9 @@ sharded needs the opposite: leave it exactly as it is and make everything around
 :func:`adopt_model` does that and is what ``shardadopt.enable()`` routes ``prepare_model`` to; the other functions
 here are the pieces, usable without any patching:
 
-- the model: no DDP wrap, no re-sharding, no ``.to()``; each rank's parameters (EP experts included) stay as loaded.
-  Mixed precision and ``torch.compile`` still apply (upstream's ``evaluation_mode`` path does exactly that);
+- the model: no DDP wrap, no re-sharding, no ``.to()``; each rank's parameters (EP experts included) keep their
+  loaded values (strided plain TP shards get contiguous storage: fused AdamW mis-updates views). Mixed precision
+  and ``torch.compile`` still apply (upstream's ``evaluation_mode`` path does exactly that);
 - data: loaders prepared by the same accelerator, before or after the model, are split by data-parallel rank only
   (:func:`shard_dataloader`): the ranks of a TP group get identical batches;
 - metrics: :func:`gather_for_metrics` keeps one copy of each sample (one rank per data-parallel rank);
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from accelerate.utils import KwargsHandler
 from torch import nn
 
+from shardadopt.optimizer_ready import make_shards_contiguous
 from shardadopt.topology import Topology, TopologyError, topology
 
 __all__ = ["AdoptionKwargs", "AdoptionError", "adopt_model", "adopted", "adoption_kwargs", "is_sharded_model",
@@ -116,6 +118,10 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
             f"this Accelerator already adopted a model laid out as {previous.describe()}; the new model is "
             f"{topo.describe()}. One Accelerator splits data one way: use models with the same data-parallel "
             f"layout, or one Accelerator per layout.")
+    # transformers 5.15's TP keeps row-parallel shards as plain strided views, which torch's fused AdamW mis-updates
+    # (shardadopt.torchprobe): own contiguous storage, same Parameter objects, so an optimizer built before
+    # prepare() keeps stepping them.
+    make_shards_contiguous(model)
     if prepare is not None:
         model = prepare(model, device_placement=False, evaluation_mode=True)
     elif model not in accelerator._models:

@@ -62,6 +62,44 @@ def test_training_matches_single_process(pool2, tiny_models, references, layout,
         assert flags == [False, True] * (len(flags) // 2), flags
 
 
+def fused_and_loop_step(path: str, sizes: dict) -> dict:
+    """One accelerate step with fused AdamW and one with single-tensor AdamW, each on a fresh load of the model."""
+    import torch
+
+    import shardadopt
+    from shardadopt.selftest.accelerate import PER_DP_BATCH, _dataset, _load, fresh_accelerator
+
+    shardadopt.enable()
+    params, strided = [], []
+    try:
+        for fused in (True, False):
+            accelerator = fresh_accelerator(cpu=True)
+            model = _load(path, sizes)
+            strided = [n for n, p in model.named_parameters() if not p.is_contiguous()]
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, **({"fused": True} if fused else
+                                                                           {"foreach": False}))
+            loader = torch.utils.data.DataLoader(_dataset(1, steps=1, accum=1), batch_size=PER_DP_BATCH)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            for batch in loader:
+                accelerator.backward(model(input_ids=batch, labels=batch).loss)
+                optimizer.step()
+            params.append({n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()})
+    finally:
+        shardadopt.disable()
+    fused, loop = params
+    return {"strided": strided,
+            "differ": [n for n in loop if not torch.allclose(fused[n], loop[n], rtol=1e-5, atol=1e-6)]}
+
+
+def test_fused_adamw_steps_tp_shards_right(pool2, tiny_models):
+    """transformers 5.15 keeps TP row-parallel shards as plain strided views (o_proj, down_proj); torch's fused
+    AdamW mis-updated them through accelerate (torchprobe.fused_adamw_strided_ok). Newer releases shard TP as
+    DTensors: the same loop must hold there too."""
+    for rank, result in enumerate(pool2.run(fused_and_loop_step, tiny_models["llama"], {"tp_size": 2}, timeout=300)):
+        assert result["differ"] == [], f"rank {rank}: fused AdamW differs on {result['differ']} " \
+                                       f"(strided before prepare: {result['strided']})"
+
+
 def test_ep_experts_stay_as_loaded_and_differ_between_ranks(pool2, tiny_models):
     """transformers#45662: adoption must not overwrite a rank's experts with rank 0's copy."""
     model, sizes, dp = _layout("ep")
