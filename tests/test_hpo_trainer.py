@@ -98,7 +98,10 @@ def _child() -> None:
 # -- what the ranks run ------------------------------------------------------------------------------------------------
 
 
-def _trainer(model_path: str, out: str, callbacks=(), distributed: dict | None = None, **overrides):
+def _trainer(model_path: str, out: str, callbacks=(), distributed: dict | None = None, model_init=None,
+             **overrides):
+    """A Trainer built as users build one for a search: ``model_init`` (default: load ``model_path``, sharded
+    while loading with ``DistributedConfig(**distributed)`` when given) and these ``TrainingArguments``."""
     import torch
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
@@ -113,9 +116,11 @@ def _trainer(model_path: str, out: str, callbacks=(), distributed: dict | None =
         from transformers.distributed import DistributedConfig
 
         load = {"distributed_config": DistributedConfig(**distributed), "dtype": torch.float32}
-    return Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path, **load),
-                   args=TrainingArguments(**settings), train_dataset=token_dataset(32), eval_dataset=token_dataset(8, 1000),
-                   callbacks=list(callbacks))
+    if model_init is None:
+        def model_init(trial=None):
+            return AutoModelForCausalLM.from_pretrained(model_path, **load)
+    return Trainer(model_init=model_init, args=TrainingArguments(**settings), train_dataset=token_dataset(32),
+                   eval_dataset=token_dataset(8, 1000), callbacks=list(callbacks))
 
 
 def _space(trial):
@@ -268,88 +273,81 @@ def killed(model_path: str, out: str, control_timeout: float) -> None:
     _search(_trainer(model_path, out, [Kill()]), n_trials=2, control_timeout=control_timeout)
 
 
-def durable(model_path: str, out: str, phase: int) -> dict:
-    """Default journal under output_dir. Phase 1: a search whose model_init refuses trial 1 (config_error) and
-    makes trial 2's loss NaN (nan_loss), then a search (FSDP model_init) whose trial 0 gets SIGTERM on rank 0
-    right after its first checkpoint (preempted). Phase 2 (after requeue): the same study runs the enqueued retry.
-    (Plain DDP cannot resume on CPU with transformers 5.15: its optimizer load maps to "cpu:0".)"""
+KILL_STEPS, SAVE_STEPS = 6, 2  # the retry study's trials: max_steps, save_steps
+
+
+def failure_kinds(model_path: str, out: str) -> None:
+    """A search whose model_init refuses trial 1 (config_error) and makes trial 2's loss NaN (nan_loss)."""
     import optuna
     import torch
-    from transformers import AutoModelForCausalLM, TrainerCallback
-    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
 
     import shardadopt
-    from shardadopt.hpo import PreemptedError
 
     shardadopt.enable()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    result: dict = {}
-
-    misbehave = [False]  # in the "kinds" study only
-    load: dict = {}  # the retry study shards while loading (FSDP): shardadopt's Trainer checkpoints
 
     def model_init(trial=None):
-        if misbehave[0] and trial is not None and trial.number == 1:
+        if trial is not None and trial.number == 1:
             raise ValueError("learning rate does not fit this model")
-        model = AutoModelForCausalLM.from_pretrained(model_path, **load)
-        if misbehave[0] and trial is not None and trial.number == 2:
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        if trial is not None and trial.number == 2:
             with torch.no_grad():
                 model.get_input_embeddings().weight.fill_(float("nan"))
         return model
 
-    class Record(TrainerCallback):
-        """Each trial's first reported step (examples seen) and the step it trained from."""
+    _trainer(model_path, f"{out}/kinds", model_init=model_init).hyperparameter_search(
+        backend="optuna", n_trials=3, direction="minimize", hp_space=_space, study_name="kinds",
+        sampler=optuna.samplers.RandomSampler(seed=1), pruner=optuna.pruners.NopPruner(),
+        catch=(ValueError, FloatingPointError))
 
+
+def sharded_search(model_path: str, out: str, storage: str, study_name: str, pace: float = 0.0) -> dict:
+    """The issue's snippet: Trainer built with a model_init that shards while loading and checkpoints every
+    SAVE_STEPS, searched on a shared storage. ``pace``: seconds each step takes longer (the test kills the job
+    while it trains). Returns each trial's first step and its logged loss per step."""
+    import optuna
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+
+    shardadopt.enable()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+    def model_init(trial=None):
+        return AutoModelForCausalLM.from_pretrained(model_path, distributed_config=DistributedConfig(fsdp_size=2),
+                                                    dtype=torch.float32)
+
+    class Record(TrainerCallback):
         def __init__(self):
             self.trials = []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.trials.append({"params": dict(state.trial_params or {}), "start": state.global_step,
-                                "evaluated_at": []})
+                                "losses": {}})
 
-        def on_evaluate(self, args, state, control, **kwargs):
-            self.trials[-1]["evaluated_at"].append(state.global_step)
+        def on_step_end(self, args, state, control, **kwargs):
+            time.sleep(pace)
 
-    class PreemptAfterFirstSave(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
-            if dist.get_rank() == 0 and state.global_step == 1:  # checkpoint-1 is complete on disk
-                os.kill(os.getpid(), signal.SIGTERM)
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}):
+                self.trials[-1]["losses"][state.global_step] = logs["loss"]
 
-    def search(directory, study_name, n_trials, callbacks, **overrides):
-        trainer = _trainer(model_path, directory, callbacks, **overrides)
-        trainer.model_init = model_init
-        return trainer.hyperparameter_search(
-            backend="optuna", n_trials=n_trials, direction="minimize", hp_space=_space, study_name=study_name,
-            sampler=optuna.samplers.RandomSampler(seed=phase), pruner=optuna.pruners.NopPruner(),
-            catch=(ValueError, FloatingPointError), data_snapshot="snap-1", space_version="v1")
+    record = Record()
+    trainer = _trainer(model_path, f"{out}/{study_name}", [record], model_init=model_init, max_steps=KILL_STEPS,
+                       save_strategy="steps", save_steps=SAVE_STEPS, eval_strategy="no", logging_steps=1)
+    trainer.hyperparameter_search(
+        backend="optuna", n_trials=1, direction="minimize", hp_space=_space, storage=storage,
+        study_name=study_name, sampler=optuna.samplers.RandomSampler(seed=0), heartbeat_interval=0.5,
+        data_snapshot="snap-1", space_version="v1")
+    return {"trials": record.trials}
 
-    def shard_while_loading():
-        from transformers.distributed import DistributedConfig
 
-        from shardadopt.selftest.trainer import _fresh_accelerate_state, distributed_sizes
-
-        _fresh_accelerate_state()
-        load.update(distributed_config=DistributedConfig(**distributed_sizes("fsdp", dist.get_world_size())[0]),
-                    dtype=torch.float32)
-
-    if phase == 1:
-        misbehave[0] = True
-        search(f"{out}/kinds", "kinds", 3, [])
-        misbehave[0] = False
-        shard_while_loading()
-        record = Record()
-        try:
-            search(f"{out}/retry", "retry", 2, [record, PreemptAfterFirstSave()], max_steps=3,
-                   save_strategy="steps", save_steps=1)
-            result["error"] = None
-        except PreemptedError as exc:
-            result["error"] = type(exc).__name__
-    else:
-        shard_while_loading()
-        record = Record()
-        search(f"{out}/retry", "retry", 1, [record], max_steps=3, save_strategy="steps", save_steps=1)
-    result["seen"] = record.trials
-    return result
+def retry_and_reference(model_path: str, out: str, storage: str) -> dict:
+    """The requeued retry, then the same parameters uninterrupted (enqueued by the test in study 'reference')."""
+    return {name: sharded_search(model_path, out, storage, name)["trials"] for name in ("retry", "reference")}
 
 
 def upstream(model_path: str, out: str) -> None:
@@ -426,60 +424,92 @@ def test_sigkilled_rank_makes_the_survivor_raise_within_the_control_timeout(tiny
     assert finished - killed_at < control_timeout + 10
 
 
-def test_trainer_retry_resumes_from_the_dead_trials_checkpoint_and_failure_kinds(tiny_models, tmp_path):
-    """SIGTERM preempts a trial after its first checkpoint; requeue enqueues one retry; a second search on the
-    same default journal runs it from that checkpoint. config_error and nan_loss are recorded, never retried."""
+def _hpo_cli(*args: str) -> dict:
+    """``shardadopt hpo ... --json`` as users run it."""
+    done = subprocess.run([sys.executable, "-m", "shardadopt", "hpo", *args, "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_trainer_failure_kinds_are_recorded_and_never_retried(tiny_models, tmp_path):
+    """config_error (model_init refuses) and nan_loss (NaN loss) land on the default journal; requeue skips them."""
+    ranks = launch("failure_kinds", 2, tmp_path / "procs", timeout=240, model_path=tiny_models["qwen3"],
+                   out=str(tmp_path))
+    assert [r["returncode"] for r in ranks] == [0, 0], [r["error"] for r in ranks]
     import optuna
 
-    from shardadopt.hpo.durability import requeue
-    from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
     from shardadopt.hpo.storage import DEFAULT_JOURNAL_NAME, resolve_storage
+
+    storage = f"journal://{tmp_path}/kinds/{DEFAULT_JOURNAL_NAME}"  # the default: a journal under output_dir
+    study = optuna.load_study(study_name="kinds", storage=resolve_storage(storage))
+    kinds = {t.number: (t.state.name, t.user_attrs.get("failure_kind")) for t in study.trials}
+    assert kinds == {0: ("COMPLETE", None), 1: ("FAIL", "config_error"), 2: ("FAIL", "nan_loss")}, kinds
+    report = _hpo_cli("requeue", "--storage", storage, "--study", "kinds")
+    assert not report["retried"] and set(report["skipped"]) == {"1", "2"}, report
+
+
+def test_sigkilled_trial_is_requeued_by_the_cli_and_resumes_from_its_last_complete_checkpoint(tiny_models, tmp_path):
+    """The issue's snippet (Trainer built with a sharding model_init, checkpoints every 2 steps) trains on 2 ranks;
+    both are SIGKILLed mid-trial; `shardadopt hpo requeue` requeues the trial; a second search runs the retry
+    from the dead trial's last complete checkpoint, and its losses from there on equal an uninterrupted run of
+    the same parameters (computed here: study 'reference')."""
+    import optuna
+
+    from shardadopt.checkpoint import MARKER
+    from shardadopt.hpo.storage import resolve_storage
     from shardadopt.hpo.trainer_backend import last_complete_checkpoint
 
-    def study(name):
-        journal = tmp_path / name / DEFAULT_JOURNAL_NAME
-        assert journal.is_file(), "the default storage is a journal file under output_dir"
-        return optuna.load_study(study_name=name, storage=resolve_storage(f"journal://{journal}"))
+    storage = f"journal://{tmp_path}/hpo.log"
+    out = tmp_path / "retry"
+    procs = spawn("sharded_search", 2, tmp_path / "first", model_path=tiny_models["qwen3"], out=str(tmp_path),
+                  storage=storage, study_name="retry", pace=1.0)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(out.glob(f"trial-*/checkpoint-{SAVE_STEPS}/{MARKER}")):  # the first save is complete
+            assert all(p.poll() is None for p in procs), (tmp_path / "first" / "rank0.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.05)
+    finally:
+        for proc in procs:  # the machine goes away: no handler runs
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
 
-    first = launch("durable", 2, tmp_path / "phase1", timeout=240, model_path=tiny_models["qwen3"],
-                   out=str(tmp_path), phase=1)
-    assert [r["returncode"] for r in first] == [0, 0], [r["error"] for r in first]
-    assert first[0]["result"] == first[1]["result"], "both ranks ran the same trials, as far"
-    assert first[0]["result"]["error"] == "PreemptedError"
-
-    kinds = study("kinds")
-    states = {t.number: (t.state.name, t.user_attrs.get(ATTR_KIND)) for t in kinds.trials}
-    assert states == {0: ("COMPLETE", None), 1: ("FAIL", "config_error"), 2: ("FAIL", "nan_loss")}, states
-    report = requeue(kinds)
-    assert not report.retried and set(report.skipped) == {1, 2}, report.as_dict()
-
-    retry_study = study("retry")
-    (dead,) = retry_study.trials
-    assert dead.state.name == "FAIL" and dead.user_attrs[ATTR_KIND] == "preempted"
+    study = optuna.load_study(study_name="retry", storage=resolve_storage(storage))
+    (dead,) = study.trials
+    assert dead.state.name == "RUNNING", "a zombie until requeue notices"
     assert dead.user_attrs["data_snapshot"] == "snap-1" and dead.user_attrs["space_version"] == "v1"
-    ((dead_seen),) = first[0]["result"]["seen"]
-    assert dead_seen["start"] == 0 and dead_seen["evaluated_at"] == [1, 2], dead_seen  # preempted at report 2
-    assert list(dead.intermediate_values) == [EVAL_STEPS * PER_DEVICE_BATCH * 2]
-    run_dir = tmp_path / "retry" / f"run-{dead.user_attrs['params_hash']}"
-    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
-    assert last_complete_checkpoint(str(run_dir)) == str(run_dir / "checkpoint-1")
+    dead_dir = out / dead.user_attrs["checkpoint_dir"]
+    last = last_complete_checkpoint(str(dead_dir))
+    resumed_at = int(last.rsplit("-", 1)[1])
+    assert 0 < resumed_at < KILL_STEPS, last
 
-    report = requeue(retry_study)
-    assert list(report.retried) == [dead.number], report.as_dict()
-    retry_number = report.retried[dead.number]
+    deadline = time.monotonic() + 60
+    while not (report := _hpo_cli("requeue", "--storage", storage, "--study", "retry", "--grace-period", "3"))[
+            "retried"]:  # the heartbeats stopped with the job
+        assert time.monotonic() < deadline, report
+        time.sleep(0.5)
+    assert report["failed_stale"] == [dead.number] and list(report["retried"]) == [str(dead.number)], report
+    reference = optuna.create_study(study_name="reference", storage=resolve_storage(storage))
+    reference.enqueue_trial(dead.params)
 
-    second = launch("durable", 2, tmp_path / "phase2", timeout=180, model_path=tiny_models["qwen3"],
-                    out=str(tmp_path), phase=2)
+    second = launch("retry_and_reference", 2, tmp_path / "second", timeout=300, model_path=tiny_models["qwen3"],
+                    out=str(tmp_path), storage=storage)
     assert [r["returncode"] for r in second] == [0, 0], [r["error"] for r in second]
-    assert second[0]["result"] == second[1]["result"]
-    ((seen),) = second[0]["result"]["seen"]
-    assert seen["params"] == dead.params and seen["start"] == 1, seen  # resumed from checkpoint-1
-    retry = optuna.load_study(study_name="retry", storage=retry_study._storage).trials[retry_number]
-    assert retry.state.name == "COMPLETE" and retry.params == dead.params
-    assert retry.user_attrs[ATTR_RETRY_OF] == dead.number
-    reported = sorted(retry.intermediate_values)
-    assert reported[0] > 0 and reported == [EVAL_STEPS * k * PER_DEVICE_BATCH * 2 for k in (2, 3)], reported
-    assert not requeue(retry_study).retried, "one retry per configuration"
+    assert second[0]["result"] == second[1]["result"], "both ranks ran the same trials, as far"
+    ((retried,), (uninterrupted,)) = second[0]["result"]["retry"], second[0]["result"]["reference"]
+    assert retried["params"] == uninterrupted["params"] == dead.params
+    assert retried["start"] == resumed_at and uninterrupted["start"] == 0
+    remaining = range(resumed_at + 1, KILL_STEPS + 1)
+    assert list(retried["losses"]) == list(remaining), retried
+    assert retried["losses"] == {step: uninterrupted["losses"][step] for step in remaining}
+
+    retry = optuna.load_study(study_name="retry", storage=resolve_storage(storage)).trials[-1]
+    assert retry.state.name == "COMPLETE" and retry.user_attrs["retry_of"] == dead.number
+    assert retry.user_attrs["resume_from"] == dead.user_attrs["checkpoint_dir"]
+    assert retry.user_attrs["checkpoint_dir"] != dead.user_attrs["checkpoint_dir"]  # the retry writes elsewhere
+    assert last_complete_checkpoint(str(dead_dir)) == last
+    assert not _hpo_cli("requeue", "--storage", storage, "--study", "retry", "--grace-period", "3")["retried"]
 
 
 def test_without_enable_the_prune_search_hangs(tiny_models, tmp_path):

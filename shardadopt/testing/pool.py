@@ -40,7 +40,12 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend: str, device: str,
-            env: dict[str, str], inbox: Any, outbox: Any) -> None:
+            env: dict[str, str], log: str | None, inbox: Any, outbox: Any) -> None:
+    if log is not None:  # file descriptors, so C++ and warnings output follows too
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     sys.path[:] = sys_path
     os.environ.update(env)
     import torch
@@ -67,8 +72,11 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
             if task == _STOP:
                 break
             fn, args, kwargs = task
-            outbox.put((rank, "ok", fn(*args, **kwargs)))
+            result = fn(*args, **kwargs)
+            _flush()  # the task's output is in the log before its answer
+            outbox.put((rank, "ok", result))
         except BaseException:
+            _flush()
             outbox.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
 
@@ -77,17 +85,26 @@ def default_backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+def _flush() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 class RankPool:
     """``nproc`` ranks in one process group (gloo on CPU, nccl on CUDA by default), reused across ``run`` calls.
 
     ``backend="gloo"`` with ``device="cuda"`` lets more ranks than GPUs share them (CUDA tensors through gloo).
+
+    ``log``: a file every rank appends its stdout and stderr to (default: the launcher's). A ``run`` returns
+    after each rank flushed its output.
 
     >>> with RankPool(2) as pool:
     ...     results = pool.run(my_module.fn, arg)   # fn(arg) on every rank; list of the ranks' return values
     """
 
     def __init__(self, nproc: int, *, device: str = "cpu", backend: str | None = None,
-                 env: dict[str, str] | None = None, start_timeout: float = 180.0):
+                 env: dict[str, str] | None = None, start_timeout: float = 180.0,
+                 log: str | os.PathLike | None = None):
         if nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {nproc}")
         backend = backend or default_backend(device)
@@ -103,7 +120,7 @@ class RankPool:
         self._procs = [
             ctx.Process(target=_worker, daemon=True, name=f"shardadopt-rank{rank}",
                         args=(rank, nproc, port, list(sys.path), backend, device, dict(env or {}),
-                              self._inboxes[rank], self._outbox))
+                              None if log is None else os.fspath(log), self._inboxes[rank], self._outbox))
             for rank in range(nproc)
         ]
         for proc in self._procs:
