@@ -136,7 +136,12 @@ def main() -> None:
             break
 
     # Full weights for plain from_pretrained, gathered one parameter at a time and written by rank 0.
-    shardadopt.checkpoint.save_full(accelerator.unwrap_model(model), os.path.join(output_dir, "final"))
+    final = os.path.join(output_dir, "final")
+    try:
+        shardadopt.checkpoint.save_full(accelerator.unwrap_model(model), final)
+    except shardadopt.checkpoint.CheckpointError:
+        # transformers releases whose TP/EP shards are plain tensors (not DTensors): their own gathering save
+        accelerator.unwrap_model(model).save_pretrained(final)
     accelerator.print(f"exported {output_dir}/final")
     accelerator.end_training()
 
