@@ -73,6 +73,14 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
+class ReportStart(TrainerCallback):
+    """Say where training starts: step 0, or the step of the checkpoint it resumed from."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            print(f"training from step {state.global_step} to {state.max_steps}")
+
+
 class StopAfter(TrainerCallback):
     """Leave training once checkpoint-<step> is written, as a job killed right after it would."""
 
@@ -106,7 +114,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),  # torchrun's processes join one gloo job on CPU-only machines
     )
     trainer = Trainer(model=model, args=training_args, train_dataset=TokenDataset(256, model.config.vocab_size),
-                      callbacks=[StopAfter(args.stop_after)] if args.stop_after else [])
+                      callbacks=[ReportStart()] + ([StopAfter(args.stop_after)] if args.stop_after else []))
 
     # resume_from_checkpoint=True: the newest complete checkpoint-N under output_dir
     trainer.train(resume_from_checkpoint=True if args.resume else None)
