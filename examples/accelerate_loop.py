@@ -140,7 +140,9 @@ def main() -> None:
     try:
         shardadopt.checkpoint.save_full(accelerator.unwrap_model(model), final)
     except shardadopt.checkpoint.CheckpointError:
-        # transformers releases whose TP/EP shards are plain tensors (not DTensors): their own gathering save
+        if args.layout != "tp":
+            raise
+        # transformers releases whose TP shards are plain tensors (not DTensors): their own gathering save
         accelerator.unwrap_model(model).save_pretrained(final)
     accelerator.print(f"exported {output_dir}/final")
     accelerator.end_training()
