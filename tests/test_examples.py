@@ -104,7 +104,12 @@ def run(block: str, work: Path, tiny_models: dict[str, str]) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"block did not finish within {BLOCK_TIMEOUT}s:\n{block}\n{out[-6000:]}")
-    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{block}\n{out[-6000:]}"
+    (work.parent / "block.log").write_text(out)
+    if proc.returncode != 0:
+        notable = "\n".join(line for line in out.splitlines()
+                             if re.search(r"Error|terminate|Traceback|exitcode|Signal", line))
+        pytest.fail(f"exit code {proc.returncode} (full output: {work.parent / 'block.log'}):\n{block}\n"
+                    f"{notable[-4000:]}\n...\n{out[-4000:]}")
     return out
 
 
