@@ -121,17 +121,19 @@ def accelerate_unpatched(path: str, distributed: dict, directory: str) -> dict:
 
 # -- Trainer -------------------------------------------------------------------------------------------------------
 
-def trainer_for(path: str, distributed: dict, out: str, **overrides):
+def trainer_for(path: str, distributed: dict, out: str, model_init: bool = False, **overrides):
+    """``model_init=True``: built as for hyperparameter_search, with a model_init that shards while loading."""
     from transformers import Trainer, TrainingArguments
 
     from shardadopt.testing.models import token_dataset
 
-    model = scenario.load_model(path, distributed)
+    load = {"model_init": lambda: scenario.load_model(path, distributed)} if model_init else \
+        {"model": scenario.load_model(path, distributed)}
     options = dict(output_dir=out, per_device_train_batch_size=2, max_steps=6, logging_steps=1,
                    save_strategy="steps", save_steps=2, use_cpu=True, report_to=[], learning_rate=1e-2,
                    lr_scheduler_type="linear", seed=7, disable_tqdm=True)
     options.update(overrides)
-    return Trainer(model=model, args=TrainingArguments(**options), train_dataset=token_dataset(64),
+    return Trainer(**load, args=TrainingArguments(**options), train_dataset=token_dataset(64),
                    eval_dataset=token_dataset(64) if "eval_strategy" in overrides else None)
 
 
@@ -151,13 +153,14 @@ def losses(trainer) -> dict[int, float]:
 
 
 def trainer_run(path: str, distributed: dict, out: str, stop: int | None = None, resume=None,
-                export: str | None = None, crash_at_save: int | None = None, **overrides) -> dict:
+                export: str | None = None, crash_at_save: int | None = None, model_init: bool = False,
+                **overrides) -> dict:
     import torch.distributed as dist
 
     import shardadopt
 
     shardadopt.enable()
-    trainer = trainer_for(path, distributed, out, **overrides)
+    trainer = trainer_for(path, distributed, out, model_init, **overrides)
     if stop:
         trainer.add_callback(stop_at(stop))
     if crash_at_save:
@@ -181,17 +184,21 @@ def trainer_run(path: str, distributed: dict, out: str, stop: int | None = None,
             "checkpoints": sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))}
 
 
-def trainer_unpatched(path: str, distributed: dict, out: str) -> str | None:
+def trainer_unpatched(path: str, distributed: dict, out: str) -> dict[str, str | None]:
     import shardadopt
 
     shardadopt.enable(exclude=[TRAINER_ID])
+    errors: dict[str, str | None] = {}
     try:
-        trainer_for(path, distributed, out, max_steps=2)
-        return None
-    except ValueError as exc:
-        return str(exc)
+        for model_init in (False, True):
+            try:
+                trainer_for(path, distributed, out, model_init, max_steps=2)
+                errors["model_init" if model_init else "model"] = None
+            except ValueError as exc:
+                errors["model_init" if model_init else "model"] = str(exc)
     finally:
         shardadopt.enable()
+    return errors
 
 
 def checkpoint_params(path: str, distributed: dict, directory: str) -> dict:
@@ -227,6 +234,8 @@ def first(tiny_models, root):
                                       export=os.path.join(root, "t-export"), save_total_limit=2, timeout=180)[0]
         results["trainer_stopped"] = pool.run(trainer_run, path, distributed, os.path.join(root, "t-stop"),
                                               stop=4, timeout=180)[0]
+        results["trainer_init_stopped"] = pool.run(trainer_run, path, distributed, os.path.join(root, "t-init"),
+                                                   stop=4, model_init=True, timeout=180)[0]
         with pytest.raises((RankError, RankTimeout)):
             pool.run(trainer_run, path, distributed, os.path.join(root, "t-crash"), crash_at_save=4, timeout=90)
     finally:
@@ -308,12 +317,12 @@ def accelerate_load_error(path: str, distributed: dict, directory: str) -> str:
 # -- Trainer tests -------------------------------------------------------------------------------------------------
 
 def test_trainer_upstream_refuses_or_cannot_resume(first):
-    error = first["trainer_unpatched"]
     import transformers
     from packaging.version import Version
 
-    if Version(transformers.__version__) >= Version("5.24"):
-        assert error and "Resuming is not supported for models sharded at load time" in error
+    if Version(transformers.__version__) >= Version("5.19"):
+        for how, error in first["trainer_unpatched"].items():  # model= and model_init= alike
+            assert error and "Resuming is not supported for models sharded at load time" in error, how
 
 
 def test_trainer_checkpoints_and_total_limit(first):
@@ -329,6 +338,18 @@ def test_trainer_resume_from_checkpoint_4_in_fresh_processes(tiny_models, root, 
     result = second.run(trainer_run, tiny_models["qwen3"], scenario.LAYOUTS["fsdp"][1], os.path.join(root, "t-stop"),
                         resume=os.path.join(root, "t-stop", "checkpoint-4"), timeout=180)[0]
     full = first["trainer"]
+    assert {s: result["losses"][s] for s in (5, 6)} == {s: full["losses"][s] for s in (5, 6)}
+    assert_params_equal(result["params"], full["params"])
+
+
+def test_trainer_with_a_sharding_model_init_checkpoints_and_resumes(tiny_models, root, first, second):
+    """Trainer(model_init=...) whose model_init shards while loading, as hyperparameter_search needs it: the same
+    checkpoints as model=, and resume_from_checkpoint=True in fresh processes continues exactly."""
+    stopped, full = first["trainer_init_stopped"], first["trainer"]
+    assert stopped["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+    assert stopped["losses"] == {s: full["losses"][s] for s in (1, 2, 3, 4)}
+    result = second.run(trainer_run, tiny_models["qwen3"], scenario.LAYOUTS["fsdp"][1], os.path.join(root, "t-init"),
+                        resume=True, model_init=True, timeout=180)[0]
     assert {s: result["losses"][s] for s in (5, 6)} == {s: full["losses"][s] for s in (5, 6)}
     assert_params_equal(result["params"], full["params"])
 
@@ -355,8 +376,8 @@ def test_trainer_final_save_model_is_consolidated(tiny_models, root, first):
 def test_trainer_load_best_model_at_end(tiny_models, root, first, second):
     path, distributed = tiny_models["qwen3"], scenario.LAYOUTS["fsdp"][1]
     out = os.path.join(root, "t-best")
-    result = second.run(trainer_run, path, distributed, out, max_steps=4, eval_strategy="steps", eval_steps=2,
-                        load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
+    result = second.run(trainer_run, path, distributed, out, model_init=True, max_steps=4, eval_strategy="steps",
+                        eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
                         save_total_limit=1, timeout=180)[0]
     assert result["best"] and os.path.basename(result["best"]) in result["checkpoints"]
     best = second.run(checkpoint_params, path, distributed, result["best"], timeout=120)[0]

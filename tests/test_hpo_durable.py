@@ -231,6 +231,31 @@ def test_a_retry_is_never_retried(study):
     assert "already a retry" in second.skipped[retry_number]
 
 
+def test_live_trials_with_equal_params_checkpoint_apart_and_a_retry_resumes_from_the_dead_one(study, tmp_path):
+    """Two running trials with the same parameters get separate directories; requeue points the dead one's
+    retry at its last complete checkpoint, and the retry writes into a third directory."""
+    from shardadopt import checkpoint
+    from shardadopt.hpo import resume_checkpoint, trial_checkpoint_dir
+
+    dead, twin = _running(study, {"x": 0.25}, heartbeat_age=1000), _running(study, {"x": 0.25}, heartbeat_age=0)
+    dirs = {trial.number: trial_checkpoint_dir(trial, tmp_path) for trial in (dead, twin)}
+    assert len(set(dirs.values())) == 2, dirs
+    for step in (1, 2):  # both write at once; the twin's saves must not land in the dead trial's directory
+        for trial in (dead, twin):
+            with checkpoint.staged(f"{dirs[trial.number]}/step-{step}", step=step) as stage:
+                (tmp_path / stage / "who").write_text(str(trial.number))
+    (tmp_path / dirs[dead.number] / "step-2" / checkpoint.MARKER).unlink()  # died while publishing step 2
+    assert resume_checkpoint(twin, tmp_path).endswith("step-2")
+
+    report = requeue(study, grace_period=300)
+    assert list(report.retried) == [dead.number], report.as_dict()
+    retry = study.ask()
+    assert retry.number == report.retried[dead.number] and retry.suggest_float("x", 0, 1) == 0.25
+    resumed = resume_checkpoint(retry, tmp_path)
+    assert resumed == f"{dirs[dead.number]}/step-1" and (tmp_path / resumed / "who").read_text() == str(dead.number)
+    assert trial_checkpoint_dir(retry, tmp_path) not in dirs.values()
+
+
 def test_stale_trials_ignores_fresh_ones(study):
     _running(study, {"x": 0.9}, heartbeat_age=5)
     assert stale_trials(study, grace_period=60) == []

@@ -35,13 +35,14 @@ needs_postgres = pytest.mark.skipif(not postgres_available(), reason=f"PostgreSQ
 
 def _job(storage: str, study_name: str, n_trials: int, *, seed: int = 0, root: str | None = None,
          die_in_trial: int | None = None, misbehave: bool = False, space_version: str = "v1",
-         allow_space_mismatch: bool = False) -> dict:
+         allow_space_mismatch: bool = False, meet: str | None = None) -> dict:
     """Attach to the study and run ``n_trials``; returns what this rank saw and the error it ended with.
 
-    ``root``: checkpoint every step under ``trial_checkpoint_dir(trial, root)`` and resume from the latest
-    complete one. ``die_in_trial``: in this job's n-th trial, after two complete checkpoints, both ranks SIGKILL
-    themselves half way through the third save. ``misbehave``: this job's trials 0/1/2 return NaN / raise
-    InvalidConfigError while sampling / get SIGTERM on rank 0.
+    ``root``: checkpoint every step under ``trial_checkpoint_dir(trial, root)`` and resume from
+    ``resume_checkpoint(trial, root)``. ``die_in_trial``: in this job's n-th trial, after two complete
+    checkpoints, both ranks SIGKILL themselves half way through the third save. ``misbehave``: this job's trials
+    0/1/2 return NaN / raise InvalidConfigError while sampling / get SIGTERM on rank 0. ``meet``: a folder where
+    two jobs' trials wait for each other after their first checkpoint (both alive at once).
     """
     import signal
 
@@ -49,7 +50,7 @@ def _job(storage: str, study_name: str, n_trials: int, *, seed: int = 0, root: s
     import torch.distributed as dist
 
     from shardadopt import checkpoint
-    from shardadopt.hpo import InvalidConfigError, optimize, trial_checkpoint_dir
+    from shardadopt.hpo import InvalidConfigError, optimize, resume_checkpoint, trial_checkpoint_dir
     from shardadopt.hpo.storage import default_sampler
 
     rank = dist.get_rank()
@@ -65,7 +66,7 @@ def _job(storage: str, study_name: str, n_trials: int, *, seed: int = 0, root: s
         seen.append([trial.number, trial.params, []])
         start = 0
         directory = trial_checkpoint_dir(trial, root) if root else None
-        if directory and (last := checkpoint.latest(directory)) is not None:
+        if directory and (last := resume_checkpoint(trial, root)) is not None:
             start = checkpoint.read_info(last).step + 1
         value = float("nan")
         for step in range(start, STEPS):
@@ -82,6 +83,8 @@ def _job(storage: str, study_name: str, n_trials: int, *, seed: int = 0, root: s
                         torch.save({"x": x, "step": step}, os.path.join(stage, "state.pt"))
                     if die_in_trial == index and step == 2:
                         os.kill(os.getpid(), signal.SIGKILL)
+                if meet and step == start:
+                    _meet(meet, trial.number)
         return float("nan") if misbehave and index == 0 else value
 
     error = None
@@ -93,6 +96,20 @@ def _job(storage: str, study_name: str, n_trials: int, *, seed: int = 0, root: s
     except BaseException as exc:
         error = {"type": type(exc).__name__, "message": str(exc)}
     return {"seen": seen, "error": error}
+
+
+def _meet(folder: str, number: int, peers: int = 2, timeout: float = 60.0) -> None:
+    """Both ranks: announce this trial in ``folder`` and wait until ``peers`` trials are there."""
+    import torch.distributed as dist
+
+    os.makedirs(folder, exist_ok=True)
+    if dist.get_rank() == 0:
+        open(os.path.join(folder, str(number)), "w").close()
+    deadline = time.monotonic() + timeout
+    while len(os.listdir(folder)) < peers:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"trial {number}: the other trial never came ({os.listdir(folder)})")
+        time.sleep(0.05)
 
 
 # -- fixtures ------------------------------------------------------------------------------------------------------
@@ -175,7 +192,13 @@ def test_two_jobs_share_one_study(jobs, shared):
 
 
 @needs_postgres
-def test_killed_job_is_requeued_once_and_the_retry_resumes(jobs, tmp_path):
+def test_killed_job_is_requeued_once_and_the_retry_resumes_beside_a_fresh_trial_with_equal_params(jobs, tmp_path):
+    """A job dies mid-trial; requeue enqueues its retry, and a fresh trial with the same parameters is enqueued
+    too. Two jobs run both at once: each live trial writes into its own directory, the retry resumes from the
+    dead trial's last complete checkpoint, the fresh one starts from scratch, the dead trial's files stay as
+    they were."""
+    from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, ATTR_RESUME_FROM
+
     name = f"multijob-kill-{uuid.uuid4().hex[:10]}"
     root = str(tmp_path / "ckpt")
     try:
@@ -185,10 +208,10 @@ def test_killed_job_is_requeued_once_and_the_retry_resumes(jobs, tmp_path):
         study = _load(POSTGRES, name)
         (dead,) = study.get_trials()
         assert dead.state == TrialState.RUNNING  # a zombie until someone notices
-        directory = os.path.join(root, f"params-{dead.user_attrs.get('params_hash') or _hash(dead.params)}")
-        names = sorted(os.listdir(directory))
-        assert "step-0" in names and "step-1" in names and "step-2" not in names
-        assert any(n.startswith(".") or n.endswith(".partial") for n in names), names  # the interrupted save
+        dead_dir = os.path.join(root, dead.user_attrs[ATTR_CHECKPOINT_DIR])
+        dead_files = sorted(os.listdir(dead_dir))
+        assert "step-0" in dead_files and "step-1" in dead_files and "step-2" not in dead_files
+        assert any(n.startswith(".") or n.endswith(".partial") for n in dead_files), dead_files  # interrupted save
 
         deadline = time.monotonic() + 30
         report = requeue(study, grace_period=GRACE)
@@ -200,25 +223,31 @@ def test_killed_job_is_requeued_once_and_the_retry_resumes(jobs, tmp_path):
         assert failed.state == TrialState.FAIL and failed.user_attrs[ATTR_KIND] == "preempted"
         again = requeue(study, grace_period=GRACE)
         assert not again.failed_stale and not again.retried, again.as_dict()  # idempotent
+        study.enqueue_trial(dead.params)  # a fresh trial that happens to have the same parameters
 
-        survivor = _in_step(jobs[1].run(_job, POSTGRES, name, 1, root=root, timeout=60))
-        ((number, params, steps),) = survivor
-        assert number == report.retried[dead.number] and params == dead.params
-        assert steps[0] > 0 and steps == [2], steps  # resumed after the last complete checkpoint (step 1)
-        retry = study.get_trials()[number]
-        assert retry.state == TrialState.COMPLETE and retry.user_attrs[ATTR_RETRY_OF] == dead.number
+        meet = str(tmp_path / "meet")
+        job_a, job_b = _concurrently((jobs[0], _job, (POSTGRES, name, 1), {"root": root, "meet": meet}),
+                                     (jobs[1], _job, (POSTGRES, name, 1), {"root": root, "meet": meet}))
+        runs = {number: steps for number, _, steps in _in_step(job_a) + _in_step(job_b)}
+        retry_number = report.retried[dead.number]
+        (fresh_number,) = set(runs) - {retry_number}
+        assert runs == {retry_number: [2], fresh_number: [0, 1, 2]}, runs  # the retry resumed after step 1
+        trials = study.get_trials()
+        retry, fresh = trials[retry_number], trials[fresh_number]
+        assert retry.state == fresh.state == TrialState.COMPLETE and retry.params == fresh.params == dead.params
+        assert retry.user_attrs[ATTR_RETRY_OF] == dead.number and ATTR_RETRY_OF not in fresh.user_attrs
+        assert retry.user_attrs[ATTR_RESUME_FROM] == dead.user_attrs[ATTR_CHECKPOINT_DIR]
+        dirs = [t.user_attrs[ATTR_CHECKPOINT_DIR] for t in (dead, retry, fresh)]
+        assert len(set(dirs)) == 3, dirs
+        assert sorted(os.listdir(dead_dir)) == dead_files
+        assert sorted(os.listdir(os.path.join(root, dirs[1]))) == ["step-2"]
+        assert sorted(os.listdir(os.path.join(root, dirs[2]))) == ["step-0", "step-1", "step-2"]
         assert not requeue(study, grace_period=GRACE).retried
     finally:
         try:
             optuna.delete_study(study_name=name, storage=resolve_storage(POSTGRES, heartbeat_interval=None))
         except KeyError:
             pass
-
-
-def _hash(params):
-    from shardadopt.hpo.provenance import params_hash
-
-    return params_hash(params)
 
 
 def test_failure_kinds_and_which_are_retried(jobs, tmp_path):

@@ -460,7 +460,7 @@ def test_trainer_retry_resumes_from_the_dead_trials_checkpoint_and_failure_kinds
     ((dead_seen),) = first[0]["result"]["seen"]
     assert dead_seen["start"] == 0 and dead_seen["evaluated_at"] == [1, 2], dead_seen  # preempted at report 2
     assert list(dead.intermediate_values) == [EVAL_STEPS * PER_DEVICE_BATCH * 2]
-    run_dir = tmp_path / "retry" / f"run-{dead.user_attrs['params_hash']}"
+    run_dir = tmp_path / "retry" / dead.user_attrs["checkpoint_dir"]
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
     assert last_complete_checkpoint(str(run_dir)) == str(run_dir / "checkpoint-1")
 

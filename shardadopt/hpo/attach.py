@@ -1,13 +1,13 @@
-"""Attach a torchrun job to a (possibly shared) study, and key each trial's checkpoints by its parameters.
+"""Attach a torchrun job to a (possibly shared) study, and give each trial a checkpoint directory of its own.
 
 ``attach_study`` is what rank 0 of every job runs before any training: resolve the storage (a bad URL raises
 ``StorageError`` here), create the study or load the one other jobs already use (``load_if_exists``), refuse a
 study created with another search-space version, and warn when too many workers share a small budget.
 
-``trial_checkpoint_dir(trial, root)`` is a directory named by ``params_hash(trial.params)``, not the trial number,
-so the retry ``requeue`` enqueues with the same parameters finds what the dead trial wrote;
-``resume_checkpoint(trial, root)`` is its latest complete checkpoint (``shardadopt.checkpoint.latest`` skips
-interrupted saves).
+``trial_checkpoint_dir(trial, root)`` is this trial's own directory (``durability.checkpoint_name``: trial number
+and start time), recorded on the trial, so no other live trial writes there, whatever its parameters;
+``resume_checkpoint(trial, root)`` is the latest complete checkpoint to continue from: the trial's own, or for a
+retry enqueued by ``requeue`` the dead trial's (``shardadopt.checkpoint.latest`` skips interrupted saves).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from shardadopt.hpo.provenance import check_space_version, params_hash
+from shardadopt.hpo.durability import ATTR_RESUME_FROM, checkpoint_name, record_checkpoint_dir
+from shardadopt.hpo.provenance import check_space_version
 from shardadopt.hpo.storage import default_sampler, resolve_storage
 
 # Concurrent trials above this share of the budget make the sampler propose mostly blind (constant liar or not).
@@ -66,22 +67,25 @@ def attach_study(storage: Any = None, *, study_name: str | None = None, load_if_
 
 
 def trial_checkpoint_dir(trial: optuna.trial.BaseTrial, root: str | os.PathLike) -> str:
-    """``root/params-<hash of the trial's parameters>``: where this trial (and any retry of it) checkpoints.
+    """``root/trial-<number>-<start time>``: where this trial checkpoints; no other live trial writes there.
 
-    Call it after the search space was sampled (the parameters are the key). Not created here.
+    Records the directory on the trial (``checkpoint_dir``), so ``requeue`` can point a retry at it: call it on
+    every rank (collective on a ``DistributedTrial``). Not created here.
     """
-    params = trial.params
-    if not params:
-        raise ValueError(f"trial {trial.number} has no parameters yet: sample the search space before asking for "
-                         "its checkpoint directory (the directory is keyed by the parameters)")
-    return os.path.join(os.fspath(root), f"params-{params_hash(params)}")
+    name = checkpoint_name(trial)
+    record_checkpoint_dir(trial, name)
+    return os.path.join(os.fspath(root), name)
 
 
 def resume_checkpoint(trial: optuna.trial.BaseTrial, root: str | os.PathLike) -> str | None:
-    """The latest complete ``shardadopt.checkpoint`` of this parameter set under ``root``, or None."""
+    """The latest complete ``shardadopt.checkpoint`` this trial continues from, or None: its own under
+    ``trial_checkpoint_dir(trial, root)``, else, for a retry, the dead trial's (``resume_from``, set by
+    ``requeue``). Call it on every rank, like ``trial_checkpoint_dir``."""
     from shardadopt import checkpoint
 
-    return checkpoint.latest(trial_checkpoint_dir(trial, root))
+    own = checkpoint.latest(trial_checkpoint_dir(trial, root))
+    dead = trial.user_attrs.get(ATTR_RESUME_FROM)
+    return own if own is not None or dead is None else checkpoint.latest(os.path.join(os.fspath(root), dead))
 
 
 __all__ = ["attach_study", "trial_checkpoint_dir", "resume_checkpoint", "ConcurrencyWarning",

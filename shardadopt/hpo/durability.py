@@ -4,10 +4,17 @@ A running trial carries ``host``, ``pid`` and a ``heartbeat`` timestamp (user at
 ``TrialHeartbeat`` on the rank that talks to storage). That works on every storage; on RDB storages Optuna's own
 heartbeat is recorded as well, so ``optuna.storages.fail_stale_trials`` keeps working. ``requeue`` fails stale
 trials as ``preempted`` and re-enqueues each transient failure once, with ``retry_of`` naming the failed trial.
+
+Checkpoints: each trial writes into a directory of its own, ``checkpoint_name(trial)`` under a root
+(``trial-<number>-<start time>``, recorded on the trial as ``checkpoint_dir``), so two live trials never share
+one, not even with equal parameters (a retry and a fresh trial, or two enqueued copies). ``requeue`` hands the
+dead trial's directory to its retry (``resume_from``), which resumes from its last complete checkpoint and
+writes into its own directory.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import threading
@@ -25,6 +32,8 @@ from shardadopt.hpo.provenance import ATTR_PARAMS_HASH, params_hash
 ATTR_HEARTBEAT = "heartbeat"
 ATTR_HOST = "host"
 ATTR_PID = "pid"
+ATTR_CHECKPOINT_DIR = "checkpoint_dir"  # this trial's checkpoint directory, relative to its root
+ATTR_RESUME_FROM = "resume_from"  # on a retry: the dead trial's checkpoint directory, relative to the root
 DEFAULT_GRACE_PERIOD = 180.0
 
 
@@ -63,6 +72,20 @@ class TrialHeartbeat:
                 self._beat()
             except Exception:  # a storage hiccup must not kill training; the next beat retries
                 continue
+
+
+def checkpoint_name(trial: optuna.trial.BaseTrial) -> str:
+    """``trial-<number>-<start time, microseconds>``: unique per live trial (numbers are unique in a study; the
+    start time, the same on every rank of a ``DistributedTrial``, tells studies sharing a root apart)."""
+    start = trial.datetime_start or datetime.datetime.now()
+    return f"trial-{trial.number}-{start:%Y%m%dT%H%M%S%f}"
+
+
+def record_checkpoint_dir(trial: optuna.trial.BaseTrial, name: str) -> None:
+    """Record ``name`` (relative to the checkpoint root) on the trial, so a retry can find what it wrote.
+    Collective on a ``DistributedTrial`` (the first time)."""
+    if trial.user_attrs.get(ATTR_CHECKPOINT_DIR) != name:
+        trial.set_user_attr(ATTR_CHECKPOINT_DIR, name)
 
 
 def heartbeat_age(trial: FrozenTrial, now: float | None = None) -> float | None:
@@ -142,7 +165,9 @@ def requeue(study: optuna.Study, grace_period: float = DEFAULT_GRACE_PERIOD, now
         elif not trial.params:
             report.skipped[trial.number] = "no parameters were sampled before it failed"
         else:
-            study.enqueue_trial(trial.params, user_attrs={ATTR_RETRY_OF: trial.number,
-                                                          ATTR_PARAMS_HASH: params_hash(trial.params)})
+            attrs = {ATTR_RETRY_OF: trial.number, ATTR_PARAMS_HASH: params_hash(trial.params)}
+            if ATTR_CHECKPOINT_DIR in trial.user_attrs:  # the retry resumes from there, writes elsewhere
+                attrs[ATTR_RESUME_FROM] = trial.user_attrs[ATTR_CHECKPOINT_DIR]
+            study.enqueue_trial(trial.params, user_attrs=attrs)
             report.retried[trial.number] = max(t.number for t in study.get_trials(deepcopy=False))
     return report

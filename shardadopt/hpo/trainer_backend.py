@@ -14,8 +14,9 @@ Durable, multi-job searches (see ``shardadopt.hpo.optimize``): ``storage`` (URL 
 journal file under ``args.output_dir``), ``study_name``, ``load_if_exists`` (default True: every torchrun job with
 the same study name attaches as a worker), ``sampler`` (default ``default_sampler()``), ``space_version`` (default:
 a hash of ``hp_space``'s source), ``allow_space_mismatch``, ``data_snapshot``, ``heartbeat_interval``. Each trial
-writes its checkpoints under ``output_dir/run-<params hash>`` (unless ``hp_name`` is given), so a retry of the same
-parameters resumes from the dead trial's last complete checkpoint. A non-finite logged loss or objective fails
+writes its checkpoints into a directory of its own, ``output_dir/trial-<number>-<start time>`` (or ``hp_name``'s),
+recorded on the trial as ``checkpoint_dir``; a retry enqueued by ``shardadopt hpo requeue`` resumes from the dead
+trial's last complete checkpoint there and writes into its own directory. A non-finite logged loss or objective fails
 the trial as ``nan_loss``; a ``ValueError``/``TypeError`` from ``hp_space`` or ``model_init`` (before training
 starts) as ``config_error``.
 
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardadopt.hpo import failures
-from shardadopt.hpo.provenance import params_hash
+from shardadopt.hpo.durability import ATTR_RESUME_FROM, checkpoint_name, record_checkpoint_dir
 from shardadopt.hpo.trial import DistributedTrial
 
 REPORT_UNITS = ("examples", "epochs", "steps")
@@ -78,8 +79,8 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
     trainer.add_callback(watch)
     setattr(trainer, _WATCH_ATTRIBUTE, watch)
     own_hp_name = trainer.hp_name is None
-    if own_hp_name:  # checkpoints keyed by the parameters, so a retry finds the dead trial's
-        trainer.hp_name = lambda trial: f"run-{params_hash(trial.params)}"
+    if own_hp_name:  # a directory per trial: trial numbers repeat across studies sharing output_dir
+        trainer.hp_name = checkpoint_name
     setattr(trainer, _UNIT_ATTRIBUTE, report_unit)
     try:
         study = optimize(None, lambda trial: _objective(trainer, trial), n_trials=n_trials,
@@ -151,9 +152,11 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
     try:
         # Sample the space first, as upstream does, so a model_init(trial) can read trial.params.
         trainer.hp_space(trial)
-        # A retry of these parameters (shardadopt hpo requeue) resumes from the dead trial's checkpoint.
-        retry = trial.user_attrs.get(failures.ATTR_RETRY_OF) is not None
-        resume = last_complete_checkpoint(trainer._get_output_dir(trial)) if retry and trial.params else None
+        output_dir = trainer.args.output_dir
+        record_checkpoint_dir(trial, os.path.relpath(trainer._get_output_dir(trial), output_dir))
+        # A retry (shardadopt hpo requeue) resumes from the dead trial's last complete checkpoint.
+        dead = trial.user_attrs.get(ATTR_RESUME_FROM)
+        resume = last_complete_checkpoint(os.path.join(output_dir, dead)) if dead else None
         trainer.train(resume_from_checkpoint=resume, trial=trial)
         # If there has been no evaluation during training.
         if getattr(trainer, "objective", None) is None:

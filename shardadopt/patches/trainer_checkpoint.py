@@ -1,6 +1,7 @@
 """Resumable, atomic Trainer checkpoints for models sharded at load time (transformers 5.15 .. 5.24).
 
-Upstream (``transformers/trainer.py``): 5.24 refuses in ``Trainer.__init__``::
+Upstream (``transformers/trainer.py``): 5.19 .. 5.24 refuse in ``Trainer.__init__``, after resolving the model
+(``model = self.call_model_init()`` when only ``model_init`` is given)::
 
     if self.is_distributed_loading_by_transformers and args.save_strategy != SaveStrategy.NO
             and not args.save_only_model:
@@ -15,7 +16,10 @@ picks up). 5.15 .. 5.23 also gather a sharded model in ``save_model`` on the mai
 The fix, only for a model whose parameters are DTensors / FSDP2 modules outside accelerate's own FSDP and
 DeepSpeed plugins (every other model keeps upstream's exact path):
 
-- ``__init__`` accepts ``save_strategy != "no"`` without ``save_only_model``.
+- ``__init__`` accepts ``save_strategy != "no"`` without ``save_only_model``, for a sharded ``model=`` and for a
+  ``model_init=`` that shards while loading (the way ``hyperparameter_search`` needs the Trainer built):
+  ``__init__`` calls ``self.call_model_init()`` itself before the refusal, so the refusal is lifted once that call
+  returns a sharded model.
 - ``_save_checkpoint`` writes ``checkpoint-N`` through ``shardadopt.checkpoint``: model and optimizer with
   ``torch.distributed.checkpoint`` (each rank its shards), scheduler, scaler, per-rank RNG (Trainer's own files),
   ``trainer_state.json``, the config, into a staging directory published (renamed) once every rank has finished,
@@ -28,6 +32,7 @@ DeepSpeed plugins (every other model keeps upstream's exact path):
 
 from __future__ import annotations
 
+import contextvars
 import os
 import warnings
 from typing import Any
@@ -54,21 +59,53 @@ def _model_is_sharded(model: Any) -> bool:
     return model is not None and is_sharded(model)
 
 
-def init(wrapped, instance, args, kwargs):
-    from transformers.trainer_utils import SaveStrategy
+class _Lift:
+    """Lets one ``Trainer.__init__`` pass the refusal for a sharded model, then restores the user's flag.
 
-    training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-    model = kwargs.get("model", args[0] if args else None)
-    lift = (training_args is not None and _model_is_sharded(model) and not training_args.save_only_model
-            and training_args.save_strategy != SaveStrategy.NO)
-    if not lift:
-        return wrapped(*args, **kwargs)
-    # The refusal is a check on these two flags only: let it pass, then restore the user's value.
-    training_args.save_only_model = True
+    The refusal reads ``args.save_strategy`` and ``args.save_only_model`` after the model is resolved: for
+    ``model=`` the flag is set before ``__init__``; for ``model_init=`` (called inside ``__init__``, after the
+    accelerator's own ``save_only_model`` checks) once ``call_model_init`` has returned a sharded model.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer, self.training_args = trainer, None
+
+    def engage(self, training_args: Any, model: Any) -> None:
+        from transformers.trainer_utils import SaveStrategy
+
+        if (self.training_args is None and training_args is not None and _model_is_sharded(model)
+                and not training_args.save_only_model and training_args.save_strategy != SaveStrategy.NO):
+            self.training_args = training_args
+            training_args.save_only_model = True
+
+    def release(self) -> None:
+        if self.training_args is not None:
+            self.training_args.save_only_model = False
+            self.training_args = None
+
+
+# The Trainer whose __init__ is running in this context (model_init may itself build a Trainer).
+_INIT: contextvars.ContextVar[_Lift | None] = contextvars.ContextVar("shardadopt_trainer_init", default=None)
+
+
+def init(wrapped, instance, args, kwargs):
+    lift = _Lift(instance)
+    lift.engage(kwargs.get("args", args[1] if len(args) > 1 else None),
+                kwargs.get("model", args[0] if args else None))
+    token = _INIT.set(lift)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        training_args.save_only_model = False
+        _INIT.reset(token)
+        lift.release()
+
+
+def call_model_init(wrapped, instance, args, kwargs):
+    model = wrapped(*args, **kwargs)
+    lift = _INIT.get()
+    if lift is not None and lift.trainer is instance:  # the model __init__ resolves (train() calls it again)
+        lift.engage(instance.args, model)
+    return model
 
 
 def save_checkpoint(wrapped, instance, args, kwargs):
@@ -228,6 +265,7 @@ PATCH = Patch(
     requires={"transformers": ">=5.15,<5.25", "accelerate": ">=1.13,<1.16"},
     wrappers={
         Target(_MODULE, "Trainer.__init__"): init,
+        Target(_MODULE, "Trainer.call_model_init"): call_model_init,
         Target(_MODULE, "Trainer._save_checkpoint"): save_checkpoint,
         Target(_MODULE, "Trainer._load_from_checkpoint"): load_from_checkpoint,
         Target(_MODULE, "Trainer._load_optimizer_and_scheduler"): load_optimizer_and_scheduler,
