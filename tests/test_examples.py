@@ -191,6 +191,7 @@ def check_trainer_finetune(block: str, work: Path, out: str, tiny_models: dict[s
 
 
 def check_hpo_search(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, ATTR_RESUME_FROM
     from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
 
     storage = option(block, "--storage")
@@ -209,6 +210,8 @@ def check_hpo_search(block: str, work: Path, out: str, tiny_models: dict[str, st
     # killed after checkpoint-1, so its retry must start at step 2
     assert sorted(dead.intermediate_values) == [4], dead.intermediate_values
     assert min(retry.intermediate_values) == 8, retry.intermediate_values
+    assert retry.user_attrs[ATTR_RESUME_FROM] == dead.user_attrs[ATTR_CHECKPOINT_DIR]
+    assert retry.user_attrs[ATTR_CHECKPOINT_DIR] != dead.user_attrs[ATTR_CHECKPOINT_DIR]
     assert f"study {option(block, '--study')}: 6 trials" in out, out[-3000:]
     best = min((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)  # n_startup_trials=2
     assert f"best #{best.number}:" in out
@@ -216,7 +219,7 @@ def check_hpo_search(block: str, work: Path, out: str, tiny_models: dict[str, st
 
 def check_custom_loop_hpo(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
     from shardadopt import checkpoint
-    from shardadopt.hpo import trial_checkpoint_dir
+    from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR
 
     root = work / "runs" / "custom-loop-hpo"
     study = load_study(f"journal://{root}/optuna-journal.log", "custom-loop")
@@ -227,7 +230,7 @@ def check_custom_loop_hpo(block: str, work: Path, out: str, tiny_models: dict[st
         assert t.state.name in ("COMPLETE", "PRUNED"), (t.number, t.state.name, t.user_attrs)
         reported = sorted(t.intermediate_values)
         assert reported == list(range(1, len(reported) + 1)), reported
-        last = checkpoint.latest(trial_checkpoint_dir(t, root))
+        last = checkpoint.latest(root / t.user_attrs[ATTR_CHECKPOINT_DIR])  # trial_checkpoint_dir's
         assert last is not None and checkpoint.read_info(last).step == reported[-1]
         if t.state.name == "COMPLETE":
             assert reported[-1] == 4 and t.value == t.intermediate_values[4]
