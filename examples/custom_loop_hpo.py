@@ -7,7 +7,8 @@ Every trial runs on every rank (the model is FSDP-sharded over all of them). ``o
 ``report_and_maybe_prune`` ends a pruned trial on all ranks at the same step, so no rank is left waiting in a
 collective. The study lives in durable storage (``--storage``: a PostgreSQL URL or ``journal:///path``; by default
 a journal file under ``--output-dir``), so more jobs started with the same ``--study`` work on it together. Each
-trial checkpoints under a directory keyed by its parameters, where a retry of a preempted trial resumes.
+trial checkpoints into a directory of its own; a retry that ``shardadopt hpo requeue`` enqueued for a preempted
+trial resumes from the dead trial's last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main() -> None:
         train = batches(model.config.vocab_size, args.steps, seed=0)
         held_out = batches(model.config.vocab_size, 1, seed=1)[0]
 
-        # Checkpoints keyed by the parameters: a retry of a preempted trial continues where it stopped.
+        # This trial's own checkpoint directory; a requeued retry starts from the dead trial's last checkpoint.
         directory = trial_checkpoint_dir(trial, args.output_dir)
         start = 0
         if (last := resume_checkpoint(trial, args.output_dir)) is not None:
