@@ -657,7 +657,9 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
 
     if rank_local(model):
         raise CheckpointError("save_full cannot gather tensor-parallel parameters that are plain per-rank shards "
-                              "(this transformers release's TP does not use DTensor); use model.save_pretrained")
+                              "(this transformers release's TP does not use DTensor); use model.save_pretrained for "
+                              "tensor parallelism alone (transformers 5.15 writes expert-parallel models with wrong "
+                              "shapes: no consolidated export there)")
     directory = os.path.abspath(os.fspath(directory))
     rank = _world()[1]
     limit = _parse_size(max_shard_size)

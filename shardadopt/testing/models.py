@@ -56,12 +56,29 @@ def tiny_checkpoints(root: str | os.PathLike, names: Iterable[str] | None = None
                 model = BUILDERS[name]()
             staging = tempfile.mkdtemp(prefix=f".tiny-{name}-", dir=root)
             model.save_pretrained(staging)
+            if not os.path.exists(os.path.join(staging, "config.json")):
+                # under torch.distributed transformers writes from global rank 0 only: wait for its copy
+                shutil.rmtree(staging, ignore_errors=True)
+                _wait_for(os.path.join(path, "config.json"))
+                paths[name] = path
+                continue
             try:
                 os.rename(staging, path)
             except OSError:  # another process won the race; its copy is identical
                 shutil.rmtree(staging, ignore_errors=True)
         paths[name] = path
     return paths
+
+
+def _wait_for(file: str, timeout: float = 600.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(file):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{file} did not appear within {timeout:.0f}s: under torch.distributed only global "
+                               f"rank 0 writes tiny checkpoints, so call tiny_checkpoints on rank 0 too")
+        time.sleep(0.2)
 
 
 def token_batch(seed: int, batch_size: int, seq_len: int = 16):

@@ -1,0 +1,241 @@
+"""The README's "Examples" section, run as users run it.
+
+Every ``bash`` block of that section runs verbatim (``bash -e -o pipefail``) in a scratch directory that holds
+``examples/`` (a link to this checkout's) and ``runs/tiny-models`` (the session's tiny checkpoints, the path the
+examples generate them at), with the active interpreter's ``bin`` first on ``PATH`` as an activated virtual
+environment has it. Then the test checks what the block left behind: checkpoints, the step a resumed run started
+from, the consolidated export (loaded with a plain ``from_pretrained``), the trials' states in storage. Every
+``python`` block of the section must be lines of an example file, so the README cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiproc
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+BLOCK_TIMEOUT = 900  # seconds: a hang fails the test instead of stalling CI
+
+
+def section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n## Examples\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end != -1 else len(text)]
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```$", section(), flags=re.M | re.S)
+
+
+def commands(block: str) -> list[list[str]]:
+    """The command lines of a block, split as the shell splits them (up to any control operator)."""
+    lines = []
+    for line in block.splitlines():
+        words = shlex.split(line, comments=True)
+        for stop, word in enumerate(words):
+            if word in ("&", "&&", "||", ";", "|"):
+                words = words[:stop]
+                break
+        if words:
+            lines.append(words)
+    return lines
+
+
+def script(block: str) -> str:
+    names = {Path(w).name for line in commands(block) for w in line if w.startswith("examples/")}
+    assert len(names) == 1, f"a block runs one example: {names}"
+    return names.pop()
+
+
+def option(block: str, name: str) -> str | None:
+    for line in commands(block):
+        if name in line:
+            return line[line.index(name) + 1]
+    return None
+
+
+def block_id(block: str) -> str:
+    layout = option(block, "--layout")
+    return script(block).removesuffix(".py") + (f"-{layout}" if layout else "")
+
+
+# -- the section is complete and its code is the examples' code ----------------------------------------------------
+
+
+def test_every_example_is_run_by_a_block_and_every_python_block_is_example_code():
+    ran = {script(b) for b in blocks("bash")}
+    assert ran == {p.name for p in EXAMPLES.glob("*.py")}, "each example needs a command block in README"
+    sources = {p.name: p.read_text().splitlines() for p in EXAMPLES.glob("*.py")}
+    for code in blocks("python"):
+        want = code.rstrip("\n").splitlines()
+        found = [name for name, lines in sources.items()
+                 if any(textwrap.dedent("\n".join(lines[i:i + len(want)])).splitlines() == want
+                        for i in range(len(lines) - len(want) + 1))]
+        assert found, f"README python block is not a verbatim excerpt of any example:\n{code}"
+
+
+# -- running the blocks --------------------------------------------------------------------------------------------
+
+
+def run(block: str, work: Path, tiny_models: dict[str, str]) -> str:
+    """Run ``block`` in ``work`` as a user's shell would; its combined output (fails the test on an error)."""
+    (work / "runs").mkdir(parents=True)
+    (work / "examples").symlink_to(EXAMPLES)
+    (work / "runs" / "tiny-models").symlink_to(Path(tiny_models["qwen3"]).parent)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    proc = subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", block], cwd=work, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"block did not finish within {BLOCK_TIMEOUT}s:\n{block}\n{out[-6000:]}")
+    (work.parent / "block.log").write_text(out)
+    if proc.returncode != 0:
+        notable = "\n".join(line for line in out.splitlines()
+                             if re.search(r"Error|terminate|Traceback|exitcode|Signal", line))
+        pytest.fail(f"exit code {proc.returncode} (full output: {work.parent / 'block.log'}):\n{block}\n"
+                    f"{notable[-4000:]}\n...\n{out[-4000:]}")
+    return out
+
+
+def skip_reason(block: str) -> str | None:
+    """Why the installed transformers cannot run this block's layout (upstream's limitation), or None."""
+    layout = option(block, "--layout")
+    if layout == "2d":
+        from shardadopt.selftest.trainer import unloadable_reason
+
+        return unloadable_reason({"fsdp_size": 2, "tp_size": 2})
+    if layout == "ep" and script(block) == "accelerate_loop.py":
+        from transformers.distributed import DistributedConfig
+
+        if "ep_size" not in DistributedConfig.__dataclass_fields__:
+            return ("this transformers runs expert parallelism on the TP mesh with plain per-rank shards: no "
+                    "consolidated export (save_full refuses them; its save_pretrained writes wrong shapes)")
+    return None
+
+
+def assert_trained_export(final: Path, initial: str) -> None:
+    """``final`` loads with a plain from_pretrained: the initial model's tensors, finite, and trained."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    trained = dict(AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).named_parameters())
+    start = dict(AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32).named_parameters())
+    assert trained.keys() == start.keys()
+    assert all(trained[n].shape == p.shape and torch.isfinite(trained[n]).all() for n, p in start.items())
+    moved = [n for n, p in start.items() if not torch.equal(trained[n], p)]
+    assert len(moved) > len(start) // 2, f"the export is mostly the untrained model: {len(moved)}/{len(start)} moved"
+
+
+def complete_checkpoints(root: Path) -> list[str]:
+    from shardadopt import checkpoint
+
+    return sorted(p.name for p in root.iterdir() if checkpoint.is_complete(p)) if root.is_dir() else []
+
+
+def load_study(url: str, name: str):
+    import optuna
+
+    from shardadopt.hpo.storage import resolve_storage
+
+    return optuna.load_study(study_name=name, storage=resolve_storage(url, heartbeat_interval=None))
+
+
+@pytest.mark.parametrize("block", blocks("bash"), ids=block_id)
+def test_readme_block(block, tmp_path, tiny_models):
+    reason = skip_reason(block)
+    if reason:
+        pytest.skip(reason)
+    work = tmp_path / "work"
+    out = run(block, work, tiny_models)
+    CHECKS[script(block)](block, work, out, tiny_models)
+
+
+def check_accelerate_loop(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    layout = option(block, "--layout")
+    run_dir = work / "runs" / f"accelerate-{layout}"
+    steps = int(option(block, "--steps") or 6)
+    if option(block, "--stop-after"):  # interrupted after step 4's checkpoint, then resumed there
+        assert "stopping after step 4" in out and "resumed at step 4" in out, out[-3000:]
+        assert "step 5 loss" in out and "step 3 loss" in out.split("resumed at step 4")[0]
+        assert "step 3 loss" not in out.split("resumed at step 4")[1], "the resumed run repeated steps"
+    assert complete_checkpoints(run_dir / "checkpoints") == [f"step-{s}" for s in range(2, steps + 1, 2)]
+    assert_trained_export(run_dir / "final", tiny_models["qwen3moe" if layout == "ep" else "qwen3"])
+
+
+def check_trainer_finetune(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    run_dir = work / "runs" / "trainer-finetune"
+    assert "training from step 0 to 6" in out and "stopped after step 4" in out, out[-3000:]
+    assert "training from step 4 to 6" in out, "the second run did not resume from checkpoint-4"
+    # save_total_limit=2 rotated checkpoint-2 away
+    assert complete_checkpoints(run_dir) == ["checkpoint-4", "checkpoint-6"]
+    state = json.loads((run_dir / "checkpoint-6" / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert_trained_export(run_dir / "final", tiny_models["qwen3"])
+
+
+def check_hpo_search(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, ATTR_RESUME_FROM
+    from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
+
+    storage = option(block, "--storage")
+    study = load_study(storage.replace("journal://", f"journal://{work}/"), option(block, "--study"))
+    trials = study.trials
+    assert len(trials) == 6, [(t.number, t.state.name) for t in trials]
+    first, (dead, retry) = trials[:4], trials[4:]
+    assert {t.state.name for t in first} <= {"COMPLETE", "PRUNED"}, [t.state.name for t in first]
+    assert sum(t.state.name == "COMPLETE" for t in first) >= 2  # MedianPruner(n_startup_trials=2)
+    assert len({t.user_attrs["pid"] for t in first}) == 2, "the first four trials came from two jobs"
+    assert dead.state.name == "FAIL" and dead.user_attrs[ATTR_KIND] == "preempted", dead
+    # the retry may be pruned: MedianPruner compares it with the first trials from step 2 on
+    assert retry.state.name in ("COMPLETE", "PRUNED") and retry.user_attrs[ATTR_RETRY_OF] == dead.number
+    assert retry.params == dead.params
+    # reports are at training examples seen (4 per step on 2 ranks): the dead trial reported step 1 and was
+    # killed after checkpoint-1, so its retry must start at step 2
+    assert sorted(dead.intermediate_values) == [4], dead.intermediate_values
+    assert min(retry.intermediate_values) == 8, retry.intermediate_values
+    assert retry.user_attrs[ATTR_RESUME_FROM] == dead.user_attrs[ATTR_CHECKPOINT_DIR]
+    assert retry.user_attrs[ATTR_CHECKPOINT_DIR] != dead.user_attrs[ATTR_CHECKPOINT_DIR]
+    assert f"study {option(block, '--study')}: 6 trials" in out, out[-3000:]
+    best = min((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)  # n_startup_trials=2
+    assert f"best #{best.number}:" in out
+
+
+def check_custom_loop_hpo(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    from shardadopt import checkpoint
+    from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR
+
+    root = work / "runs" / "custom-loop-hpo"
+    study = load_study(f"journal://{root}/optuna-journal.log", "custom-loop")
+    trials = study.trials
+    assert len(trials) == int(option(block, "--n-trials")), trials
+    assert [t.state.name for t in trials[:2]] == ["COMPLETE", "COMPLETE"]  # MedianPruner(n_startup_trials=2)
+    for t in trials:
+        assert t.state.name in ("COMPLETE", "PRUNED"), (t.number, t.state.name, t.user_attrs)
+        reported = sorted(t.intermediate_values)
+        assert reported == list(range(1, len(reported) + 1)), reported
+        last = checkpoint.latest(root / t.user_attrs[ATTR_CHECKPOINT_DIR])  # trial_checkpoint_dir's
+        assert last is not None and checkpoint.read_info(last).step == reported[-1]
+        if t.state.name == "COMPLETE":
+            assert reported[-1] == 4 and t.value == t.intermediate_values[4]
+    assert f"best: #{study.best_trial.number}" in out, out[-3000:]
+
+
+CHECKS = {"accelerate_loop.py": check_accelerate_loop, "trainer_finetune.py": check_trainer_finetune,
+          "hpo_search.py": check_hpo_search, "custom_loop_hpo.py": check_custom_loop_hpo}
