@@ -108,6 +108,13 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     """
     kwargs = adoption_kwargs(accelerator)
     topo = topology(model, kwargs.topology)
+    if accelerator.num_processes != topo.world_size:
+        # accelerate on a machine without GPUs and without cpu=True treats each torchrun process as a job of its
+        # own: every rank would see the whole dataset, write every checkpoint and log as rank 0.
+        raise AdoptionError(
+            f"the model is sharded over {topo.world_size} processes, but this Accelerator runs "
+            f"{accelerator.num_processes} ({accelerator.distributed_type}). On a machine without GPUs pass "
+            f"Accelerator(cpu=True) (Trainer: TrainingArguments(use_cpu=True)) so the torchrun processes join one job.")
     state = getattr(accelerator, _STATE_ATTR, None)
     if state is None:
         state = _Adoption()

@@ -181,8 +181,11 @@ def adopt_worker(case: str, patched: bool = True) -> dict:
             layout = "tp"
         elif case == "loader-split-by-other-model":
             layout = "fsdp"
+        elif case == "no-cpu-flag":
+            layout = "fsdp"
         try:
-            accelerator = fresh_accelerator(cpu=True, kwargs_handlers=handlers, **config)
+            # without cpu=True a CPU-only Accelerator treats each process as a job of its own
+            accelerator = fresh_accelerator(cpu=case != "no-cpu-flag", kwargs_handlers=handlers, **config)
             model = _hand_sharded(layout)
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
             if case == "loader-split-by-other-model":
@@ -258,6 +261,12 @@ def test_model_mesh_not_covering_world_is_a_clear_error(pool2):
     for result in pool2.run(adopt_worker, "partial-mesh"):
         assert result["error"].startswith("TopologyError"), result
         assert "but the world has 2" in result["error"] and "init_device_mesh over all ranks" in result["error"]
+
+
+def test_accelerator_without_cpu_flag_on_cpu_is_a_clear_error(pool2):
+    for result in pool2.run(adopt_worker, "no-cpu-flag"):
+        assert result["error"].startswith("AdoptionError"), result
+        assert "sharded over 2 processes" in result["error"] and "Accelerator(cpu=True)" in result["error"]
 
 
 def test_ambiguous_hand_sharded_mesh_names_the_override(pool2):
