@@ -68,6 +68,7 @@ def fused_and_loop_step(path: str, sizes: dict) -> dict:
 
     import shardadopt
     from shardadopt.selftest.accelerate import PER_DP_BATCH, _dataset, _load, fresh_accelerator
+    from shardadopt.testing import full
 
     shardadopt.enable()
     params, strided = [], []
@@ -83,7 +84,7 @@ def fused_and_loop_step(path: str, sizes: dict) -> dict:
             for batch in loader:
                 accelerator.backward(model(input_ids=batch, labels=batch).loss)
                 optimizer.step()
-            params.append({n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()})
+            params.append({n: full(p).detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()})
     finally:
         shardadopt.disable()
     fused, loop = params
