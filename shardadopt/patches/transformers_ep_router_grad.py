@@ -59,6 +59,17 @@ def _post_forward_module() -> str:
 POST_FORWARD_MODULE = _post_forward_module()
 
 
+def _expert_parallel_module() -> tuple[str, ...]:
+    """5.22+ define the EP router layer in ``transformers/distributed/expert_parallel.py``, which imports
+    ``tensor_parallel`` first: 5.22 re-exports ``EpRouterParallel`` from there lazily, so the probe must wait until
+    ``expert_parallel`` has finished importing (half-initialised, it has no router class yet)."""
+    spec = importlib.util.find_spec("transformers")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if any(os.path.exists(os.path.join(root, "distributed", "expert_parallel.py")) for root in roots):
+        return ("transformers.distributed.expert_parallel",)
+    return ()
+
+
 class _ProbeMesh:
     """Rank 0 of a 2-rank EP mesh, enough for the router hook's forward (which communicates nothing)."""
 
@@ -190,4 +201,5 @@ PATCH_POST_FORWARD = Patch(
     wrappers={Target(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward"):
               _transform_output_post_forward},
     probe=probe_post_forward,
+    probe_modules=_expert_parallel_module(),
 )
