@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from shardadopt import checkpoint
-from shardadopt.patches.accelerate_checkpoint import PATCH_ID as ACCELERATE_ID
-from shardadopt.patches.trainer_checkpoint import PATCH_ID as TRAINER_ID
+from shardadopt.patches.accelerate_sharded_checkpoint import PATCH_ID as ACCELERATE_ID
+from shardadopt.patches.trainer_sharded_checkpoint import PATCH_ID as TRAINER_ID
 from shardadopt.selftest import checkpoint as scenario
 from shardadopt.testing import RankError, RankPool, RankTimeout
 

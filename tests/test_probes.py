@@ -156,7 +156,7 @@ def test_trainer_checkpoint_probe_refuses_an_optimizer_save_it_does_not_know(mon
 
 
 def test_tp_grad_accumulation_probe_refuses_an_installer_that_reduces_nothing(monkeypatch):
-    from shardadopt.patches import transformers_tp_grad_accumulation as patch
+    from shardadopt.patches import transformers_tp_replicated_grad_accumulation as patch
 
     style = getattr(importlib.import_module(patch.MODULE), "ReplicatedWithGradAllReduce")
     monkeypatch.setattr(style, patch.METHOD, lambda self, module, mesh, **kwargs: module)

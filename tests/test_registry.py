@@ -320,3 +320,20 @@ def test_readme_lists_every_patch():
     readme = (REPO / "README.md").read_text()
     missing = [p.id for p in shardadopt._registry().patches() if f"`{p.id}`" not in readme]
     assert not missing, f"README.md's 'What it fixes' table lacks {missing}"
+
+
+def test_patch_modules_are_named_after_their_ids():
+    """One patch per module under shardadopt/patches/, the module named after the id ('-' -> '_')."""
+    import pkgutil
+
+    import shardadopt.patches as package
+
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        own = [v for v in vars(module).values() if isinstance(v, Patch)]
+        assert [name for name, v in vars(module).items() if isinstance(v, Patch)] == ["PATCH"], (
+            f"{info.name} must define exactly one Patch, named PATCH")
+        assert own[0].id.replace("-", "_") == info.name, f"{own[0].id} lives in {info.name}.py"
+        found[own[0].id] = own[0]
+    assert {p.id: p for p in shardadopt._registry().patches()} == found

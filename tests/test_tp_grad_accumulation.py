@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import shardadopt
-from shardadopt.patches.transformers_tp_grad_accumulation import ID, MODULE
+from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID, MODULE
 from shardadopt.registry import APPLIED, NOT_NEEDED
 
 DIFF = Path(__file__).resolve().parents[1] / "patches" / f"{ID}.diff"
@@ -210,7 +210,7 @@ class _FixedStyle:
 
 
 def test_probe_not_needed_on_fixed_upstream(monkeypatch):
-    from shardadopt.patches import transformers_tp_grad_accumulation as patch
+    from shardadopt.patches import transformers_tp_replicated_grad_accumulation as patch
 
     assert patch.probe().needed
     monkeypatch.setattr(importlib.import_module(MODULE), "ReplicatedWithGradAllReduce", _FixedStyle)
@@ -267,7 +267,7 @@ def diff_applied_style():
 
 
 def test_probe_not_needed_with_the_upstream_diff(monkeypatch):
-    from shardadopt.patches import transformers_tp_grad_accumulation as patch
+    from shardadopt.patches import transformers_tp_replicated_grad_accumulation as patch
 
     fixed = diff_applied_style()
     if fixed is None:

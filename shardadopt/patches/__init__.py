@@ -1,30 +1,32 @@
 """The patches, one module each: a thin adapter from an upstream call into shardadopt's core.
 
-Each module defines ``PATCH`` (a ``shardadopt.registry.Patch``) and must not import transformers, accelerate or
+Each module is named after its patch id (``-`` -> ``_``), defines ``PATCH`` (a ``shardadopt.registry.Patch``) and must not import transformers, accelerate or
 optuna at module level: the registry applies it when those are imported.
 """
 
 from __future__ import annotations
 
-from shardadopt.patches import (accelerate_adopt, accelerate_checkpoint, accelerate_cpu_parallelism, trainer_adopt,
-                                trainer_checkpoint, trainer_hpo_optuna, transformers_ep_expert_grad_scale,
-                                transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_fsdp_tp_refused,
+from shardadopt.patches import (accelerate_adopt_sharded_model, accelerate_cpu_parallelism_config,
+                                accelerate_sharded_checkpoint, trainer_adopt_sharded_model, trainer_hpo_optuna,
+                                trainer_sharded_checkpoint, transformers_ep_expert_grad_scale,
+                                transformers_ep_grouped_mm_sentinel, transformers_ep_router_grad,
+                                transformers_ep_router_grad_post_forward, transformers_fsdp_tp_refused,
                                 transformers_reuse_device_mesh, transformers_sharding_sizes,
-                                transformers_tp_grad_accumulation)
+                                transformers_tp_replicated_grad_accumulation)
 from shardadopt.registry import Patch
 
 ALL_PATCHES: list[Patch] = [
     transformers_sharding_sizes.PATCH,
-    transformers_ep_grouped_mm.PATCH,
+    transformers_ep_grouped_mm_sentinel.PATCH,
     transformers_ep_router_grad.PATCH,
-    accelerate_cpu_parallelism.PATCH,
-    accelerate_adopt.PATCH,
-    accelerate_checkpoint.PATCH,
-    trainer_adopt.PATCH,
-    trainer_checkpoint.PATCH,
+    accelerate_cpu_parallelism_config.PATCH,
+    accelerate_adopt_sharded_model.PATCH,
+    accelerate_sharded_checkpoint.PATCH,
+    trainer_adopt_sharded_model.PATCH,
+    trainer_sharded_checkpoint.PATCH,
     trainer_hpo_optuna.PATCH,
-    transformers_tp_grad_accumulation.PATCH,
-    transformers_ep_router_grad.PATCH_POST_FORWARD,
+    transformers_tp_replicated_grad_accumulation.PATCH,
+    transformers_ep_router_grad_post_forward.PATCH,
     transformers_ep_expert_grad_scale.PATCH,
     transformers_fsdp_tp_refused.PATCH,
     transformers_reuse_device_mesh.PATCH,

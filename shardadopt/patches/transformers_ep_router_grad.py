@@ -18,16 +18,8 @@ records::
 The wrapper applies :func:`shardadopt.moe.sum_router_score_grad` to the scores before upstream's hook masks them.
 Routers are hooked when the model is loaded, so enable shardadopt before ``from_pretrained``.
 
-transformers 5.16 moved the hook into ``transformers/distributed/tensor_parallel.py``: ``RouterParallel`` became an
-alias of ``EpRouterParallel``, whose ``transform_output_post_forward`` (called through ``self`` from the module's
-installed forward) masks the same way, still without the sum::
-
-    router_logits, router_scores, router_indices, *extra_outputs = output
-    non_local_mask = (router_indices // num_local_experts) != ep_rank
-    router_scores = router_scores.masked_fill(non_local_mask, 0.0)
-
-That layout is a second patch, ``transformers-ep-router-grad-post-forward`` (``PATCH_POST_FORWARD``), with its own
-upstream diff; each probe says ``not-needed`` on the layout it does not target.
+transformers 5.16 moved the hook (``transformers-ep-router-grad-post-forward``); each probe says ``not-needed`` on the
+layout it does not target.
 """
 
 from __future__ import annotations
@@ -35,7 +27,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import warnings
 from types import SimpleNamespace
 
 from shardadopt.probing import undecided
@@ -43,20 +34,6 @@ from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
 MODULE = "transformers.integrations.tensor_parallel"
-
-
-def _post_forward_module() -> str:
-    """Where EpRouterParallel lives, found without importing transformers: 5.16+ define it in
-    ``transformers/distributed/tensor_parallel.py``, and loading a model imports only that module (never the
-    ``integrations.tensor_parallel`` shim), so the patch must wait for it there. 5.15 has no such file."""
-    spec = importlib.util.find_spec("transformers")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if any(os.path.exists(os.path.join(root, "distributed", "tensor_parallel.py")) for root in roots):
-        return "transformers.distributed.tensor_parallel"
-    return MODULE
-
-
-POST_FORWARD_MODULE = _post_forward_module()
 
 
 class _ProbeMesh:
@@ -88,24 +65,6 @@ def probe() -> Probe:
         return Probe(False, _NO_ROUTER)
     raise undecided("transformers.integrations.tensor_parallel", "RouterParallel._prepare_output_fn, "
                     "EpRouterParallel.transform_output_post_forward nor the token-dispatch EPImplementation")
-
-
-def probe_post_forward() -> Probe:
-    """The 5.16 .. 5.22 layout: run ``EpRouterParallel.transform_output_post_forward`` and read its autograd graph."""
-    tensor_parallel = importlib.import_module(POST_FORWARD_MODULE)
-
-    with warnings.catch_warnings():  # 5.22 re-exports it from expert_parallel with a FutureWarning
-        warnings.simplefilter("ignore", FutureWarning)
-        router = getattr(tensor_parallel, "EpRouterParallel", None)
-    if router is not None and hasattr(router, "transform_output_post_forward"):
-        return _probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
-    if router is None and hasattr(getattr(tensor_parallel, "RouterParallel", None), "_prepare_output_fn"):
-        return Probe(False, "transformers < 5.16 masks in RouterParallel._prepare_output_fn: see "
-                            "transformers-ep-router-grad")
-    if router is None and _dispatches_tokens():
-        return Probe(False, _NO_ROUTER)
-    raise undecided(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward, "
-                    "RouterParallel._prepare_output_fn nor the token-dispatch EPImplementation")
 
 
 _NO_ROUTER = ("upstream no longer masks router scores per rank: expert parallelism dispatches tokens "
@@ -170,24 +129,4 @@ PATCH = Patch(
     requires=supported("transformers"),
     wrappers={Target(MODULE, "RouterParallel._prepare_output_fn"): _prepare_output_fn},
     probe=probe,
-)
-
-
-def _transform_output_post_forward(wrapped, instance, args, kwargs):
-    from shardadopt.moe import sum_router_score_grad
-
-    module, output, mesh = args
-    router_logits, router_scores, *rest = output
-    return wrapped(module, (router_logits, sum_router_score_grad(router_scores, mesh), *rest), mesh, **kwargs)
-
-
-PATCH_POST_FORWARD = Patch(
-    id="transformers-ep-router-grad-post-forward",
-    summary="expert-parallel router (transformers 5.16 layout): sum the routing-score gradient over the EP group "
-            "before the non-local mask",
-    upstream="huggingface/transformers#48205",
-    requires=supported("transformers"),
-    wrappers={Target(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward"):
-              _transform_output_post_forward},
-    probe=probe_post_forward,
 )

@@ -1,0 +1,90 @@
+"""F3 in the transformers 5.16 layout: the expert-parallel router sums its score gradient before the non-local mask.
+
+transformers 5.16 moved the hook into ``transformers/distributed/tensor_parallel.py``: ``RouterParallel`` became an
+alias of ``EpRouterParallel``, whose ``transform_output_post_forward`` (called through ``self`` from the module's
+installed forward) masks the same way, still without the sum::
+
+    router_logits, router_scores, router_indices, *extra_outputs = output
+    non_local_mask = (router_indices // num_local_experts) != ep_rank
+    router_scores = router_scores.masked_fill(non_local_mask, 0.0)
+
+The fix is the same (:func:`shardadopt.moe.sum_router_score_grad` before upstream's mask), with its own upstream diff;
+the 5.15 layout is ``transformers-ep-router-grad``, and each probe says ``not-needed`` on the layout it does not
+target. Upstream: transformers#48205 (released in 5.17).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import warnings
+
+from shardadopt.patches.transformers_ep_router_grad import MODULE, _dispatches_tokens, _NO_ROUTER, _probe_hook
+from shardadopt.probing import undecided
+from shardadopt.registry import Patch, Probe, Target
+from shardadopt.versions import supported
+
+
+def _post_forward_module() -> str:
+    """Where EpRouterParallel lives, found without importing transformers: 5.16+ define it in
+    ``transformers/distributed/tensor_parallel.py``, and loading a model imports only that module (never the
+    ``integrations.tensor_parallel`` shim), so the patch must wait for it there. 5.15 has no such file."""
+    spec = importlib.util.find_spec("transformers")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if any(os.path.exists(os.path.join(root, "distributed", "tensor_parallel.py")) for root in roots):
+        return "transformers.distributed.tensor_parallel"
+    return MODULE
+
+
+POST_FORWARD_MODULE = _post_forward_module()
+
+
+def _expert_parallel_module() -> tuple[str, ...]:
+    """5.22+ define the EP router layer in ``transformers/distributed/expert_parallel.py``, which imports
+    ``tensor_parallel`` first: 5.22 re-exports ``EpRouterParallel`` from there lazily, so the probe must wait until
+    ``expert_parallel`` has finished importing (half-initialised, it has no router class yet)."""
+    spec = importlib.util.find_spec("transformers")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if any(os.path.exists(os.path.join(root, "distributed", "expert_parallel.py")) for root in roots):
+        return ("transformers.distributed.expert_parallel",)
+    return ()
+
+
+def probe() -> Probe:
+    """The 5.16 .. 5.22 layout: run ``EpRouterParallel.transform_output_post_forward`` and read its autograd graph."""
+    tensor_parallel = importlib.import_module(POST_FORWARD_MODULE)
+
+    with warnings.catch_warnings():  # 5.22 re-exports it from expert_parallel with a FutureWarning
+        warnings.simplefilter("ignore", FutureWarning)
+        router = getattr(tensor_parallel, "EpRouterParallel", None)
+    if router is not None and hasattr(router, "transform_output_post_forward"):
+        return _probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
+    if router is None and hasattr(getattr(tensor_parallel, "RouterParallel", None), "_prepare_output_fn"):
+        return Probe(False, "transformers < 5.16 masks in RouterParallel._prepare_output_fn: see "
+                            "transformers-ep-router-grad")
+    if router is None and _dispatches_tokens():
+        return Probe(False, _NO_ROUTER)
+    raise undecided(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward, "
+                    "RouterParallel._prepare_output_fn nor the token-dispatch EPImplementation")
+
+
+def _transform_output_post_forward(wrapped, instance, args, kwargs):
+    from shardadopt.moe import sum_router_score_grad
+
+    module, output, mesh = args
+    router_logits, router_scores, *rest = output
+    return wrapped(module, (router_logits, sum_router_score_grad(router_scores, mesh), *rest), mesh, **kwargs)
+
+
+PATCH = Patch(
+    id="transformers-ep-router-grad-post-forward",
+    summary="expert-parallel router (transformers 5.16 layout): sum the routing-score gradient over the EP group "
+            "before the non-local mask",
+    upstream="huggingface/transformers#48205",
+    requires=supported("transformers"),
+    wrappers={Target(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward"):
+              _transform_output_post_forward},
+    probe=probe,
+    probe_modules=_expert_parallel_module(),
+)
