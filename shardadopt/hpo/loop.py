@@ -180,8 +180,8 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
                     if channel.world > 1:
                         channel.broadcast_object(0, (_START, info), OP_COMMAND)
                     outcome = _run_objective(DistributedTrial._started(channel, trial, info), objective)
-            except PeerLostError as exc:
-                outcome = Outcome(FAIL, exc, 0, errors.summary(exc))
+            except PeerLostError as exc:  # recorded against the rank that was lost
+                outcome = Outcome(FAIL, exc, exc.ranks[0] if exc.ranks else 0, errors.summary(exc))
         if trial.params:
             with contextlib.suppress(Exception):
                 trial.set_user_attr(ATTR_PARAMS_HASH, params_hash(trial.params))
