@@ -274,7 +274,7 @@ class DistributedTrial(optuna.trial.BaseTrial):
                 # Raised here, possibly while peers wait in a training collective: break them out. When another
                 # rank failed first, this error is a consequence (a broken collective): mark it as that rank's copy.
                 origin = self._fence.trip(error)
-                if origin != self._channel.rank and errors.origin_rank(error, origin) == self._channel.rank:
+                if origin != self._channel.rank and not hasattr(error, errors.RANK_ATTRIBUTE):
                     with contextlib.suppress(Exception):
                         setattr(error, errors.RANK_ATTRIBUTE, origin)
             packed = errors.pack(error, self._channel.rank)
