@@ -36,8 +36,8 @@ QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 # -- launcher: torchrun's environment, one process per rank ------------------------------------------------------------
 
 
-def spawn(entry: str, nproc: int, workdir: Path, **kwargs) -> list[subprocess.Popen]:
-    """Start ``entry(**kwargs)`` on ``nproc`` ranks with torchrun's environment (results land in ``workdir``)."""
+def spawn(entry: str, nproc: int, workdir: Path, module: str = "test_hpo_trainer", **kwargs) -> list[subprocess.Popen]:
+    """Start ``module.entry(**kwargs)`` on ``nproc`` ranks with torchrun's environment (results land in ``workdir``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs = []
@@ -45,15 +45,16 @@ def spawn(entry: str, nproc: int, workdir: Path, **kwargs) -> list[subprocess.Po
         env = dict(os.environ, **QUIET, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    HPO_TEST_CALL=json.dumps({"entry": entry, "workdir": str(workdir), "kwargs": kwargs}))
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_hpo_trainer as m; m._child()"
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import {module} as m; m._child()"
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                                       stderr=open(workdir / f"rank{rank}.log", "w")))
     return procs
 
 
-def launch(entry: str, nproc: int, workdir: Path, timeout: float, **kwargs) -> list[dict]:
-    """Run ``entry(**kwargs)`` on ``nproc`` ranks; per rank: returncode, result (pickled) or error text."""
-    procs = spawn(entry, nproc, workdir, **kwargs)
+def launch(entry: str, nproc: int, workdir: Path, timeout: float, module: str = "test_hpo_trainer",
+           **kwargs) -> list[dict]:
+    """Run ``module.entry(**kwargs)`` on ``nproc`` ranks; per rank: returncode, result (pickled) or error text."""
+    procs = spawn(entry, nproc, workdir, module, **kwargs)
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
@@ -73,7 +74,8 @@ def launch(entry: str, nproc: int, workdir: Path, timeout: float, **kwargs) -> l
     return results
 
 
-def _child() -> None:
+def _child(namespace=None) -> None:
+    """A rank's main: ``entry`` looked up in ``namespace`` (default: this module)."""
     import torch
     import torch.distributed as dist
 
@@ -82,7 +84,7 @@ def _child() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        result = globals()[call["entry"]](**call["kwargs"])
+        result = getattr(namespace or sys.modules[__name__], call["entry"])(**call["kwargs"])
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
         sys.exit(1)
