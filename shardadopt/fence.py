@@ -35,7 +35,10 @@ Bound: a rank blocked in a collective leaves within ``POLL_INTERVAL`` plus the t
 failing rank tripped (well under a second on CPU/gloo, measured by ``benchmarks/hpo_recovery.py``); a rank that
 is computing leaves at its next collective. Not covered: a rank blocked in the *rendezvous* of a new process
 group (the store wait of ``new_group``, e.g. the first trial's device mesh while a peer failed before it) waits
-for the process group timeout; a rank that hangs without raising is left to the collective timeouts.
+for the process group timeout; a rank that hangs without raising is left to the collective timeouts; a rank
+*killed* (SIGKILL, OOM killer) cannot trip the fence: gloo peers fail at once on the closed connections and trip
+it themselves, NCCL peers wait for NCCL's own timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). NCCL aborting is
+written to torch's documented ``abort()`` contract but was not run here (one GPU); the gloo path is tested.
 """
 
 from __future__ import annotations
@@ -145,10 +148,15 @@ def protect_group(group: Any) -> None:
 
 
 def _training_groups() -> list[Any]:
-    try:
-        groups = list(dist.distributed_c10d._world.pg_map)
-    except AttributeError:
-        groups = [dist.group.WORLD]
+    groups: list[Any] = [dist.group.WORLD]
+    for _ in range(10):  # the main thread may be creating a group while the watchdog reads the registry
+        try:
+            groups = list(dist.distributed_c10d._world.pg_map)
+            break
+        except RuntimeError:
+            continue
+        except AttributeError:  # private registry renamed: the default group at least
+            break
     return [g for g in groups if g is not None and not any(g is p for p in _PROTECTED_GROUPS)]
 
 

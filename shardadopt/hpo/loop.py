@@ -13,7 +13,10 @@ ends, for whatever reason, it sends STOP, carrying the error when it ended with 
 - ``timeout``, ``n_trials``, ``study.stop()`` and KeyboardInterrupt on rank 0 end the loop on every rank after
   the current trial;
 - a dead or stuck peer raises ``PeerLostError`` naming it on the survivors, within the control timeout, and stops
-  the study (the process group cannot be trusted any more).
+  the study (the process group cannot be trusted any more);
+- an exception anywhere in the objective, even while the other ranks wait in a training collective, ends the
+  trial on every rank within a fraction of a second (the trial's fault fence, see ``shardadopt.hpo.trial``) and
+  the process groups are rebuilt, so with ``catch`` the next trial trains on working groups.
 
 Durable, multi-job studies: pass ``storage=`` (a URL or an Optuna storage) and ``study_name=`` instead of a study,
 and any number of torchrun jobs attach to the same study as workers (rank 0 of each job alone talks to storage;

@@ -17,6 +17,13 @@ Ending a trial: when the objective raises on any rank, that rank ends its trial 
 by ``shardadopt.hpo.optimize`` or by leaving a ``with DistributedTrial(...)`` block). The other ranks' next
 control call then raises that same error instead of waiting, so every rank leaves the trial together. After that
 the trial is closed and every further call raises the error again without communicating.
+
+Faults away from a control call: the rank that raised may leave peers blocked in a *training* collective, which
+no control round can reach. So each trial runs under a fault fence (``shardadopt.fence``): the failing rank trips
+it before its end-of-objective round (store flag, its training groups broken), every other rank's watchdog breaks
+its own, their blocked collectives raise, and their errors count as copies of the first rank's (``aux`` 1), so the
+trial records that rank's error. After the end round every rank reads the same flag and, when it was tripped,
+rebuilds the process groups (``Channel.rebuild``) before the next trial.
 """
 
 from __future__ import annotations
