@@ -603,10 +603,11 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True) -> dict[
     :func:`save_full`), so no other rank allocates anything and only rank 0 ever holds the whole model.
     """
     out = {}
-    for name, tensor in model.state_dict().items():
-        value = _gather_to_root(tensor) if rank0_only else _full_value(tensor)
-        if value is not None:
-            out[name] = value
+    with fenced("a full_state_dict gather"):  # rank 0 failing to allocate must not leave the senders waiting
+        for name, tensor in model.state_dict().items():
+            value = _gather_to_root(tensor) if rank0_only else _full_value(tensor)
+            if value is not None:
+                out[name] = value
     return out
 
 

@@ -2,7 +2,9 @@
 
 One launch of 2 gloo ranks (torchrun's environment) runs several searches on the tiny qwen3 checkpoint, each with
 a fault on one rank in user shape: a callback raising in ``on_step_end`` / ``on_step_begin``, a forward hook
-registered by ``model_init``, ``model_init`` itself, the train dataset's ``__getitem__``; with a plain model (DDP
+registered by ``model_init``, ``model_init`` itself, the train dataset's ``__getitem__``, a stateful callback
+exported while Trainer writes a sharded checkpoint (rank 0, while rank 1 waits at the publication barrier); with a
+plain model (DDP
 on the default group) and with FSDP- and TP-sharded ``model_init``. The control timeout is 600 s; before the fix
 the peer of the failing rank sat in a training all-reduce for all of it. Each search asserts: every rank out of
 the failed trial within ``BOUND`` seconds of the fault, the trial states and failure attributes, and the next
@@ -83,7 +85,7 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
     import optuna
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     from shardadopt.selftest.trainer import _fresh_accelerate_state, distributed_sizes
     from shardadopt.testing.models import token_dataset
@@ -121,6 +123,20 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
     callbacks = [_losses()]
     if kind in ("on_step_end", "on_step_begin"):
         callbacks.append(_fault_callback(fault["rank"], kind, fault["step"], marks))
+    saves = layout is not None and name.startswith(f"{layout}_save")  # the sharded checkpoint path, fresh run too
+    if saves:
+        from transformers.trainer_callback import ExportableState
+
+        class Stateful(TrainerCallback, ExportableState):
+            """A callback whose exported state Trainer writes into every checkpoint (on rank 0)."""
+
+            def state(self):
+                if kind == "save" and calls["trial"] == 0 and rank == fault["rank"]:
+                    marks["fault_at"] = time.time()
+                    raise InjectedFault(f"injected on rank {rank} in a stateful callback's state()")
+                return {"args": {}, "attributes": {}}
+
+        callbacks.append(Stateful())
     dataset = token_dataset(32)
     at = fault["step"] * base.PER_DEVICE_BATCH if kind == "dataset" else -1
 
@@ -136,8 +152,9 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
             return dataset[i]
 
     args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=base.PER_DEVICE_BATCH,
-                             max_steps=MAX_STEPS, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                             disable_tqdm=True, seed=0)
+                             max_steps=MAX_STEPS, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
+                             seed=0, **({"save_strategy": "steps", "save_steps": 2} if saves else
+                                        {"save_strategy": "no"}))
     trainer = Trainer(model_init=model_init, args=args, train_dataset=Faulty() if kind == "dataset" else dataset,
                       eval_dataset=token_dataset(8, 1000), callbacks=callbacks)
     storage = f"sqlite:///{out}/{name}.db"
@@ -162,11 +179,21 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
             "exception": marks.get("exception")}
 
 
+def _checkpoints(root: str) -> list:
+    """Every published ``checkpoint-N`` folder under ``root`` (any trial's run directory) and whether it is
+    complete; staging folders are hidden (``.checkpoint-N.partial``) and not listed."""
+    from shardadopt import checkpoint
+
+    return sorted((path.name, checkpoint.is_complete(path)) for path in Path(root).rglob("checkpoint-*")
+                  if path.is_dir() and not any(part.startswith(".") for part in path.relative_to(root).parts))
+
+
 CAUGHT = [  # (name, layout, fault)
     ("plain_step_end", None, {"kind": "on_step_end", "rank": 1, "step": 3}),
     ("plain_model_init", None, {"kind": "model_init", "rank": 1}),
     ("fsdp_forward_hook", "fsdp", {"kind": "forward_hook", "rank": 0, "step": 2}),
     ("tp_dataset", "tp", {"kind": "dataset", "rank": 1, "step": 1}),
+    ("fsdp_save", "fsdp", {"kind": "save", "rank": 0}),  # the sharded checkpoint at step 2 (rank 0 exports state)
 ]
 
 
@@ -185,6 +212,8 @@ def faults(model_path: str, out: str) -> dict:
             raise AssertionError(f"{name}: the search raised {got['error']}")
         fresh = _search(model_path, out, f"{name}_fresh", None, (), 1, layout, enqueue=got["trials"][-1]["params"])
         result[name] = {"got": got, "fresh": fresh["trials"]}
+        if name == "fsdp_save":  # no partial checkpoint of the failed trial; the next trial's are complete
+            result[name]["checkpoints"] = _checkpoints(f"{out}/{name}")
     Path(out, f"partial{rank}.pkl").write_bytes(pickle.dumps(result))
     uncaught = _search(model_path, out, "uncaught", {"kind": "on_step_begin", "rank": 0, "step": 2}, (), 2, None)
     exception = uncaught.pop("exception")
@@ -219,6 +248,8 @@ def test_fault_mid_training_fails_the_trial_and_every_rank_recovers(tiny_models,
             assert len(next_trial["losses"]) == MAX_STEPS
             assert next_trial["losses"] == pytest.approx(fresh["losses"], rel=1e-5), \
                 f"{name}: the trial after the fault trains as a fresh search does"
+    # the failed trial published nothing; the next trial's two checkpoints are complete
+    assert results[0]["fsdp_save"]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-4", True)]
     uncaught = [pickle.loads((tmp_path / f"uncaught{r}.pkl").read_bytes()) for r in range(2)]
     fault_at = uncaught[0]["fault_at"]
     for rank, seen in enumerate(uncaught):
