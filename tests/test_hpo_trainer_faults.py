@@ -123,7 +123,9 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
     callbacks = [_losses()]
     if kind in ("on_step_end", "on_step_begin"):
         callbacks.append(_fault_callback(fault["rank"], kind, fault["step"], marks))
-    saves = layout is not None and name.startswith(f"{layout}_save")  # the sharded checkpoint path, fresh run too
+    # The sharded checkpoint path, in the fresh run too (model weights only: transformers 5.24's Trainer refuses
+    # optimizer checkpoints for a model_init that shards while loading)
+    saves = layout is not None and name.startswith(f"{layout}_save")
     if saves:
         from transformers.trainer_callback import ExportableState
 
@@ -153,8 +155,8 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
 
     args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=base.PER_DEVICE_BATCH,
                              max_steps=MAX_STEPS, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             seed=0, **({"save_strategy": "steps", "save_steps": 2} if saves else
-                                        {"save_strategy": "no"}))
+                             seed=0, **({"save_strategy": "steps", "save_steps": 2, "save_only_model": True} if saves
+                                        else {"save_strategy": "no"}))
     trainer = Trainer(model_init=model_init, args=args, train_dataset=Faulty() if kind == "dataset" else dataset,
                       eval_dataset=token_dataset(8, 1000), callbacks=callbacks)
     storage = f"sqlite:///{out}/{name}.db"
