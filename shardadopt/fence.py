@@ -219,11 +219,10 @@ class Fence:
         self._store = None if self.local else _store()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.broke_by_watchdog = False
 
     def start(self) -> Fence:
         if not self.local:
-            self._thread = threading.Thread(target=self._watch, name=f"shardadopt-fence-{self._key}", daemon=True)
+            self._thread = threading.Thread(target=self._watch, name=f"shardadopt-fence: {self.what}", daemon=True)
             self._thread.start()
         return self
 
@@ -235,7 +234,6 @@ class Fence:
             except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
                 return
             if tripped and not self._stop.is_set():
-                self.broke_by_watchdog = True
                 break_training_groups()
                 return
 
@@ -329,5 +327,6 @@ def _cpu() -> Any:
 
 
 def generation() -> int:
-    """How many times ``rebuild_world`` re-initialised the process groups in this process."""
+    """How many times ``rebuild_world`` re-initialised the process groups in this process: a custom loop that
+    keeps process groups of its own across HPO trials creates them again when this changes."""
     return _STATE["generation"]

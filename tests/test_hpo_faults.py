@@ -194,3 +194,57 @@ def test_uncaught_fault_raises_on_every_rank_promptly(pool2, rank):
 def test_fault_points_and_steps_drawn_by_hypothesis(pool2, point, rank, step):
     fault = {"rank": rank, "trial": 0, "point": point, "step": step}
     _check_caught(pool2.run(_search, fault, (_Fault,), timeout=240), fault)
+
+
+def _sharded_search(path: str, fault: dict | None, layout: str) -> dict:
+    """``model_init`` shards while loading (transformers ``DistributedConfig``): a fault on one rank in a forward
+    hook of trial 0; what each trial trained. The next trial's model builds its device mesh on rebuilt groups."""
+    import optuna
+    import torch
+    import torch.distributed as dist
+
+    import shardadopt
+    from shardadopt.hpo import optimize
+    from shardadopt.selftest import checkpoint as scenario
+    from shardadopt.selftest.trainer import distributed_sizes
+
+    shardadopt.enable()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    sizes = distributed_sizes(layout, dist.get_world_size())[0]
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
+    marks: dict = {"trials": [], "started": []}
+
+    def objective(trial):
+        marks["started"].append((trial.number, time.time()))
+        trial.suggest_float("lr", 0.01, 0.2)  # recorded; the model's optimizer has its own
+        torch.manual_seed(0)
+        model, optimizer, scheduler = scenario.build(path, sizes)
+        if fault is not None and trial.number == 0 and rank == fault["rank"]:
+            def hook(*args):
+                marks["fault_at"] = time.time()
+                raise _Fault(f"injected on rank {rank} in a forward hook")
+
+            model.get_input_embeddings().register_forward_hook(hook)
+        losses = scenario.train_steps(model, optimizer, scheduler, sizes, 2)
+        marks["trials"].append((trial.number, losses))
+        return losses[-1]
+
+    optimize(study, objective, n_trials=2 if fault else 1, catch=(_Fault,), control_timeout=CONTROL_TIMEOUT)
+    table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study else None
+    return {"table": table, **marks}
+
+
+@pytest.mark.parametrize("layout,rank", [("fsdp", 1), ("tp", 0)])
+def test_fault_with_a_sharding_model_init(pool2, tiny_models, layout, rank):
+    model = "qwen3" if layout == "fsdp" else "llama"
+    results = pool2.run(_sharded_search, tiny_models[model], {"rank": rank}, layout, timeout=300)
+    fresh = pool2.run(_sharded_search, tiny_models[model], None, layout, timeout=300)
+    table = results[0]["table"]
+    assert [state for _, state, _ in table] == ["FAIL", "COMPLETE"], table
+    assert table[0][2]["failure_rank"] == rank and "injected on rank" in table[0][2]["failure_message"]
+    fault_at = results[rank]["fault_at"]
+    for r, result in enumerate(results):
+        assert 0 <= dict(result["started"])[1] - fault_at < BOUND
+        ((number, losses),) = result["trials"]
+        assert number == 1 and losses == fresh[r]["trials"][0][1], "the next trial trains as a fresh run does"
