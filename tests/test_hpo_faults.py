@@ -7,7 +7,9 @@ inside backward), an optimizer step pre-hook, or user code after the step. Its p
 training collective; the fence breaks them out (``shardadopt.fence``). With a 600 s control timeout each test
 asserts that every rank left the failed trial within ``BOUND`` seconds of the fault, the trial states and failure
 attributes in storage, and that the next trial's losses equal a single-process run on the same global batch,
-computed here (so the rebuilt process groups train correctly).
+computed here (so the rebuilt process groups train correctly). The last test shards the model while loading
+(transformers ``DistributedConfig``, FSDP and TP) in the objective: the next trial's mesh is built on the rebuilt
+groups and trains as a fresh run.
 """
 
 from __future__ import annotations
