@@ -12,7 +12,14 @@ and a completion marker ``shardadopt_checkpoint.json`` (world size, each model's
 Atomic: everything is written into a hidden staging directory next to the target; only after every rank has
 finished (a barrier) does rank 0 write the marker and rename the staging directory into place. A crash mid-save
 leaves a staging directory, never a directory that loads as complete: ``load`` refuses a directory without the
-marker, and ``latest`` skips it.
+marker, and ``latest`` skips it. ``save_full`` stages its files the same way and moves them into place only after
+every rank took part in every gather.
+
+One rank raising inside a save (a ``state_dict`` that raises, a full disk, a path in the way): the save runs under
+a fault fence (``shardadopt.fence``), so the other ranks, blocked in DCP's collectives, a gather or a barrier, are
+broken out at once and raise ``PeerFailedError`` naming that rank, instead of waiting out the process group
+timeout. Nothing is published and the previous complete checkpoint still loads (in a new job, or after
+``shardadopt.fence.rebuild_world()``: the fence leaves the process groups unusable).
 
 Resharding: DCP stores every DTensor as pieces of its global tensor, so a checkpoint loads into any layout whose
 global shapes match (fsdp 2 -> tp 2, fsdp 2 -> one process, ...). ``load`` compares the saved world size and
@@ -38,10 +45,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardadopt.fence import PeerFailedError, fenced
+
 __all__ = ["save", "load", "latest", "read_info", "is_complete", "is_sharded", "rank_local", "layout", "save_full",
            "full_state_dict", "staged", "save_sharded_state", "load_sharded_state",
            "save_rng_state", "load_rng_state", "check_compatible", "CheckpointInfo", "CheckpointError",
-           "IncompleteCheckpointError", "CheckpointMismatchError", "MARKER", "FORMAT"]
+           "IncompleteCheckpointError", "CheckpointMismatchError", "PeerFailedError", "MARKER", "FORMAT"]
 
 MARKER = "shardadopt_checkpoint.json"
 FORMAT = 1
@@ -170,34 +179,41 @@ def staged(directory: str | os.PathLike, *, step: int | None = None, models: Seq
     same name), then a barrier so no rank reads before publication. If the block raises, nothing is published.
     """
     directory = os.path.abspath(os.fspath(directory))
-    staging = _staging_path(directory)
-    world_size, rank = _world()
-    if rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
-        os.makedirs(staging)
-    _barrier()
-    yield staging
-    _barrier()
-    if rank == 0:
-        marker = {"format": FORMAT, "complete": True, "step": step, "world_size": world_size,
-                  "layouts": [layout(m) for m in models], "versions": _versions(), "time": time.time(),
-                  "metadata": metadata or {}}
-        path = os.path.join(staging, MARKER)
-        with open(path, "w") as f:
-            json.dump(marker, f, indent=2, sort_keys=True, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(staging)
-        old = None
-        if os.path.exists(directory):  # re-saving the same name: move the old one aside, then drop it
-            old = f"{staging}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(directory, old)
-        os.rename(staging, directory)
-        _fsync_dir(os.path.dirname(directory))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    with fenced(f"the checkpoint save into {directory}"):  # a rank raising anywhere in here: every rank raises
+        staging = _staging_path(directory)
+        world_size, rank = _world()
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
+            os.makedirs(staging)
+        _barrier()
+        yield staging
+        _barrier()
+        if rank == 0:
+            _publish(staging, directory, step, world_size, models, metadata)
+        _barrier()
+
+
+def _publish(staging: str, directory: str, step: int | None, world_size: int, models: Sequence[torch.nn.Module],
+             metadata: dict[str, Any] | None) -> None:
+    """Rank 0, once every rank wrote its part: the completion marker, then one rename into place."""
+    marker = {"format": FORMAT, "complete": True, "step": step, "world_size": world_size,
+              "layouts": [layout(m) for m in models], "versions": _versions(), "time": time.time(),
+              "metadata": metadata or {}}
+    path = os.path.join(staging, MARKER)
+    with open(path, "w") as f:
+        json.dump(marker, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(staging)
+    old = None
+    if os.path.exists(directory):  # re-saving the same name: move the old one aside, then drop it
+        old = f"{staging}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(directory, old)
+    os.rename(staging, directory)
+    _fsync_dir(os.path.dirname(directory))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
@@ -615,10 +631,11 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True) -> dict[
     :func:`save_full`), so no other rank allocates anything and only rank 0 ever holds the whole model.
     """
     out = {}
-    for name, tensor in model.state_dict().items():
-        value = _gather_to_root(tensor) if rank0_only else _full_value(tensor)
-        if value is not None:
-            out[name] = value
+    with fenced("a full_state_dict gather"):  # rank 0 failing to allocate must not leave the senders waiting
+        for name, tensor in model.state_dict().items():
+            value = _gather_to_root(tensor) if rank0_only else _full_value(tensor)
+            if value is not None:
+                out[name] = value
     return out
 
 
@@ -685,38 +702,52 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
     names = ([f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))] if sharded
              else [constants.SAFETENSORS_SINGLE_FILE])
 
-    if rank == 0:
-        os.makedirs(directory, exist_ok=True)
-    written = []
-    for filename, members in zip(names, files):
-        path = os.path.join(directory, filename)
-        handle = open(path, "wb") if rank == 0 else contextlib.nullcontext()
-        with handle as f:
-            if rank == 0:
-                _write_safetensors_header(f, [o for i in members for o in plan[i]])
-            for i in members:
-                name, tensor = entries[i]
-                value = _gather_to_root(tensor)  # every rank takes part; only rank 0 receives the full tensor
-                if rank == 0:
-                    for (out_name, dtype, shape, _), (got_name, out) in zip(plan[i], revert(name, value).items()):
-                        if (got_name, out.dtype, tuple(out.shape)) != (out_name, dtype, shape):
-                            raise CheckpointError(f"conversion of {name} gave {got_name} {tuple(out.shape)}, "
-                                                  f"planned {out_name} {shape}")
-                        f.write(_tensor_bytes(out))
-                del value
+    with fenced(f"save_full into {directory}"):  # a rank raising anywhere in here: every rank raises
+        staging = _staging_path(directory)
         if rank == 0:
-            written.append(path)
-    if rank == 0:
-        if sharded:
-            index = {"metadata": {"total_size": sum(o[3] for outputs in plan for o in outputs)},
-                     "weight_map": {o[0]: names[k] for k, members in enumerate(files) for i in members
-                                    for o in plan[i]}}
-            with open(os.path.join(directory, constants.SAFETENSORS_INDEX_FILE), "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-        if write_config and hasattr(model, "config") and hasattr(model.config, "save_pretrained"):
-            model.config.save_pretrained(directory)
-            generation = getattr(model, "generation_config", None)
-            if generation is not None and getattr(model, "can_generate", lambda: False)():
-                generation.save_pretrained(directory)
-    _barrier()
+            shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
+            os.makedirs(staging)
+        for filename, members in zip(names, files):
+            handle = open(os.path.join(staging, filename), "wb") if rank == 0 else contextlib.nullcontext()
+            with handle as f:
+                if rank == 0:
+                    _write_safetensors_header(f, [o for i in members for o in plan[i]])
+                for i in members:
+                    name, tensor = entries[i]
+                    value = _gather_to_root(tensor)  # every rank takes part; only rank 0 receives the full tensor
+                    if rank == 0:
+                        for (out_name, dtype, shape, _), (got_name, out) in zip(plan[i],
+                                                                                  revert(name, value).items()):
+                            if (got_name, out.dtype, tuple(out.shape)) != (out_name, dtype, shape):
+                                raise CheckpointError(f"conversion of {name} gave {got_name} {tuple(out.shape)}, "
+                                                      f"planned {out_name} {shape}")
+                            f.write(_tensor_bytes(out))
+                    del value
+        if rank == 0:
+            if sharded:
+                index = {"metadata": {"total_size": sum(o[3] for outputs in plan for o in outputs)},
+                         "weight_map": {o[0]: names[k] for k, members in enumerate(files) for i in members
+                                        for o in plan[i]}}
+                with open(os.path.join(staging, constants.SAFETENSORS_INDEX_FILE), "w") as f:
+                    json.dump(index, f, indent=2, sort_keys=True)
+            if write_config and hasattr(model, "config") and hasattr(model.config, "save_pretrained"):
+                model.config.save_pretrained(staging)
+                generation = getattr(model, "generation_config", None)
+                if generation is not None and getattr(model, "can_generate", lambda: False)():
+                    generation.save_pretrained(staging)
+        _barrier()  # every rank took part in every gather: publish
+        written = _publish_files(staging, directory, names) if rank == 0 else []
+        _barrier()
     return written
+
+
+def _publish_files(staging: str, directory: str, weights: list[str]) -> list[str]:
+    """Move the finished files of ``save_full`` into ``directory``, each with one rename (weights before the index
+    and config that name them), so a reader never sees a partly written file."""
+    os.makedirs(directory, exist_ok=True)
+    names = sorted(os.listdir(staging), key=lambda name: name not in weights)
+    for name in names:
+        os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    _fsync_dir(directory)
+    shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(directory, name) for name in weights]

@@ -8,7 +8,9 @@
   ``Trainer.hyperparameter_search(backend="optuna")``; ``shardadopt.enable()`` routes Trainer there.
 
 Control messages travel on a dedicated gloo group with a timeout (``$SHARDADOPT_HPO_TIMEOUT``, default 600 s):
-a dead or stuck peer raises ``PeerLostError`` naming it instead of hanging. Names load lazily, so the storage
+a dead or stuck peer raises ``PeerLostError`` naming it instead of hanging. A rank that raises anywhere in a trial
+(even while its peers wait in a training collective) trips the trial's fault fence (``shardadopt.fence``): every
+rank leaves the trial at once and the process groups are rebuilt before the next one. Names load lazily, so the storage
 and CLI helpers in this package do not import torch.
 """
 
@@ -37,6 +39,7 @@ _LAZY = {
     "NonFiniteLossError": "shardadopt.hpo.failures",
     "PreemptedError": "shardadopt.hpo.failures",
     "PeerLostError": "shardadopt.hpo.errors",
+    "PeerFailedError": "shardadopt.fence",
     "DesyncError": "shardadopt.hpo.errors",
     "HPOControlError": "shardadopt.hpo.errors",
     "RemoteError": "shardadopt.hpo.errors",

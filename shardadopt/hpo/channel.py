@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardadopt import fence
 from shardadopt.hpo.errors import PeerLostError
 
 # Ops: what a rank is doing in this round. Rows with different ops in one round mean the ranks diverged.
@@ -70,7 +71,9 @@ def control_group(timeout: float) -> Any:
     with _GROUPS_LOCK:
         group = _GROUPS.get(key)
         if group is None or not _alive(group):  # a re-initialised world may reuse a destroyed group's id
-            group = _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            with fence.protected():  # it must carry the ranks' agreement after a fault broke the training groups
+                group = _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+            fence.protect_group(group)
         return group
 
 
@@ -90,26 +93,42 @@ class Channel:
     def __init__(self, group: Any = None, timeout: float | None = None):
         self.timeout = control_timeout(timeout)
         self.local = not (dist.is_available() and dist.is_initialized())
+        self.own_group = group is None
         if self.local:
             if group is not None:
                 raise ValueError("group= was given but torch.distributed is not initialised")
             self.group, self.rank, self.world = None, 0, 1
         else:
-            if group is None:
-                group = control_group(self.timeout)
-            elif dist.get_backend(group) != "gloo":
+            if group is not None and dist.get_backend(group) != "gloo":
                 raise ValueError(f"the HPO control group must use gloo (got {dist.get_backend(group)!r}): control "
                                  "messages are CPU tensors; pass a gloo group, or group=None for a dedicated one")
-            self.group = group
-            self.rank = dist.get_rank(group)
-            self.world = dist.get_world_size(group)
-            # Global rank of the group's rank 0: broadcast's src is global (optuna-integration mixes them up).
-            self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
+            self._bind(group if group is not None else control_group(self.timeout))
         self._table = torch.zeros(self.world, 4, dtype=torch.int64)
         self._rows = self._table.numpy()
         self.rounds = 0
         self.broken: PeerLostError | None = None
         self.context = ""  # what the ranks are doing, for error messages (e.g. "trial 3")
+
+    def _bind(self, group: Any) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        # Global rank of the group's rank 0: broadcast's src is global (optuna-integration mixes them up).
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
+
+    def rebuild(self) -> None:
+        """After a fault broke the training process groups: re-initialise every group (``fence.rebuild_world``)
+        and a fresh control group. Collective; every rank calls it at the same point."""
+        if self.local:
+            return
+        if not self.own_group:
+            self.broken = PeerLostError(
+                "shardadopt HPO: a fault broke the training process groups and rebuilding them destroys every "
+                "group, including the control group given as group=; pass group=None (the default) so shardadopt "
+                "owns the control group and the study can go on after a fault")
+            raise self.broken
+        fence.rebuild_world()
+        self._bind(control_group(self.timeout))
 
     @property
     def is_root(self) -> bool:

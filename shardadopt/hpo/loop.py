@@ -13,7 +13,10 @@ ends, for whatever reason, it sends STOP, carrying the error when it ended with 
 - ``timeout``, ``n_trials``, ``study.stop()`` and KeyboardInterrupt on rank 0 end the loop on every rank after
   the current trial;
 - a dead or stuck peer raises ``PeerLostError`` naming it on the survivors, within the control timeout, and stops
-  the study (the process group cannot be trusted any more).
+  the study (the process group cannot be trusted any more);
+- an exception anywhere in the objective, even while the other ranks wait in a training collective, ends the
+  trial on every rank within a fraction of a second (the trial's fault fence, see ``shardadopt.hpo.trial``) and
+  the process groups are rebuilt, so with ``catch`` the next trial trains on working groups.
 
 Durable, multi-job studies: pass ``storage=`` (a URL or an Optuna storage) and ``study_name=`` instead of a study,
 and any number of torchrun jobs attach to the same study as workers (rank 0 of each job alone talks to storage;
@@ -180,8 +183,8 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
                     if channel.world > 1:
                         channel.broadcast_object(0, (_START, info), OP_COMMAND)
                     outcome = _run_objective(DistributedTrial._started(channel, trial, info), objective)
-            except PeerLostError as exc:
-                outcome = Outcome(FAIL, exc, 0, errors.summary(exc))
+            except PeerLostError as exc:  # recorded against the rank that was lost
+                outcome = Outcome(FAIL, exc, exc.ranks[0] if exc.ranks else 0, errors.summary(exc))
         if trial.params:
             with contextlib.suppress(Exception):
                 trial.set_user_attr(ATTR_PARAMS_HASH, params_hash(trial.params))

@@ -17,10 +17,18 @@ Ending a trial: when the objective raises on any rank, that rank ends its trial 
 by ``shardadopt.hpo.optimize`` or by leaving a ``with DistributedTrial(...)`` block). The other ranks' next
 control call then raises that same error instead of waiting, so every rank leaves the trial together. After that
 the trial is closed and every further call raises the error again without communicating.
+
+Faults away from a control call: the rank that raised may leave peers blocked in a *training* collective, which
+no control round can reach. So each trial runs under a fault fence (``shardadopt.fence``): the failing rank trips
+it before its end-of-objective round (store flag, its training groups broken), every other rank's watchdog breaks
+its own, their blocked collectives raise, and their errors count as copies of the first rank's (``aux`` 1), so the
+trial records that rank's error. After the end round every rank reads the same flag and, when it was tripped,
+rebuilds the process groups (``Channel.rebuild``) before the next trial.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
 from collections.abc import Callable, Sequence
@@ -29,6 +37,7 @@ from typing import Any
 
 import optuna
 
+from shardadopt.fence import Fence
 from shardadopt.hpo import errors, preempt
 from shardadopt.hpo.channel import (OP_END, OP_INIT, OP_NAMES, OP_REPORT, OP_SET_ATTR, OP_SHOULD_PRUNE, OP_SUGGEST,
                                     STATUS_ERROR, STATUS_OK, STATUS_PRUNED, Channel)
@@ -96,7 +105,11 @@ class DistributedTrial(optuna.trial.BaseTrial):
             return TrialInfo.of(trial)
 
         self._setup(channel, trial if channel.is_root else None, None)
-        self._info = self._root_call(OP_INIT, info)
+        try:
+            self._info = self._root_call(OP_INIT, info)
+        except BaseException:
+            self._finish()  # no trial: stop the watchdog
+            raise
         self._adopt(self._info)
 
     @classmethod
@@ -113,6 +126,10 @@ class DistributedTrial(optuna.trial.BaseTrial):
         self._info = info
         self._outcome: Outcome | None = None
         self._decision: tuple[int, Any] | None = None  # (round, decision) left by report() for should_prune()
+        # A rank failing anywhere in the trial breaks every rank's training collectives (shardadopt.fence); only
+        # with the control group shardadopt owns, since the groups are rebuilt (a given group= would die too).
+        self._fence = Fence(f"trial {info.number}" if info else "a trial").start() \
+            if not channel.local and channel.own_group else None
 
     def _adopt(self, info: TrialInfo) -> None:
         self._params = dict(info.params)
@@ -248,12 +265,25 @@ class DistributedTrial(optuna.trial.BaseTrial):
         Returns the outcome every rank agrees on: the first error by rank (an error raised where it happened wins
         over copies of it received from another rank), else pruned/complete when all ranks say so.
         """
-        if self._outcome is not None:
-            return self._outcome
+        try:
+            if self._outcome is None:
+                self._close(state, error)
+        finally:
+            self._finish()
+        return self._outcome
+
+    def _close(self, state: str, error: BaseException | None) -> None:
         status = {COMPLETE: STATUS_OK, PRUNED: STATUS_PRUNED, FAIL: STATUS_ERROR}[state]
         payload, aux = None, 0
         if state == FAIL:
             assert error is not None
+            if self._fence is not None and not getattr(error, _DELIVERED, False):
+                # Raised here, possibly while peers wait in a training collective: break them out. When another
+                # rank failed first, this error is a consequence (a broken collective): mark it as that rank's copy.
+                origin = self._fence.trip(error)
+                if origin != self._channel.rank and not hasattr(error, errors.RANK_ATTRIBUTE):
+                    with contextlib.suppress(Exception):
+                        setattr(error, errors.RANK_ATTRIBUTE, origin)
             packed = errors.pack(error, self._channel.rank)
             payload = pickle.dumps(packed)
             aux = int(packed.rank != self._channel.rank)  # 1: a copy of another rank's error
@@ -269,7 +299,17 @@ class DistributedTrial(optuna.trial.BaseTrial):
                 self._outcome = Outcome(PRUNED)
             else:
                 self._desync(table)
-        return self._outcome
+
+    def _finish(self) -> None:
+        """The trial ended on every rank (or the control plane broke): stop the watchdog, and when any rank
+        tripped the fence, rebuild the process groups it broke. Every rank reads the same store state here: a
+        rank trips before it sends its end-of-objective row, so every trip precedes the round that ended the trial."""
+        fence, self._fence = self._fence, None
+        if fence is None:
+            return
+        fence.stop()
+        if self._outcome is not None and self._channel.broken is None and fence.origin() is not None:
+            self._channel.rebuild()
 
     def __enter__(self) -> DistributedTrial:
         return self
@@ -349,6 +389,8 @@ class DistributedTrial(optuna.trial.BaseTrial):
             error = local_error  # raise the original object, with its own traceback, where it happened
         else:
             error = errors.unpack(packed, me)
+        if error is not local_error:
+            _deliver(error)
         self._outcome = Outcome(FAIL, error, packed.rank, packed.summary, packed.traceback)
 
     def _desync(self, table: list[list[int]]) -> None:
@@ -356,13 +398,22 @@ class DistributedTrial(optuna.trial.BaseTrial):
         doing = ", ".join(
             f"rank {r}: {OP_NAMES.get(row[0], row[0])}" + (f" ({names[row[1]]})" if row[0] == OP_END else "")
             for r, row in enumerate(table))
-        error = DesyncError(f"trial {self.number}: the ranks took different paths through the objective "
-                            f"({doing}); every rank must make the same trial calls in the same order")
+        error = _deliver(DesyncError(f"trial {self.number}: the ranks took different paths through the objective "
+                                     f"({doing}); every rank must make the same trial calls in the same order"))
         self._outcome = Outcome(FAIL, error, None, errors.summary(error), "")
 
     def _raise(self, packed: PackedError) -> BaseException:
         """The exception of a method call that raised on rank 0 (the trial goes on if the objective catches it)."""
-        return errors.unpack(packed, self._channel.rank)
+        return _deliver(errors.unpack(packed, self._channel.rank))
+
+
+_DELIVERED = "_shardadopt_delivered"  # an error every rank got in the same control round: no rank is left behind
+
+
+def _deliver(error: BaseException) -> BaseException:
+    with contextlib.suppress(Exception):
+        setattr(error, _DELIVERED, True)
+    return error
 
 
 def report_and_maybe_prune(trial: DistributedTrial, value: float, step: int) -> None:

@@ -1,0 +1,113 @@
+"""One rank raising inside a checkpoint save: every rank raises at once, nothing is published, the last complete
+checkpoint resumes exactly.
+
+On 2 gloo ranks with an FSDP-sharded tiny qwen3: a complete checkpoint at step 1, one more training step (the
+reference loss), then a save at step 2 in which one rank fails, in user shape: the optimizer's ``state_dict``
+(a pre-hook raising on rank 1, while rank 0 is in DCP's collectives), a scheduler-like object whose
+``state_dict`` raises on rank 0 (while rank 1 waits at the publication barrier), ``save_full`` into a path that is
+a file on rank 0 (while rank 1 sends its shards), ``Accelerator.save_state`` with a registered object whose
+``state_dict`` raises on rank 1. Each asserts: every rank raised within ``BOUND`` seconds (the process group
+timeout is 30 minutes), the failing rank its own error and the other ``PeerFailedError`` naming it; no new
+checkpoint directory; after ``shardadopt.fence.rebuild_world()`` a fresh model loading the latest complete
+checkpoint trains the next step exactly as the uninterrupted run did.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from shardadopt.selftest import checkpoint as scenario
+
+pytestmark = pytest.mark.multiproc
+
+BOUND = 30.0
+FSDP = {"fsdp_size": 2}
+CASES = [("optimizer_state_dict", 1), ("scheduler_state_dict", 0), ("save_full", 0), ("accelerate_custom", 1)]
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _save_with_fault(path: str, root: str, case: str, failing: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    import shardadopt
+    from shardadopt import checkpoint, fence
+
+    shardadopt.enable()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model, optimizer, scheduler = scenario.build(path, FSDP)
+    scenario.train_steps(model, optimizer, scheduler, FSDP, 1)
+    checkpoint.save(f"{root}/step-1", model, optimizer, scheduler, step=1)
+    expected = scenario.train_steps(model, optimizer, scheduler, FSDP, 1)
+    marks: dict = {}
+
+    def fail(where: str):
+        marks["fault_at"] = time.time()
+        raise InjectedFault(f"injected on rank {rank} in {where}")
+
+    class Stateful:
+        def state_dict(self):
+            if rank == failing:
+                fail("a state_dict")
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    error = None
+    try:
+        if case == "optimizer_state_dict":
+            optimizer.register_state_dict_pre_hook(lambda opt: fail("an optimizer state_dict pre-hook")
+                                                   if rank == failing else None)
+            checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
+        elif case == "scheduler_state_dict":
+            checkpoint.save(f"{root}/step-2", model, optimizer, [scheduler, Stateful()], step=2)
+        elif case == "save_full":
+            blocker = f"{root}/not-a-directory"
+            if rank == 0:
+                open(blocker, "w").close()
+            marks["fault_at"] = time.time()  # rank 0 fails creating the staging directory, at once
+            checkpoint.save_full(model, f"{blocker}/final")
+        else:
+            from test_checkpoint_integrations import fresh_accelerator
+
+            accelerator = fresh_accelerator()
+            prepared, prepared_optimizer = accelerator.prepare(model, optimizer)
+            accelerator.register_for_checkpointing(Stateful())
+            accelerator.save_state(f"{root}/step-2")
+    except Exception as exc:  # noqa: BLE001
+        error = {"type": type(exc).__name__, "message": str(exc), "at": time.time(),
+                 "rank": getattr(exc, "rank", None)}
+    fence.rebuild_world()  # the fence broke the process groups; a new job would start here
+    published = sorted(name for name in os.listdir(root) if not name.startswith("."))
+    latest = checkpoint.latest(root)
+    torch.manual_seed(1)  # the checkpoint's RNG state must win
+    model, optimizer, scheduler = scenario.build(path, FSDP)
+    checkpoint.load(latest, model, optimizer, scheduler)
+    resumed = scenario.train_steps(model, optimizer, scheduler, FSDP, 1)
+    return {"error": error, "fault_at": marks.get("fault_at"), "published": published,
+            "latest": os.path.basename(latest), "expected": expected, "resumed": resumed}
+
+
+@pytest.mark.parametrize("case,failing", CASES)
+def test_one_rank_raising_in_a_save_makes_every_rank_raise(pool2, tiny_models, tmp_path, case, failing):
+    results = pool2.run(_save_with_fault, tiny_models["qwen3"], str(tmp_path), case, failing, timeout=300)
+    fault_at = results[failing]["fault_at"]
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error is not None, f"rank {rank} did not raise"
+        if rank == failing:
+            assert error["type"] in {"InjectedFault", "NotADirectoryError", "FileExistsError", "CheckpointException"}, error
+        else:
+            assert error["type"] == "PeerFailedError" and error["rank"] == failing, error
+        assert 0 <= error["at"] - fault_at < BOUND, f"rank {rank} raised {error['at'] - fault_at:.1f}s after"
+        assert "step-2" not in result["published"] and "final" not in result["published"], result["published"]
+        assert result["latest"] == "step-1"
+        assert result["resumed"] == result["expected"], "the last complete checkpoint resumes exactly"
