@@ -24,8 +24,8 @@ a bad URL raises ``StorageError`` on every rank before any training). On every t
 kind of a FAIL (``nan_loss`` for a non-finite objective, ``config_error``, ``preempted`` on SIGTERM, ...), the
 reproducibility attributes (search-space version, git SHA, library versions, world size and topology, data
 snapshot) and ``params_hash``, and keeps a heartbeat while the trial runs (persistent storages), so
-``shardadopt hpo requeue`` can fail dead trials and retry them once; ``trial_checkpoint_dir(trial, root)`` keys
-checkpoints by the parameters so the retry resumes.
+``shardadopt hpo requeue`` can fail dead trials and retry them once; ``trial_checkpoint_dir(trial, root)`` gives
+each live trial a directory of its own and ``resume_checkpoint`` finds the dead trial's for its retry.
 """
 
 from __future__ import annotations
