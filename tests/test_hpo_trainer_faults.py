@@ -155,7 +155,7 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
 
     args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=base.PER_DEVICE_BATCH,
                              max_steps=MAX_STEPS, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
-                             seed=0, **({"save_strategy": "steps", "save_steps": 2, "save_only_model": True} if saves
+                             seed=0, **({"save_strategy": "steps", "save_steps": 2} if saves
                                         else {"save_strategy": "no"}))
     trainer = Trainer(model_init=model_init, args=args, train_dataset=Faulty() if kind == "dataset" else dataset,
                       eval_dataset=token_dataset(8, 1000), callbacks=callbacks)
