@@ -9,8 +9,8 @@ from __future__ import annotations
 from shardadopt.patches import (accelerate_adopt, accelerate_checkpoint, accelerate_cpu_parallelism, trainer_adopt,
                                 trainer_checkpoint, trainer_hpo_optuna, transformers_ep_expert_grad_scale,
                                 transformers_ep_grouped_mm, transformers_ep_router_grad, transformers_fsdp_tp_refused,
-                                transformers_reuse_device_mesh, transformers_sharding_sizes,
-                                transformers_tp_grad_accumulation)
+                                transformers_reuse_device_mesh, transformers_sharded_clean_exit,
+                                transformers_sharding_sizes, transformers_tp_grad_accumulation)
 from shardadopt.registry import Patch
 
 ALL_PATCHES: list[Patch] = [
@@ -28,4 +28,5 @@ ALL_PATCHES: list[Patch] = [
     transformers_ep_expert_grad_scale.PATCH,
     transformers_fsdp_tp_refused.PATCH,
     transformers_reuse_device_mesh.PATCH,
+    transformers_sharded_clean_exit.PATCH,
 ]
