@@ -9,7 +9,7 @@ Each run is a fresh ``torchrun --standalone`` job of a user script that does wha
 lines (``import shardadopt; shardadopt.enable()``), a tiny checkpoint loaded with ``DistributedConfig``, a few
 training steps (``Trainer.train()``, or ``prepare``/``backward``/``clip_grad_norm_``/``step``), and rank 0 printing
 its result after training. Nothing calls ``destroy_process_group``: plain scripts don't. ``gloo-stress`` is torch
-alone: the gloo worker threads of a group share the main thread's CPU at the lowest priority and the process exits
+alone: the gloo worker threads of a group share the main thread's CPU under ``SCHED_IDLE`` and the process exits
 right after its last (waited) all-reduce of parameters, so a worker often drops its last tensor after the
 interpreter began finalising; the fix is armed there through ``shardadopt.cleanexit.arm_at_exit()``.
 
@@ -111,8 +111,8 @@ def _train_accelerate(model, dp: int) -> list[float]:
 
 
 def _gloo_stress() -> None:
-    """The race made likely: gloo's worker threads share the main thread's CPU at the lowest priority, and the
-    process exits right after its last (waited) all-reduce of parameters. Torch alone, no model: the fix is armed
+    """The race made likely: gloo's worker threads share the main thread's CPU under ``SCHED_IDLE`` (they run when
+    it waits), and the process exits right after its last (waited) all-reduce of parameters. Torch alone, no model: the fix is armed
     through the plain function, as for a model sharded by hand, unless ``$SHARDADOPT_DISABLE`` names the patch."""
     rank = int(os.environ["RANK"])
     os.sched_setaffinity(0, {rank % os.cpu_count()})  # threads created from here on inherit this CPU
@@ -125,8 +125,8 @@ def _gloo_stress() -> None:
     dist.init_process_group("gloo")
     before = set(os.listdir("/proc/self/task"))
     group = dist.new_group(list(range(dist.get_world_size())))
-    for tid in set(os.listdir("/proc/self/task")) - before:  # the new group's gloo threads
-        os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+    for tid in set(os.listdir("/proc/self/task")) - before:  # the new group's gloo threads: run when nothing else
+        os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
     if PATCH_ID not in os.environ.get("SHARDADOPT_DISABLE", "") and "all" not in os.environ.get(
             "SHARDADOPT_DISABLE", ""):
         shardadopt.cleanexit.arm_at_exit()
