@@ -25,7 +25,7 @@ reference goes, which for a model sharded at load time is during finalisation it
    tensor to drop gets the GIL while Python is fully alive.
 
 Groups with an NCCL backend are left as upstream leaves them. ``ProcessGroupNCCL::shutdown`` flushes with
-``ncclCommFinalize`` and waits for it (torch 2.13 and 2.15), and ``ncclCommAbort`` has been a collective call in
+``ncclCommFinalize`` and waits for it (torch 2.15), and ``ncclCommAbort`` has been a collective call in
 some NCCL versions (torch's own comment in ``destroy_process_group``): either may wait on a peer that left early or
 died, which is the hang this must never add; aborting instead can drop data a peer still receives. A successful job
 on NCCL that wants its communicators closed calls ``dist.destroy_process_group()`` itself, on every rank, as
