@@ -112,8 +112,9 @@ def _train_accelerate(model, dp: int) -> list[float]:
 
 def _gloo_stress() -> None:
     """The race made likely: gloo's worker threads share the main thread's CPU under ``SCHED_IDLE`` (they run when
-    it waits), and the process exits right after its last (waited) all-reduce of parameters. Torch alone, no model: the fix is armed
-    through the plain function, as for a model sharded by hand, unless ``$SHARDADOPT_DISABLE`` names the patch."""
+    it waits), and the process exits right after its last (waited) all-reduce of parameters. Torch alone, no model:
+    the fix is armed through the plain function, as for a model sharded by hand, unless ``$SHARDADOPT_DISABLE``
+    names the patch."""
     rank = int(os.environ["RANK"])
     os.sched_setaffinity(0, {rank % os.cpu_count()})  # threads created from here on inherit this CPU
     import torch
