@@ -11,7 +11,8 @@ from shardadopt.patches import (accelerate_adopt_sharded_model, accelerate_cpu_p
                                 trainer_sharded_checkpoint, transformers_ep_expert_grad_scale,
                                 transformers_ep_grouped_mm_sentinel, transformers_ep_router_grad,
                                 transformers_ep_router_grad_post_forward, transformers_fsdp_tp_refused,
-                                transformers_reuse_device_mesh, transformers_sharding_sizes,
+                                transformers_reuse_device_mesh, transformers_sharded_clean_exit,
+                                transformers_sharding_sizes,
                                 transformers_tp_replicated_grad_accumulation)
 from shardadopt.registry import Patch
 
@@ -30,4 +31,5 @@ ALL_PATCHES: list[Patch] = [
     transformers_ep_expert_grad_scale.PATCH,
     transformers_fsdp_tp_refused.PATCH,
     transformers_reuse_device_mesh.PATCH,
+    transformers_sharded_clean_exit.PATCH,
 ]
