@@ -1,0 +1,338 @@
+"""Build and check ``patches/<id>.diff``: each patch's fix written as a change to upstream's own source.
+
+A diff is a build artefact. Its source is ``patches/fixes/<id>.py``, which defines ``FIX`` (a ``Fix``): exact-text
+``Edit``s of upstream files, an upstream-style test (``NewFile`` under ``tests/``), whether it is a backport of a
+released upstream fix or a proposal for upstream main, and a summary. This script downloads the wheels of the
+releases on which the patch's probe applies it (``tests/data/release_matrix.json``), applies the edits to a
+pristine copy of the oldest one and writes the unified diff, in upstream's repository layout (``src/<package>/``,
+``tests/``), so it applies with ``patch -p1`` in an upstream clone (``-p2`` inside an unpacked wheel).
+
+    python tools/upstream_diffs.py build [ID ...]    # regenerate patches/<id>.diff
+    python tools/upstream_diffs.py check [ID ...]    # CI: every diff is what its fix generates, and applies
+                                                     # (patch --dry-run -F0) to every release its probe applies to
+    python tools/upstream_diffs.py verify ID --python VENV/bin/python
+                                                     # apply the diff to the release installed in VENV and run its
+                                                     # test hunk there: it must fail before and pass after
+
+Where upstream moved the code inside a patch's range, a fix has several ``Variant``s (each from a release on);
+each writes ``patches/<id>@<release>.diff``, named after the oldest release it covers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PATCHES = REPO / "patches"
+FIXES = PATCHES / "fixes"
+MATRIX = REPO / "tests" / "data" / "release_matrix.json"
+CACHE = Path(os.environ.get("SHARDADOPT_UPSTREAM_CACHE", Path.home() / ".cache" / "shardadopt-upstream"))
+PACKAGES = {"transformers": "transformers", "accelerate": "accelerate"}
+KINDS = ("backport", "proposal")
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace ``old`` (which must occur exactly ``count`` times) with ``new`` in ``path`` (``src/<package>/...``)."""
+
+    path: str
+    old: str
+    new: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class NewFile:
+    """A file the fix adds, normally its test: ``path`` in upstream's repository layout (``tests/...``)."""
+
+    path: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The edits for the releases from ``since`` on (until the next variant's ``since``)."""
+
+    since: str
+    edits: tuple[Edit, ...]
+    new_files: tuple[NewFile, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One patch's fix as a change to upstream's source.
+
+    ``kind`` is ``backport`` (``upstream`` names the released fix: PR and release) or ``proposal`` (``upstream``
+    names where it should go: upstream main, the issue if reported). ``summary`` says what is wrong and what the
+    change does, in a maintainer's words. ``edits``/``new_files`` make a fix with one variant.
+    """
+
+    id: str
+    distribution: str
+    kind: str
+    upstream: str
+    summary: str
+    edits: tuple[Edit, ...] = ()
+    new_files: tuple[NewFile, ...] = ()
+    variants: tuple[Variant, ...] = field(default=())
+
+    def all_variants(self) -> tuple[Variant, ...]:
+        if self.variants and (self.edits or self.new_files):
+            raise FixError(f"{self.id}: give either edits/new_files or variants, not both")
+        return self.variants or (Variant(since="0", edits=self.edits, new_files=self.new_files),)
+
+
+class FixError(RuntimeError):
+    """A fix that does not build, or a diff that does not apply."""
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+def load_fix(path: Path) -> Fix:
+    sys.modules.setdefault("upstream_diffs", sys.modules[__name__])  # fixes import the dataclasses from here
+    spec = importlib.util.spec_from_file_location(f"fix_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fix = getattr(module, "FIX", None)
+    if not isinstance(fix, Fix):
+        raise FixError(f"{path} defines no FIX = Fix(...)")
+    if path.stem != fix.id.replace("-", "_"):
+        raise FixError(f"{path}: file name and FIX.id {fix.id!r} disagree")
+    if fix.kind not in KINDS or fix.distribution not in PACKAGES:
+        raise FixError(f"{fix.id}: kind must be one of {KINDS}, distribution one of {sorted(PACKAGES)}")
+    return fix
+
+
+def load_fixes(only: list[str] | None = None) -> dict[str, Fix]:
+    fixes = {fix.id: fix for fix in map(load_fix, sorted(FIXES.glob("*.py")))}
+    unknown = set(only or ()) - set(fixes)
+    if unknown:
+        raise FixError(f"no fix in {FIXES.relative_to(REPO)} for {sorted(unknown)}")
+    return {pid: fix for pid, fix in fixes.items() if not only or pid in only}
+
+
+def applied_releases(fix: Fix) -> list[str]:
+    """The releases of ``fix.distribution`` on which the patch's probe applies it (the recorded release matrix)."""
+    rows = json.loads(MATRIX.read_text())["releases"]
+    if not any(fix.id in row["patches"] for row in rows):
+        raise FixError(f"{fix.id}: not in {MATRIX.relative_to(REPO)}; run tools/release_matrix.py")
+    versions = {row[fix.distribution] for row in rows if row["patches"].get(fix.id) == "applied"}
+    return sorted(versions, key=_version_key)
+
+
+def coverage(fix: Fix) -> list[tuple[Variant, list[str]]]:
+    """Each variant with the applied releases it covers; every applied release is covered by exactly one."""
+    variants = sorted(fix.all_variants(), key=lambda v: _version_key(v.since))
+    releases = applied_releases(fix)
+    if not releases:
+        raise FixError(f"{fix.id}: its probe applies it on no recorded release; nothing to diff against")
+    covered = []
+    for index, variant in enumerate(variants):
+        upper = variants[index + 1].since if index + 1 < len(variants) else None
+        mine = [r for r in releases if _version_key(r) >= _version_key(variant.since)
+                and (upper is None or _version_key(r) < _version_key(upper))]
+        if not mine:
+            raise FixError(f"{fix.id}: variant since {variant.since} covers none of {releases}")
+        covered.append((variant, mine))
+    if _version_key(releases[0]) < _version_key(variants[0].since):
+        raise FixError(f"{fix.id}: release {releases[0]} is older than every variant")
+    return covered
+
+
+def diff_path(fix: Fix, variant: Variant, releases: list[str]) -> Path:
+    return PATCHES / (f"{fix.id}.diff" if len(fix.all_variants()) == 1 else f"{fix.id}@{releases[0]}.diff")
+
+
+def fetch(distribution: str, version: str) -> Path:
+    """A pristine upstream tree for ``distribution==version``: ``<root>/src/<package>/`` from the published wheel."""
+    root = CACHE / f"{distribution}-{version}"
+    package = root / "src" / PACKAGES[distribution]
+    if package.is_dir():
+        return root
+    wheels = CACHE / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    name = f"{distribution}-{version}-py3-none-any.whl"
+    if not (wheels / name).exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                        "-d", str(wheels), f"{distribution}=={version}"], check=True)
+    staging = Path(tempfile.mkdtemp(dir=CACHE))
+    with zipfile.ZipFile(wheels / name) as wheel:
+        members = [m for m in wheel.namelist() if m.startswith(PACKAGES[distribution] + "/")]
+        wheel.extractall(staging / "src", members)
+    if root.exists():  # another process unpacked it meanwhile
+        shutil.rmtree(staging)
+    else:
+        staging.rename(root)
+    return root
+
+
+def _apply_edits(fix: Fix, variant: Variant, tree: Path, version: str) -> dict[str, tuple[str, str]]:
+    """path -> (pristine text, changed text) for every file the variant touches."""
+    files: dict[str, tuple[str, str]] = {}
+    for edit in variant.edits:
+        if not edit.path.startswith("src/"):
+            raise FixError(f"{fix.id}: edit path {edit.path!r} must be in upstream's layout (src/<package>/...)")
+        pristine, text = files.get(edit.path) or ((tree / edit.path).read_text(),) * 2
+        found = text.count(edit.old)
+        if found != edit.count:
+            first = edit.old.strip().splitlines()[0] if edit.old.strip() else "<empty>"
+            raise FixError(f"{fix.id} on {fix.distribution} {version}: {edit.path}: expected {edit.count} "
+                           f"occurrence(s) of the text starting {first!r}, found {found}")
+        files[edit.path] = (pristine, text.replace(edit.old, edit.new))
+    for new in variant.new_files:
+        if (tree / new.path).exists():
+            raise FixError(f"{fix.id}: {new.path} already exists upstream")
+        files[new.path] = ("", new.text)
+    return files
+
+
+def _header(fix: Fix, releases: list[str]) -> str:
+    span = releases[0] if len(releases) == 1 else f"{releases[0]} .. {releases[-1]}"
+    kind = (f"backport of {fix.upstream}" if fix.kind == "backport" else f"proposal for {fix.upstream}")
+    lines = [f"shardadopt patch {fix.id}: {kind}",
+             f"Applies to: {fix.distribution} {span} (every release on which its probe applies the patch;",
+             f"checked with `patch -p1 --dry-run -F0` in an upstream checkout, -p2 inside an unpacked wheel).",
+             f"Generated by tools/upstream_diffs.py from patches/fixes/{fix.id.replace('-', '_')}.py; do not edit.",
+             ""]
+    for paragraph in textwrap.dedent(fix.summary).strip().split("\n\n"):
+        lines += textwrap.wrap(" ".join(paragraph.split()), 116, break_on_hyphens=False) + [""]
+    if any(line.startswith(("---", "+++", "diff ", "Index:", "@@", "*** ")) for line in lines):
+        raise FixError(f"{fix.id}: a summary line would read as a diff header to patch")
+    return "\n".join(lines) + "\n"
+
+
+def render(fix: Fix, variant: Variant, releases: list[str]) -> str:
+    tree = fetch(fix.distribution, releases[0])
+    files = _apply_edits(fix, variant, tree, releases[0])
+    body = []
+    for path in sorted(files, key=lambda p: (p.startswith("tests/"), p)):
+        before, after = files[path]
+        source = "/dev/null" if path.startswith("tests/") and not before else f"a/{path}"
+        body += difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                     source, f"b/{path}")
+    if not body:
+        raise FixError(f"{fix.id}: the fix changes nothing")
+    if not any(p.startswith("tests/") for p in files):
+        raise FixError(f"{fix.id}: the fix has no test hunk (a NewFile under tests/)")
+    return _header(fix, releases) + "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
+                                            for line in body)
+
+
+def dry_run(diff: Path, tree: Path, strip: int = 1) -> subprocess.CompletedProcess:
+    return subprocess.run(["patch", f"-p{strip}", "--dry-run", "-F0", "-N", "-s", "-d", str(tree), "-i", str(diff)],
+                          capture_output=True, text=True)
+
+
+def build(fixes: dict[str, Fix]) -> None:
+    for fix in fixes.values():
+        for old in PATCHES.glob(f"{fix.id}*.diff"):
+            if old.name == f"{fix.id}.diff" or old.name.startswith(f"{fix.id}@"):
+                old.unlink()
+        for variant, releases in coverage(fix):
+            path = diff_path(fix, variant, releases)
+            path.write_text(render(fix, variant, releases))
+            print(f"wrote {path.relative_to(REPO)} ({fix.distribution} {releases[0]} .. {releases[-1]})")
+
+
+def check(fixes: dict[str, Fix]) -> list[str]:
+    problems = []
+    for fix in fixes.values():
+        expected = set()
+        for variant, releases in coverage(fix):
+            path = diff_path(fix, variant, releases)
+            expected.add(path.name)
+            if not path.exists():
+                problems.append(f"{path.relative_to(REPO)} is missing: run tools/upstream_diffs.py build {fix.id}")
+                continue
+            try:
+                if path.read_text() != render(fix, variant, releases):
+                    problems.append(f"{path.relative_to(REPO)} differs from what patches/fixes generates: "
+                                    f"run tools/upstream_diffs.py build {fix.id}")
+            except FixError as error:
+                problems.append(str(error))
+            for release in releases:
+                result = dry_run(path, fetch(fix.distribution, release))
+                status = "applies" if result.returncode == 0 else "DOES NOT APPLY"
+                print(f"{path.name:<56} {fix.distribution} {release:<8} {status}")
+                if result.returncode:
+                    problems.append(f"{path.name} does not apply to {fix.distribution} {release}:\n"
+                                    f"{result.stdout}{result.stderr}")
+        stray = {p.name for p in PATCHES.glob(f"{fix.id}*.diff")
+                 if p.name == f"{fix.id}.diff" or p.name.startswith(f"{fix.id}@")} - expected
+        problems += [f"patches/{name} is not generated by its fix any more: delete it" for name in sorted(stray)]
+    return problems
+
+
+def verify(fix: Fix, python: str) -> list[str]:
+    """Run the fix's test hunk against the release installed for ``python``: fails pristine, passes patched."""
+    installed = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({fix.distribution!r}))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    for variant, releases in coverage(fix):
+        if installed in releases:
+            break
+    else:
+        return [f"{fix.id}: {fix.distribution} {installed} is not a release its probe applies it on"]
+    problems = []
+    with tempfile.TemporaryDirectory() as work:
+        trees = {}
+        for label in ("pristine", "patched"):
+            trees[label] = Path(work) / label
+            shutil.copytree(fetch(fix.distribution, installed), trees[label])
+        diff = diff_path(fix, variant, releases)
+        subprocess.run(["patch", "-p1", "-F0", "-s", "-d", str(trees["patched"]), "-i", str(diff)], check=True)
+        tests = [new.path for new in variant.new_files]
+        for new in variant.new_files:  # the pristine run needs the test file too
+            (trees["pristine"] / new.path).parent.mkdir(parents=True, exist_ok=True)
+            (trees["pristine"] / new.path).write_text(new.text)
+        for label, want_pass in (("pristine", False), ("patched", True)):
+            env = {**os.environ, "PYTHONPATH": str(trees[label] / "src")}
+            result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+                                    cwd=trees[label], env=env, capture_output=True, text=True)
+            tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-3:])
+            print(f"{fix.id} on {fix.distribution} {installed}, {label}: rc={result.returncode}\n  {tail}")
+            if (result.returncode == 0) != want_pass:
+                problems.append(f"{fix.id}: its test {'fails' if want_pass else 'passes'} on the {label} "
+                                f"{fix.distribution} {installed}:\n{result.stdout[-3000:]}{result.stderr[-2000:]}")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=("build", "check", "verify"))
+    parser.add_argument("ids", nargs="*", help="patch ids (default: every fix in patches/fixes)")
+    parser.add_argument("--python", help="verify: the interpreter of a venv with the upstream release installed")
+    args = parser.parse_args(argv)
+    try:
+        fixes = load_fixes(args.ids)
+        if args.command == "build":
+            build(fixes)
+            return 0
+        if args.command == "check":
+            problems = check(fixes)
+        else:
+            if not args.python:
+                parser.error("verify needs --python")
+            problems = [p for fix in fixes.values() for p in verify(fix, args.python)]
+    except FixError as error:
+        problems = [str(error)]
+    for problem in problems:
+        print(f"ERROR: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
