@@ -10,9 +10,9 @@ pristine copy of the oldest one and writes the unified diff, in upstream's repos
     python tools/upstream_diffs.py build [ID ...]    # regenerate patches/<id>.diff
     python tools/upstream_diffs.py check [ID ...]    # CI: every diff is what its fix generates, and applies
                                                      # (patch --dry-run -F0) to every release its probe applies to
-    python tools/upstream_diffs.py verify ID --python VENV/bin/python
-                                                     # apply the diff to the release installed in VENV and run its
-                                                     # test hunk there: it must fail before and pass after
+    python tools/upstream_diffs.py verify ID --python VENV/bin/python [--release X]
+                                                     # apply the diff to the release installed in VENV (or X) and
+                                                     # run its test hunk: it must fail before and pass after
 
 Where upstream moved the code inside a patch's range, a fix has several ``Variant``s (each from a release on);
 each writes ``patches/<id>@<release>.diff``, named after the oldest release it covers.
@@ -277,10 +277,12 @@ def check(fixes: dict[str, Fix]) -> list[str]:
     return problems
 
 
-def verify(fix: Fix, python: str) -> list[str]:
-    """Run the fix's test hunk against the release installed for ``python``: fails pristine, passes patched."""
-    installed = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({fix.distribution!r}))"],
-                               capture_output=True, text=True, check=True).stdout.strip()
+def verify(fix: Fix, python: str, release: str | None = None) -> list[str]:
+    """Run the fix's test hunk with ``python`` against ``release`` (default: the one installed for ``python``; another
+    one goes first on ``PYTHONPATH``, over the installed one): it must fail pristine and pass patched."""
+    installed = release or subprocess.run(
+        [python, "-c", f"import importlib.metadata as m; print(m.version({fix.distribution!r}))"],
+        capture_output=True, text=True, check=True).stdout.strip()
     for variant, releases in coverage(fix):
         if installed in releases:
             break
@@ -315,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=("build", "check", "verify"))
     parser.add_argument("ids", nargs="*", help="patch ids (default: every fix in patches/fixes)")
     parser.add_argument("--python", help="verify: the interpreter of a venv with the upstream release installed")
+    parser.add_argument("--release", help="verify: the upstream release to test (default: the installed one)")
     args = parser.parse_args(argv)
     try:
         fixes = load_fixes(args.ids)
@@ -326,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not args.python:
                 parser.error("verify needs --python")
-            problems = [p for fix in fixes.values() for p in verify(fix, args.python)]
+            problems = [p for fix in fixes.values() for p in verify(fix, args.python, args.release)]
     except FixError as error:
         problems = [str(error)]
     for problem in problems:
