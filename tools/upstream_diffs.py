@@ -153,6 +153,15 @@ def coverage(fix: Fix) -> list[tuple[Variant, list[str]]]:
     return covered
 
 
+def diff_for(fix: Fix, version: str) -> Path:
+    """The committed diff meant for ``version`` of ``fix.distribution``: the newest variant from ``version`` back."""
+    chosen = [(variant, releases) for variant, releases in coverage(fix)
+              if _version_key(variant.since) <= _version_key(version)]
+    if not chosen:
+        raise FixError(f"{fix.id}: no variant for {fix.distribution} {version}")
+    return diff_path(fix, *chosen[-1])
+
+
 def diff_path(fix: Fix, variant: Variant, releases: list[str]) -> Path:
     return PATCHES / (f"{fix.id}.diff" if len(fix.all_variants()) == 1 else f"{fix.id}@{releases[0]}.diff")
 
@@ -180,7 +189,7 @@ def fetch(distribution: str, version: str) -> Path:
     return root
 
 
-def _apply_edits(fix: Fix, variant: Variant, tree: Path, version: str) -> dict[str, tuple[str, str]]:
+def apply_edits(fix: Fix, variant: Variant, tree: Path, version: str) -> dict[str, tuple[str, str]]:
     """path -> (pristine text, changed text) for every file the variant touches."""
     files: dict[str, tuple[str, str]] = {}
     for edit in variant.edits:
@@ -217,7 +226,7 @@ def _header(fix: Fix, releases: list[str]) -> str:
 
 def render(fix: Fix, variant: Variant, releases: list[str]) -> str:
     tree = fetch(fix.distribution, releases[0])
-    files = _apply_edits(fix, variant, tree, releases[0])
+    files = apply_edits(fix, variant, tree, releases[0])
     body = []
     for path in sorted(files, key=lambda p: (p.startswith("tests/"), p)):
         before, after = files[path]
@@ -232,8 +241,20 @@ def render(fix: Fix, variant: Variant, releases: list[str]) -> str:
                                             for line in body)
 
 
-def dry_run(diff: Path, tree: Path, strip: int = 1) -> subprocess.CompletedProcess:
-    return subprocess.run(["patch", f"-p{strip}", "--dry-run", "-F0", "-N", "-s", "-d", str(tree), "-i", str(diff)],
+def source_hunks(diff: str) -> str:
+    """The part of a diff that changes ``src/`` (without its header and test files)."""
+    sections, keep = [], False
+    for line in diff.splitlines(keepends=True):
+        if line.startswith("--- "):
+            keep = line.startswith("--- a/src/")
+        if keep:
+            sections.append(line)
+    return "".join(sections)
+
+
+def dry_run(diff: str, tree: Path, strip: int = 1) -> subprocess.CompletedProcess:
+    """``patch --dry-run`` with no fuzz and no reversed-patch guessing: does ``diff`` apply exactly in ``tree``?"""
+    return subprocess.run(["patch", f"-p{strip}", "--dry-run", "-F0", "-N", "-s", "-d", str(tree)], input=diff,
                           capture_output=True, text=True)
 
 
@@ -265,7 +286,7 @@ def check(fixes: dict[str, Fix]) -> list[str]:
             except FixError as error:
                 problems.append(str(error))
             for release in releases:
-                result = dry_run(path, fetch(fix.distribution, release))
+                result = dry_run(path.read_text(), fetch(fix.distribution, release))
                 status = "applies" if result.returncode == 0 else "DOES NOT APPLY"
                 print(f"{path.name:<56} {fix.distribution} {release:<8} {status}")
                 if result.returncode:
