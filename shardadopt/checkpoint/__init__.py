@@ -11,7 +11,8 @@ and a completion marker ``shardadopt_checkpoint.json`` (world size, each model's
 
 Parts: ``publish`` (staging, atomic rename, completion marker, ``latest``), ``state`` (DCP state, ``save``/``load``,
 resharding), ``rng`` (per-rank RNG), ``export`` (``save_full``/``full_state_dict``), ``sharding`` (layout
-detection); ``accelerator`` holds what the ``accelerate-sharded-checkpoint`` patch calls.
+detection); ``accelerator`` and ``trainer`` hold what the ``accelerate-sharded-checkpoint`` and
+``trainer-sharded-checkpoint`` patches call.
 
 One rank raising inside a save: every rank raises at once (``PeerFailedError`` naming that rank on the others),
 nothing is published, and the previous complete checkpoint still loads (in a new job, or after
