@@ -221,7 +221,7 @@ def gather_layouts() -> dict[str, bool]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    from shardadopt.checkpoint import _gather_to_root
+    from shardadopt.checkpoint.export import _gather_to_root
 
     line, grid = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2, 1), mesh_dim_names=("a", "b"))
     flat = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardadopt import checkpoint
+from shardadopt.checkpoint.export import _p2p_device
 from shardadopt.cli import main
 from shardadopt.gradnorm import _payload_device
 from shardadopt.hpo import channel
@@ -46,7 +47,7 @@ CPU, GPU1 = torch.device("cpu"), torch.device("cuda", 1)
 ])
 def test_checkpoint_gather_sends_where_the_backend_can(backend, name, local, expected):
     backend(name)
-    assert checkpoint._p2p_device(local) == expected
+    assert _p2p_device(local) == expected
 
 
 @pytest.mark.parametrize("name, first, expected", [

@@ -11,8 +11,8 @@ distributed_config=...)``) or by hand (``fully_shard`` / ``parallelize_module``)
 them fails ("Attempted to access the data pointer on an invalid python storage"), the optimizer state is saved
 per rank as if replicated, and ``save_model`` / ``get_state_dict`` give shards, not full tensors.
 
-The fix, only when a prepared model is sharded and accelerate's own plugins do not manage it (plain models, and
-FSDP/DeepSpeed plugin runs, keep upstream's exact path):
+The fix (``shardadopt.checkpoint.accelerator``), only when a prepared model is sharded and accelerate's own plugins
+do not manage it (plain models, and FSDP/DeepSpeed plugin runs, keep upstream's exact path):
 
 - ``save_state``: models and optimizers through ``torch.distributed.checkpoint`` (``shardadopt.checkpoint``), the
   rest (schedulers, dataloader/sampler state, RNG per process, scaler, custom objects, ``step``) with
@@ -27,10 +27,6 @@ FSDP/DeepSpeed plugin runs, keep upstream's exact path):
 
 from __future__ import annotations
 
-import os
-import re
-from typing import Any
-
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -38,174 +34,42 @@ PATCH_ID = "accelerate-sharded-checkpoint"
 _MODULE = "accelerate.accelerator"
 
 
-def _unwrapped(model: Any) -> Any:
-    from accelerate.utils import extract_model_from_parallel
-
-    return extract_model_from_parallel(model, keep_torch_compile=False)
-
-
-def _ours(accelerator: Any) -> bool:
-    """Whether a prepared model is sharded outside accelerate's own FSDP/DeepSpeed/Megatron plugins."""
-    from accelerate.utils import DistributedType
-
-    from shardadopt.checkpoint import is_sharded
-
-    if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
-                                        DistributedType.MEGATRON_LM):
-        return False
-    return any(is_sharded(_unwrapped(m)) for m in accelerator._models)
-
-
-def _model_is_ours(accelerator: Any, model: Any) -> bool:
-    from accelerate.utils import DistributedType
-
-    from shardadopt.checkpoint import is_sharded
-
-    return (accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED,
-                                                 DistributedType.MEGATRON_LM)
-            and is_sharded(_unwrapped(model)))
-
-
-def _number(folder: str) -> int:
-    found = re.findall(r"(\d+)", os.path.basename(folder))
-    return int(found[-1]) if found else -1
-
-
-def _complete_folders(root: str) -> list[str]:
-    from shardadopt.checkpoint import is_complete
-
-    names = [n for n in os.listdir(root) if not n.startswith(".")] if os.path.isdir(root) else []
-    return sorted((os.path.join(root, n) for n in names if is_complete(os.path.join(root, n))), key=_number)
-
-
-def _torch_optimizers(accelerator: Any) -> list:
-    return [getattr(o, "optimizer", o) for o in accelerator._optimizers]
-
-
 def save_state(wrapped, instance, args, kwargs):
-    if not _ours(instance):
+    from shardadopt.checkpoint import accelerator as core
+
+    if not core.manages(instance):
         return wrapped(*args, **kwargs)
-    return save_sharded_state(instance, *args, **kwargs)
-
-
-def save_sharded_state(accelerator: Any, output_dir: str | None = None, safe_serialization: bool = True,
-                       **save_model_func_kwargs: Any) -> str:
-    """``Accelerator.save_state`` for sharded models (see the module docstring); a public entry point too."""
-    import shutil
-
-    from accelerate.checkpointing import save_accelerator_state, save_custom_state
-
-    from shardadopt import checkpoint
-
-    config = accelerator.project_configuration
-    if config.automatic_checkpoint_naming:
-        root = os.path.join(accelerator.project_dir, "checkpoints")
-        os.makedirs(root, exist_ok=True)
-        folders = _complete_folders(root)
-        if config.total_limit is not None and len(folders) + 1 > config.total_limit and accelerator.is_main_process:
-            for folder in folders[: len(folders) + 1 - config.total_limit]:
-                shutil.rmtree(folder)
-        output_dir = os.path.join(root, f"checkpoint_{accelerator.save_iteration}")
-        if os.path.exists(output_dir):
-            raise ValueError(f"Checkpoint directory {output_dir} ({accelerator.save_iteration}) already exists. "
-                             f"Please manually override `self.save_iteration` with what iteration to start with.")
-        accelerator.wait_for_everyone()
-    if output_dir is None:
-        raise ValueError("save_state needs an output_dir when automatic checkpoint naming is disabled")
-    output_dir = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
-    os.makedirs(os.path.dirname(output_dir), exist_ok=True)
-    models = [_unwrapped(m) for m in accelerator._models]
-    with checkpoint.staged(output_dir, step=accelerator.step, models=models,
-                           metadata={"writer": "accelerate", "save_iteration": accelerator.save_iteration}) as stage:
-        checkpoint.save_sharded_state(stage, models, _torch_optimizers(accelerator))
-        # The state dicts are already written; hooks see no weights to edit, as with accelerate's FSDP path.
-        for hook in accelerator._save_model_state_pre_hook.values():
-            hook(accelerator._models, [], stage)
-        save_accelerator_state(stage, [], [], accelerator._schedulers, accelerator._dataloaders,
-                               accelerator.state.process_index, accelerator.step, accelerator.scaler,
-                               save_on_each_node=config.save_on_each_node, safe_serialization=safe_serialization)
-        for i, obj in enumerate(accelerator._custom_objects):
-            save_custom_state(obj, stage, i, save_on_each_node=config.save_on_each_node)
-    config.iteration += 1
-    return output_dir
+    return core.save_state(instance, *args, **kwargs)
 
 
 def load_state(wrapped, instance, args, kwargs):
-    if not _ours(instance):
+    from shardadopt.checkpoint import accelerator as core
+
+    if not core.manages(instance):
         return wrapped(*args, **kwargs)
-    return load_sharded_state(instance, *args, **kwargs)
-
-
-def load_sharded_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict | None = None,
-                       **load_model_func_kwargs: Any) -> None:
-    """``Accelerator.load_state`` for sharded models (see the module docstring); a public entry point too."""
-    from accelerate.checkpointing import load_accelerator_state, load_custom_state
-
-    from shardadopt import checkpoint
-
-    if input_dir is not None:
-        input_dir = os.path.expanduser(os.fspath(input_dir))
-        if not os.path.isdir(input_dir):
-            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
-    elif accelerator.project_configuration.automatic_checkpoint_naming:
-        root = os.path.join(accelerator.project_dir, "checkpoints")
-        folders = _complete_folders(root)
-        if not folders:
-            raise checkpoint.IncompleteCheckpointError(f"no complete checkpoint under {root}")
-        input_dir = folders[-1]
-    else:
-        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-    info = checkpoint.read_info(input_dir)  # refuses a partial checkpoint
-    models = [_unwrapped(m) for m in accelerator._models]
-    from shardadopt.adopt import adoption_kwargs
-
-    resharded = checkpoint.check_compatible(info, models, reshard=adoption_kwargs(accelerator).reshard_checkpoints)
-    for hook in accelerator._load_model_state_pre_hook.values():
-        hook(accelerator._models, input_dir)
-    checkpoint.load_sharded_state(input_dir, models, _torch_optimizers(accelerator))
-    load_model_func_kwargs.pop("map_location", None)
-    override = load_accelerator_state(input_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
-                                      accelerator.state.process_index, accelerator.scaler, "cpu", load_kwargs)
-    if resharded:
-        import warnings
-
-        warnings.warn(f"{input_dir} was saved with world size {info.world_size} and layouts {info.layouts}; the "
-                      f"weights and optimizer state were resharded, per-process RNG states were not restored",
-                      stacklevel=3)
-    if "step" in override:
-        accelerator.step = override["step"]
-    custom = [f for f in os.listdir(input_dir) if re.search(r"^custom_checkpoint_\d+\.pkl$", f)]
-    if len(custom) != len(accelerator._custom_objects):
-        raise RuntimeError(f"Number of custom checkpoints in folder {input_dir} ({len(custom)}) does not match the "
-                           f"number of registered objects ({len(accelerator._custom_objects)})")
-    for index, obj in enumerate(accelerator._custom_objects):
-        load_custom_state(obj, input_dir, index)
+    return core.load_state(instance, *args, **kwargs)
 
 
 def get_state_dict(wrapped, instance, args, kwargs):
-    model = args[0] if args else kwargs["model"]
-    if not _model_is_ours(instance, model):
-        return wrapped(*args, **kwargs)
-    from shardadopt.checkpoint import full_state_dict
+    from shardadopt.checkpoint import accelerator as core
 
-    return full_state_dict(_unwrapped(model), rank0_only=True)
+    model = args[0] if args else kwargs["model"]
+    if not core.manages_model(instance, model):
+        return wrapped(*args, **kwargs)
+    return core.get_state_dict(model)
 
 
 def save_model(wrapped, instance, args, kwargs):
+    from shardadopt.checkpoint import accelerator as core
+
     model = args[0] if args else kwargs["model"]
     safe = kwargs.get("safe_serialization", args[3] if len(args) > 3 else True)
-    if not _model_is_ours(instance, model) or not safe:
+    if not core.manages_model(instance, model) or not safe:
         # pickle format: upstream's writer over the (patched) full get_state_dict
         return wrapped(*args, **kwargs)
-    from shardadopt.checkpoint import save_full
-
     directory = args[1] if len(args) > 1 else kwargs["save_directory"]
     max_shard_size = kwargs.get("max_shard_size", args[2] if len(args) > 2 else "10GB")
-    if os.path.isfile(directory):
-        raise ValueError(f"Provided path ({directory}) should be a directory, not a file")
-    # accelerate's save_model writes the in-memory names and no config (load_checkpoint_in_model reads them back)
-    save_full(_unwrapped(model), directory, max_shard_size=max_shard_size, original_format=False,
-              write_config=False)
+    core.save_model(model, directory, max_shard_size)
 
 
 # The tests of the if-chains that pick accelerate's own FSDP/DeepSpeed/Megatron/XLA savers: the known broken shape

@@ -1,0 +1,203 @@
+"""``Accelerator.save_state`` / ``load_state`` / ``get_state_dict`` / ``save_model`` for sharded models.
+
+What the ``accelerate-sharded-checkpoint`` patch calls when a prepared model is sharded outside accelerate's own
+FSDP/DeepSpeed/Megatron plugins: models and optimizers through DCP, the rest with accelerate's own writers, in one
+directory published atomically; full tensors gathered one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import warnings
+from typing import Any
+
+from shardadopt.checkpoint.export import full_state_dict, save_full
+from shardadopt.checkpoint.publish import IncompleteCheckpointError, is_complete, read_info, staged
+from shardadopt.checkpoint.sharding import is_sharded
+from shardadopt.checkpoint.state import check_compatible, load_sharded_state, save_sharded_state
+
+# -- accelerate's private registries (every supported release): what prepare() and register_* recorded ------------
+
+
+def _prepared_models(accelerator: Any) -> list:
+    return accelerator._models
+
+
+def _prepared_optimizers(accelerator: Any) -> list:
+    return accelerator._optimizers
+
+
+def _prepared_schedulers(accelerator: Any) -> list:
+    return accelerator._schedulers
+
+
+def _prepared_dataloaders(accelerator: Any) -> list:
+    return accelerator._dataloaders
+
+
+def _custom_objects(accelerator: Any) -> list:
+    return accelerator._custom_objects
+
+
+def _save_state_pre_hooks(accelerator: Any) -> list:
+    return list(accelerator._save_model_state_pre_hook.values())
+
+
+def _load_state_pre_hooks(accelerator: Any) -> list:
+    return list(accelerator._load_model_state_pre_hook.values())
+
+
+# -- which models are ours -----------------------------------------------------------------------------------------
+
+def _unwrapped(model: Any) -> Any:
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_torch_compile=False)
+
+
+def _plugin_managed(accelerator: Any) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED,
+                                            DistributedType.MEGATRON_LM)
+
+
+def manages(accelerator: Any) -> bool:
+    """Whether a prepared model is sharded outside accelerate's own FSDP/DeepSpeed/Megatron plugins."""
+    return not _plugin_managed(accelerator) and any(is_sharded(_unwrapped(m)) for m in _prepared_models(accelerator))
+
+
+def manages_model(accelerator: Any, model: Any) -> bool:
+    """Whether ``model`` is sharded outside accelerate's own FSDP/DeepSpeed/Megatron plugins."""
+    return not _plugin_managed(accelerator) and is_sharded(_unwrapped(model))
+
+
+# -- save_state / load_state ---------------------------------------------------------------------------------------
+
+def _number(folder: str) -> int:
+    found = re.findall(r"(\d+)", os.path.basename(folder))
+    return int(found[-1]) if found else -1
+
+
+def _complete_folders(root: str) -> list[str]:
+    names = [n for n in os.listdir(root) if not n.startswith(".")] if os.path.isdir(root) else []
+    return sorted((os.path.join(root, n) for n in names if is_complete(os.path.join(root, n))), key=_number)
+
+
+def _torch_optimizers(accelerator: Any) -> list:
+    return [getattr(o, "optimizer", o) for o in _prepared_optimizers(accelerator)]
+
+
+def save_state(accelerator: Any, output_dir: str | None = None, safe_serialization: bool = True,
+               **save_model_func_kwargs: Any) -> str:
+    """``Accelerator.save_state`` for sharded models; every process calls it. Returns the checkpoint directory.
+
+    Models and optimizers through ``torch.distributed.checkpoint``, the rest (schedulers, dataloader/sampler
+    state, RNG per process, scaler, custom objects, ``step``) with accelerate's own writers, all into a staging
+    directory published atomically with a completion marker. ``automatic_checkpoint_naming`` and ``total_limit``
+    behave as upstream, counting complete checkpoints only.
+    """
+    from accelerate.checkpointing import save_accelerator_state, save_custom_state
+
+    config = accelerator.project_configuration
+    if config.automatic_checkpoint_naming:
+        root = os.path.join(accelerator.project_dir, "checkpoints")
+        os.makedirs(root, exist_ok=True)
+        folders = _complete_folders(root)
+        if config.total_limit is not None and len(folders) + 1 > config.total_limit and accelerator.is_main_process:
+            for folder in folders[: len(folders) + 1 - config.total_limit]:
+                shutil.rmtree(folder)
+        output_dir = os.path.join(root, f"checkpoint_{accelerator.save_iteration}")
+        if os.path.exists(output_dir):
+            raise ValueError(f"Checkpoint directory {output_dir} ({accelerator.save_iteration}) already exists. "
+                             f"Please manually override `self.save_iteration` with what iteration to start with.")
+        accelerator.wait_for_everyone()
+    if output_dir is None:
+        raise ValueError("save_state needs an output_dir when automatic checkpoint naming is disabled")
+    output_dir = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
+    os.makedirs(os.path.dirname(output_dir), exist_ok=True)
+    prepared = _prepared_models(accelerator)
+    models = [_unwrapped(m) for m in prepared]
+    with staged(output_dir, step=accelerator.step, models=models,
+                metadata={"writer": "accelerate", "save_iteration": accelerator.save_iteration}) as stage:
+        save_sharded_state(stage, models, _torch_optimizers(accelerator))
+        # The state dicts are already written; hooks see no weights to edit, as with accelerate's FSDP path.
+        for hook in _save_state_pre_hooks(accelerator):
+            hook(prepared, [], stage)
+        save_accelerator_state(stage, [], [], _prepared_schedulers(accelerator), _prepared_dataloaders(accelerator),
+                               accelerator.state.process_index, accelerator.step, accelerator.scaler,
+                               save_on_each_node=config.save_on_each_node, safe_serialization=safe_serialization)
+        for i, obj in enumerate(_custom_objects(accelerator)):
+            save_custom_state(obj, stage, i, save_on_each_node=config.save_on_each_node)
+    config.iteration += 1
+    return output_dir
+
+
+def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict | None = None,
+               **load_model_func_kwargs: Any) -> None:
+    """``Accelerator.load_state`` for sharded models; every process calls it.
+
+    Refuses a partial checkpoint, states whether the layout matches (resharding through DCP when the world size or
+    ``DistributedConfig`` differs, unless ``AdoptionKwargs(reshard_checkpoints=False)``), and restores everything
+    ``save_state`` wrote.
+    """
+    from accelerate.checkpointing import load_accelerator_state, load_custom_state
+
+    from shardadopt.adopt import adoption_kwargs
+
+    if input_dir is not None:
+        input_dir = os.path.expanduser(os.fspath(input_dir))
+        if not os.path.isdir(input_dir):
+            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+    elif accelerator.project_configuration.automatic_checkpoint_naming:
+        root = os.path.join(accelerator.project_dir, "checkpoints")
+        folders = _complete_folders(root)
+        if not folders:
+            raise IncompleteCheckpointError(f"no complete checkpoint under {root}")
+        input_dir = folders[-1]
+    else:
+        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    info = read_info(input_dir)  # refuses a partial checkpoint
+    prepared = _prepared_models(accelerator)
+    models = [_unwrapped(m) for m in prepared]
+    resharded = check_compatible(info, models, reshard=adoption_kwargs(accelerator).reshard_checkpoints)
+    for hook in _load_state_pre_hooks(accelerator):
+        hook(prepared, input_dir)
+    load_sharded_state(input_dir, models, _torch_optimizers(accelerator))
+    load_model_func_kwargs.pop("map_location", None)
+    override = load_accelerator_state(input_dir, [], [], _prepared_schedulers(accelerator),
+                                      _prepared_dataloaders(accelerator), accelerator.state.process_index,
+                                      accelerator.scaler, "cpu", load_kwargs)
+    if resharded:
+        warnings.warn(f"{input_dir} was saved with world size {info.world_size} and layouts {info.layouts}; the "
+                      f"weights and optimizer state were resharded, per-process RNG states were not restored",
+                      stacklevel=3)
+    if "step" in override:
+        accelerator.step = override["step"]
+    custom_objects = _custom_objects(accelerator)
+    custom = [f for f in os.listdir(input_dir) if re.search(r"^custom_checkpoint_\d+\.pkl$", f)]
+    if len(custom) != len(custom_objects):
+        raise RuntimeError(f"Number of custom checkpoints in folder {input_dir} ({len(custom)}) does not match the "
+                           f"number of registered objects ({len(custom_objects)})")
+    for index, obj in enumerate(custom_objects):
+        load_custom_state(obj, input_dir, index)
+
+
+# -- get_state_dict / save_model -----------------------------------------------------------------------------------
+
+def get_state_dict(model: Any) -> dict:
+    """Full CPU tensors of a sharded prepared ``model`` on the main process (``{}`` elsewhere), gathered one
+    parameter at a time as accelerate's FSDP2 path does; every process calls it."""
+    return full_state_dict(_unwrapped(model), rank0_only=True)
+
+
+def save_model(model: Any, save_directory: str, max_shard_size: int | str = "10GB") -> None:
+    """``Accelerator.save_model`` for a sharded prepared ``model``: safetensors streamed one parameter at a time by
+    ``save_full``; every process calls it."""
+    if os.path.isfile(save_directory):
+        raise ValueError(f"Provided path ({save_directory}) should be a directory, not a file")
+    # accelerate's save_model writes the in-memory names and no config (load_checkpoint_in_model reads them back)
+    save_full(_unwrapped(model), save_directory, max_shard_size=max_shard_size, original_format=False,
+              write_config=False)

@@ -1,0 +1,193 @@
+"""Atomic publication: a staging directory beside the target, a completion marker, one rename into place.
+
+Everything is written into a hidden staging directory next to the target; only after every rank has finished (a
+barrier) does rank 0 write the marker and rename the staging directory into place. A crash mid-save leaves a
+staging directory, never a directory that loads as complete: ``read_info`` refuses a directory without the marker,
+and ``latest`` skips it. The save runs under a fault fence (``shardadopt.fence``): one rank raising makes every
+rank raise at once (``PeerFailedError`` naming it on the others) and nothing is published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardadopt.checkpoint.sharding import _barrier, _world, layout
+from shardadopt.fence import fenced
+
+MARKER = "shardadopt_checkpoint.json"
+FORMAT = 1
+_STATE_DIR = "state"  # the DCP files
+_STAGING_SUFFIX = ".partial"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used as asked."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """The directory is not a completely written checkpoint (a save was interrupted, or it is not one)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint was saved with a layout that cannot be loaded into the target as asked."""
+
+
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint's completion marker records, plus what ``load`` did."""
+
+    directory: str
+    step: int | None
+    world_size: int
+    layouts: list[dict[str, Any]]
+    versions: dict[str, str]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    extra: Any = None
+    resharded: bool = False
+    rng_restored: bool = False
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate", "shardadopt"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _staging_path(directory: str) -> str:
+    parent, name = os.path.split(os.path.abspath(directory))
+    return os.path.join(parent, f".{name}{_STAGING_SUFFIX}")
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged(directory: str | os.PathLike, *, step: int | None = None, models: Sequence[torch.nn.Module] = (),
+           metadata: dict[str, Any] | None = None) -> Iterator[str]:
+    """Yield a staging directory to write a checkpoint into; publish it as ``directory`` once every rank is done.
+
+    Every rank must enter and leave the block. On normal exit: a barrier (all ranks finished writing), then rank 0
+    writes the completion marker and renames the staging directory to ``directory`` (replacing an older one of the
+    same name), then a barrier so no rank reads before publication. If the block raises, nothing is published.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    with fenced(f"the checkpoint save into {directory}"):  # a rank raising anywhere in here: every rank raises
+        staging = _staging_path(directory)
+        world_size, rank = _world()
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
+            os.makedirs(staging)
+        _barrier()
+        yield staging
+        _barrier()
+        if rank == 0:
+            _publish(staging, directory, step, world_size, models, metadata)
+        _barrier()
+
+
+def _publish(staging: str, directory: str, step: int | None, world_size: int, models: Sequence[torch.nn.Module],
+             metadata: dict[str, Any] | None) -> None:
+    """Rank 0, once every rank wrote its part: the completion marker, then one rename into place."""
+    marker = {"format": FORMAT, "complete": True, "step": step, "world_size": world_size,
+              "layouts": [layout(m) for m in models], "versions": _versions(), "time": time.time(),
+              "metadata": metadata or {}}
+    path = os.path.join(staging, MARKER)
+    with open(path, "w") as f:
+        json.dump(marker, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(staging)
+    old = None
+    if os.path.exists(directory):  # re-saving the same name: move the old one aside, then drop it
+        old = f"{staging}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(directory, old)
+    os.rename(staging, directory)
+    _fsync_dir(os.path.dirname(directory))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a completely written shardadopt checkpoint."""
+    return os.path.isfile(os.path.join(os.fspath(directory), MARKER))
+
+
+def read_info(directory: str | os.PathLike) -> CheckpointInfo:
+    """The completion marker of ``directory``; ``IncompleteCheckpointError`` when it is missing."""
+    directory = os.path.abspath(os.fspath(directory))
+    if not os.path.isdir(directory):
+        raise IncompleteCheckpointError(f"checkpoint directory {directory} does not exist")
+    path = os.path.join(directory, MARKER)
+    if not os.path.isfile(path):
+        partial = os.path.basename(directory).endswith(_STAGING_SUFFIX) or os.path.isdir(
+            os.path.join(directory, _STATE_DIR))
+        what = ("a save into it was interrupted before every rank finished" if partial
+                else "it was not written by shardadopt.checkpoint")
+        root = os.path.dirname(directory)
+        found = latest(root)
+        hint = (f"the latest complete checkpoint under {root} is {found}" if found
+                else f"there is no complete checkpoint under {root}")
+        raise IncompleteCheckpointError(
+            f"{directory} is not a complete checkpoint (no completion marker {MARKER}): {what}. "
+            f"Resume from a complete one instead ({hint}; shardadopt.checkpoint.latest(root) finds it).")
+    with open(path) as f:
+        marker = json.load(f)
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(f"{directory} has checkpoint format {marker.get('format')}, this shardadopt reads "
+                              f"format {FORMAT}; load it with the shardadopt version that wrote it "
+                              f"({marker.get('versions', {}).get('shardadopt', 'unknown')})")
+    return CheckpointInfo(directory=directory, step=marker.get("step"), world_size=marker["world_size"],
+                          layouts=marker.get("layouts", []), versions=marker.get("versions", {}),
+                          metadata=marker.get("metadata", {}))
+
+
+def latest(root: str | os.PathLike) -> str | None:
+    """The complete checkpoint directly under ``root`` with the highest step (then the newest); None if none.
+
+    Staging directories of interrupted saves and directories without a completion marker are skipped.
+    """
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    found = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name.startswith(".") or not is_complete(path):
+            continue
+        info = read_info(path)
+        found.append((info.step if info.step is not None else -1, os.path.getmtime(os.path.join(path, MARKER)),
+                      path))
+    return max(found)[2] if found else None
+
+
+def _publish_files(staging: str, directory: str, weights: list[str]) -> list[str]:
+    """Move the finished files of ``save_full`` into ``directory``, each with one rename (weights before the index
+    and config that name them), so a reader never sees a partly written file."""
+    os.makedirs(directory, exist_ok=True)
+    names = sorted(os.listdir(staging), key=lambda name: name not in weights)
+    for name in names:
+        os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    _fsync_dir(directory)
+    shutil.rmtree(staging, ignore_errors=True)
+    return [os.path.join(directory, name) for name in weights]

@@ -1,0 +1,48 @@
+"""Per-rank RNG state (python, numpy, torch CPU and CUDA) saved beside a checkpoint and restored on resume."""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from typing import Any
+
+import torch
+
+from shardadopt.checkpoint.sharding import _world
+
+
+def _rng_file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rng_state_{rank}.pt")
+
+
+def save_rng_state(directory: str) -> None:
+    """This rank's python, numpy and torch (CPU and current accelerator) RNG states."""
+    import numpy as np
+
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    torch.save(state, _rng_file(directory, _world()[1]))
+
+
+def load_rng_state(directory: str) -> bool:
+    """Restore this rank's RNG states; False when the checkpoint has no file for this rank."""
+    import numpy as np
+
+    path = _rng_file(directory, _world()[1])
+    if not os.path.isfile(path):
+        return False
+    state = torch.load(path, weights_only=False)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])  # the current device's, as saved
+        else:
+            warnings.warn(f"{path} holds a CUDA RNG state, but CUDA is not available here: the CPU, python and "
+                          f"numpy RNG states are restored, CUDA random streams are not", stacklevel=3)
+    return True
+

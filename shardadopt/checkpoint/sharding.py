@@ -1,0 +1,63 @@
+"""How the model and the world are laid out: DTensor / rank-local TP detection and the marker's layout record."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def rank_local(model: torch.nn.Module) -> bool:
+    """Whether tensor parallelism left plain (non-DTensor) parameters that hold each rank's own shard.
+
+    transformers 5.15 shards TP (and EP through TP) this way. Such tensors carry no placement, so DCP cannot tell
+    them from replicas: they are checkpointed per rank, and load back only into the same world and layout.
+    """
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    return (config is not None and getattr(config, "tp_size", 1) > 1
+            and not any(_is_dtensor(p) for p in model.parameters()))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any parameter is a DTensor or a rank-local TP shard, or any submodule is an FSDP2 module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return (any(_is_dtensor(p) for p in model.parameters()) or any(isinstance(m, FSDPModule) for m in model.modules())
+            or rank_local(model))
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def layout(model: torch.nn.Module) -> dict[str, Any]:
+    """A JSON-able description of how ``model`` is distributed: its ``DistributedConfig`` and its device meshes."""
+    meshes = {}
+    for p in model.parameters():
+        if _is_dtensor(p):
+            mesh = p.device_mesh
+            names = list(mesh.mesh_dim_names or [])
+            meshes[json.dumps([names, list(mesh.mesh.shape)])] = {"dims": names, "shape": list(mesh.mesh.shape)}
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if config is not None:
+        fields = ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size", "pp_size", "cp_size",
+                  "enable_expert_parallel")
+        config = {name: getattr(config, name) for name in fields if hasattr(config, name)}
+    return {"distributed_config": config, "meshes": sorted(meshes.values(), key=json.dumps),
+            "rank_local": rank_local(model)}
+
+
+def _barrier() -> None:
+    if _world()[0] > 1:
+        dist.barrier()
+

@@ -1,0 +1,199 @@
+"""Model, optimizer and scheduler state: ``torch.distributed.checkpoint`` per rank, and ``save``/``load``.
+
+DCP stores every DTensor as pieces of its global tensor, so a checkpoint loads into any layout whose global shapes
+match (fsdp 2 -> tp 2, fsdp 2 -> one process, ...). ``load`` compares the saved world size and layout with the
+target's, checks the global shapes, and says what it does: same layout -> exact resume (RNG included); different
+layout -> weights and optimizer resharded, per-rank RNG not restored (a warning says so), or
+``CheckpointMismatchError`` when ``reshard=False`` or a shape differs.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, CheckpointMismatchError, read_info, staged
+from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
+from shardadopt.checkpoint.sharding import _world, layout, rank_local
+
+_SCHEDULERS = "schedulers.pt"
+_EXTRA = "extra.pt"
+
+
+def _as_list(x: Any) -> list:
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _pairs(models: list[torch.nn.Module], optimizers: list) -> list[tuple[torch.nn.Module, list]]:
+    """Each model with the optimizers over its parameters: one per model, or all of them for a single model."""
+    if not optimizers:
+        return [(m, []) for m in models]
+    if len(models) == 1:
+        return [(models[0], optimizers)]
+    if len(optimizers) == len(models):
+        return [(m, [o]) for m, o in zip(models, optimizers)]
+    raise ValueError(f"got {len(models)} models and {len(optimizers)} optimizers; pass one optimizer per model "
+                     f"(in the same order) or a single model")
+
+
+def _key(kind: str, i: int, model: torch.nn.Module) -> str:
+    key = kind if i == 0 else f"{kind}_{i}"
+    # rank-local shards share their names across ranks: a per-rank key keeps DCP from deduplicating them
+    return f"{key}@rank{_world()[1]}" if rank_local(model) else key
+
+
+def _state_dicts(models: list[torch.nn.Module], optimizers: list) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state: dict[str, Any] = {}
+    for i, (model, opts) in enumerate(_pairs(models, optimizers)):
+        model_sd, optim_sd = get_state_dict(model, opts)
+        state[_key("model", i, model)] = model_sd
+        if opts:
+            state[_key("optimizer", i, model)] = optim_sd
+    return state
+
+
+def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch.nn.Module,
+                       optimizers: Sequence[Any] | Any = None) -> None:
+    """Write models' and optimizers' (sharded) state into ``directory/state`` with DCP. A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state_dicts(_as_list(models), _as_list(optimizers)),
+             checkpoint_id=os.path.join(directory, _STATE_DIR))
+
+
+def _saved_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(os.path.join(directory, _STATE_DIR)).read_metadata()
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of a nested state dict, keyed the way DCP flattens them (dots between levels)."""
+    out = {}
+    for k, v in state.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, torch.Tensor):
+            out[key] = tuple(v.shape)
+        elif isinstance(v, dict):
+            out.update(_flat_shapes(v, key + "."))
+    return out
+
+
+def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch.nn.Module,
+                       optimizers: Sequence[Any] | Any = None) -> None:
+    """Read models' and optimizers' state written by ``save_sharded_state`` into them, resharding as needed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    models, optimizers = _as_list(models), _as_list(optimizers)
+    state = _state_dicts(models, optimizers)
+    saved = _saved_shapes(directory)
+    wanted = {k: v for k, v in _flat_shapes(state).items() if ".param_groups." not in k}
+    missing = sorted(k for k in wanted if k not in saved)
+    differ = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
+    if missing or differ:
+        detail = "; ".join(filter(None, [
+            f"{len(missing)} entries missing from the checkpoint (e.g. {missing[:3]})" if missing else "",
+            f"{len(differ)} global shapes differ (e.g. {[(k, saved[k], wanted[k]) for k in differ[:3]]})"
+            if differ else ""]))
+        raise CheckpointMismatchError(
+            f"{directory} does not fit the model/optimizer being loaded: {detail}. It was saved from a different "
+            f"model or optimizer (or a different set of trainable parameters); load it into the same architecture.")
+    dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
+    for i, (model, opts) in enumerate(_pairs(models, optimizers)):
+        set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],
+                       optim_state_dict=state.get(_key("optimizer", i, model), {}))
+
+
+
+def check_compatible(info: CheckpointInfo, models: Sequence[torch.nn.Module], *, reshard: bool = True) -> bool:
+    """Whether loading ``info`` into ``models`` on this world reshards (True) or resumes the same layout (False).
+
+    Raises ``CheckpointMismatchError`` when the layouts differ and ``reshard`` is False, or when the number of
+    models differs. Global shapes are checked when the state is read.
+    """
+    world_size = _world()[0]
+    current = [layout(m) for m in models]
+    if info.layouts and len(info.layouts) != len(current):
+        raise CheckpointMismatchError(f"{info.directory} holds {len(info.layouts)} model(s), {len(current)} given")
+    same = info.world_size == world_size and (not info.layouts or info.layouts == current)
+    if same:
+        return False
+    description = (f"saved with world size {info.world_size} and layout {info.layouts}, loading with world size "
+                   f"{world_size} and layout {current}")
+    if any(lay.get("rank_local") for lay in info.layouts + current):
+        raise CheckpointMismatchError(
+            f"{info.directory} was {description}. Tensor-parallel parameters that are plain per-rank shards "
+            f"(transformers releases whose TP does not use DTensor) carry no placement, so they cannot be "
+            f"resharded: load with the same DistributedConfig and number of processes.")
+    if not reshard:
+        raise CheckpointMismatchError(
+            f"{info.directory} was {description}. Load it with the same DistributedConfig and number of processes, "
+            f"or pass reshard=True to let torch.distributed.checkpoint reshard the weights and optimizer state "
+            f"(the per-rank RNG and data order of the original run are then not restored).")
+    return True
+
+
+def save(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.nn.Module],
+         optimizer: Any = None, scheduler: Any = None, *, step: int | None = None, extra: Any = None,
+         rng: bool = True, metadata: dict[str, Any] | None = None) -> str:
+    """Save a resumable checkpoint into ``directory`` atomically; every rank must call it. Returns the directory.
+
+    ``model``/``optimizer``/``scheduler`` may be lists (one optimizer per model, or several for one model).
+    ``extra`` is any picklable object (dataloader position, counters), saved from rank 0. ``metadata`` (JSON-able)
+    goes into the completion marker.
+    """
+    models = _as_list(model)
+    with staged(directory, step=step, models=models, metadata=metadata) as stage:
+        save_sharded_state(stage, models, optimizer)
+        if _world()[1] == 0:
+            schedulers = _as_list(scheduler)
+            if schedulers:
+                torch.save([s.state_dict() for s in schedulers], os.path.join(stage, _SCHEDULERS))
+            if extra is not None:
+                torch.save(extra, os.path.join(stage, _EXTRA))
+        if rng:
+            save_rng_state(stage)
+    return os.path.abspath(os.fspath(directory))
+
+
+def load(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any = None,
+         scheduler: Any = None, *, rng: bool = True, reshard: bool = True) -> CheckpointInfo:
+    """Load a checkpoint written by ``save`` into the given objects; every rank must call it.
+
+    Refuses an incomplete checkpoint (``IncompleteCheckpointError``). With the same world size and layout it
+    restores everything, per-rank RNG included. With a different layout it reshards the weights and optimizer
+    state through DCP (``info.resharded``) and leaves the RNG alone, with a warning; ``reshard=False`` refuses
+    instead (``CheckpointMismatchError``).
+    """
+    info = read_info(directory)
+    models = _as_list(model)
+    info.resharded = check_compatible(info, models, reshard=reshard)
+    load_sharded_state(info.directory, models, optimizer)
+    schedulers = _as_list(scheduler)
+    if schedulers:
+        states = torch.load(os.path.join(info.directory, _SCHEDULERS), weights_only=False)
+        if len(states) != len(schedulers):
+            raise CheckpointMismatchError(f"{info.directory} holds {len(states)} scheduler(s), {len(schedulers)} given")
+        for s, state in zip(schedulers, states):
+            s.load_state_dict(state)
+    extra_path = os.path.join(info.directory, _EXTRA)
+    if os.path.isfile(extra_path):
+        info.extra = torch.load(extra_path, weights_only=False)
+    if rng and not info.resharded:
+        info.rng_restored = load_rng_state(info.directory)
+    elif rng:
+        warnings.warn(f"{info.directory} was saved with world size {info.world_size} and a different layout: the "
+                      f"weights and optimizer state were resharded, the per-rank RNG states were not restored",
+                      stacklevel=2)
+    return info

@@ -1,0 +1,215 @@
+"""Resumable, atomic Trainer checkpoints and streamed full export for models sharded at load time.
+
+What the ``trainer-sharded-checkpoint`` patch calls for a model whose parameters are DTensors / FSDP2 modules outside
+accelerate's own FSDP and DeepSpeed plugins: ``checkpoint-N`` written through DCP into a directory published
+atomically, read back (resharding when the layout differs), the final ``save_model`` streamed by ``save_full``, and
+the lift of the Trainer's refusal to checkpoint such a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from shardadopt.checkpoint.export import save_full
+from shardadopt.checkpoint.publish import _STATE_DIR, MARKER, read_info, staged
+from shardadopt.checkpoint.sharding import is_sharded
+from shardadopt.checkpoint.state import check_compatible, load_sharded_state, save_sharded_state
+
+# -- the Trainer's private helpers (every supported release) that a checkpoint reuses ------------------------------
+
+
+def _run_output_dir(trainer: Any, trial: Any) -> str:
+    return trainer._get_output_dir(trial=trial)
+
+
+def _save_scaler(trainer: Any, directory: str) -> None:
+    trainer._save_scaler(directory)
+
+
+def _save_rng_state(trainer: Any, directory: str) -> None:
+    trainer._save_rng_state(directory)
+
+
+def _push_from_checkpoint(trainer: Any, directory: str) -> None:
+    trainer._push_from_checkpoint(directory)
+
+
+# -- which trainers and checkpoints are ours -----------------------------------------------------------------------
+
+def manages(trainer: Any) -> bool:
+    """A model sharded (DTensor/FSDP2) outside accelerate's FSDP and DeepSpeed plugins."""
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        return False
+    return is_sharded(trainer.model)
+
+
+def is_sharded_checkpoint(directory: str) -> bool:
+    """A shardadopt checkpoint, complete or not (a partial one must be refused, not read as upstream's)."""
+    return os.path.isfile(os.path.join(directory, MARKER)) or os.path.isdir(os.path.join(directory, _STATE_DIR))
+
+
+# -- lifting the refusal in Trainer.__init__ ------------------------------------------------------------------------
+
+def _model_is_sharded(model: Any) -> bool:
+    return model is not None and is_sharded(model)
+
+
+class _Lift:
+    """Lets one ``Trainer.__init__`` pass the refusal for a sharded model, then restores the user's flag.
+
+    The refusal reads ``args.save_strategy`` and ``args.save_only_model`` after the model is resolved: for
+    ``model=`` the flag is set before ``__init__``; for ``model_init=`` (called inside ``__init__``, after the
+    accelerator's own ``save_only_model`` checks) once ``call_model_init`` has returned a sharded model.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer, self.training_args = trainer, None
+
+    def engage(self, training_args: Any, model: Any) -> None:
+        from transformers.trainer_utils import SaveStrategy
+
+        if (self.training_args is None and training_args is not None and _model_is_sharded(model)
+                and not training_args.save_only_model and training_args.save_strategy != SaveStrategy.NO):
+            self.training_args = training_args
+            training_args.save_only_model = True
+
+    def release(self) -> None:
+        if self.training_args is not None:
+            self.training_args.save_only_model = False
+            self.training_args = None
+
+
+# The Trainer whose __init__ is running in this context (model_init may itself build a Trainer).
+_INIT: contextvars.ContextVar[_Lift | None] = contextvars.ContextVar("shardadopt_trainer_init", default=None)
+
+
+@contextlib.contextmanager
+def refusal_lifted(trainer: Any, training_args: Any, model: Any) -> Iterator[None]:
+    """Around one ``Trainer.__init__(model, args, ...)``: its refusal to checkpoint a sharded model is lifted for a
+    sharded ``model`` now, or for the model ``call_model_init`` returns inside it (see ``model_resolved``)."""
+    lift = _Lift(trainer)
+    lift.engage(training_args, model)
+    token = _INIT.set(lift)
+    try:
+        yield
+    finally:
+        _INIT.reset(token)
+        lift.release()
+
+
+def model_resolved(trainer: Any, model: Any) -> None:
+    """``trainer.call_model_init()`` returned ``model``: inside that trainer's ``__init__``, lift the refusal for a
+    sharded one (``train()`` calls it again, outside ``__init__``: nothing to do then)."""
+    lift = _INIT.get()
+    if lift is not None and lift.trainer is trainer:
+        lift.engage(trainer.args, model)
+
+
+# -- save / load ---------------------------------------------------------------------------------------------------
+
+def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
+    """Upstream's ``Trainer._save_checkpoint`` with the state written by DCP into an atomically published folder.
+
+    Model and optimizer with ``torch.distributed.checkpoint`` (each rank its shards), scheduler, scaler, per-rank
+    RNG (Trainer's own files), ``trainer_state.json`` and the config, published once every rank has finished, with
+    a completion marker. Best-model tracking and ``save_total_limit`` rotation as upstream. Returns the folder.
+    """
+    import torch
+    import torch.distributed as dist
+    from transformers import trainer as trainer_module
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+
+    state, targs = trainer.state, trainer.args
+    if trainer.hp_search_backend is None and trial is None:
+        trainer.store_flos()
+    run_dir = _run_output_dir(trainer, trial)
+    output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+    os.makedirs(run_dir, exist_ok=True)
+
+    if targs.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST] and state.best_global_step:
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+        if state.best_global_step == state.global_step or os.path.exists(best):
+            state.best_model_checkpoint = best
+
+    optimizers = [] if targs.save_only_model else [trainer.optimizer]
+    with staged(output_dir, step=state.global_step, models=[trainer.model],
+                metadata={"writer": "transformers.Trainer"}) as stage:
+        save_sharded_state(stage, trainer.model, [getattr(o, "optimizer", o) for o in optimizers])
+        if not targs.save_only_model:
+            if targs.should_save and trainer.lr_scheduler is not None:
+                with warnings.catch_warnings(record=True):
+                    torch.save(trainer.lr_scheduler.state_dict(), os.path.join(stage, trainer_module.SCHEDULER_NAME))
+            _save_scaler(trainer, stage)
+            _save_rng_state(trainer, stage)
+        if targs.should_save:
+            trainer.model.config.save_pretrained(stage)
+            torch.save(targs, os.path.join(stage, trainer_module.TRAINING_ARGS_NAME))
+            for cb in [c for c in trainer.callback_handler.callbacks + [trainer.control]
+                       if isinstance(c, ExportableState)]:
+                name = cb.__class__.__name__
+                if isinstance(state.stateful_callbacks[name], list):
+                    state.stateful_callbacks[name].append(cb.state())
+                else:
+                    state.stateful_callbacks[name] = cb.state()
+            state.save_to_json(os.path.join(stage, trainer_module.TRAINER_STATE_NAME))
+    if targs.push_to_hub:
+        _push_from_checkpoint(trainer, output_dir)
+    if targs.should_save:
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=targs.save_total_limit,
+                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+    if dist.is_initialized():
+        dist.barrier()  # no rank may read a rotated-away checkpoint
+    return output_dir
+
+
+def load_model(trainer: Any, directory: str) -> None:
+    """The model's weights from a checkpoint ``save_checkpoint`` wrote (resharded, with a warning, when the layout
+    differs); refuses a partial checkpoint with a clear message. Every rank calls it."""
+    info = read_info(directory)
+    if check_compatible(info, [trainer.model], reshard=True):
+        warnings.warn(f"{directory} was saved with world size {info.world_size} and layouts {info.layouts}; the "
+                      f"weights and optimizer state are resharded, the data order and RNG cannot continue exactly",
+                      stacklevel=3)
+    load_sharded_state(info.directory, trainer.model)
+
+
+def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
+    """The optimizer (through DCP, with the model) and the scheduler from a checkpoint ``save_checkpoint`` wrote."""
+    import torch
+    from transformers import trainer as trainer_module
+
+    read_info(directory)
+    load_sharded_state(directory, trainer.model, [getattr(trainer.optimizer, "optimizer", trainer.optimizer)])
+    scheduler_file = os.path.join(directory, trainer_module.SCHEDULER_NAME)
+    if os.path.isfile(scheduler_file):
+        with warnings.catch_warnings(record=True):
+            trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+# -- final export --------------------------------------------------------------------------------------------------
+
+def export_full_model(trainer: Any, output_dir: str) -> None:
+    """Consolidated safetensors + config, processing class and training args; every rank must call it."""
+    import torch
+    from transformers import trainer as trainer_module
+
+    save_full(trainer.model, output_dir)
+    if trainer.args.should_save:
+        tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(trainer.args, os.path.join(output_dir, trainer_module.TRAINING_ARGS_NAME))
+
+
+def save_model(trainer: Any, output_dir: str | None = None, internal: bool = False) -> None:
+    """``Trainer.save_model`` for a sharded model: ``export_full_model`` on every rank, then the Hub push upstream
+    does for a call from user code."""
+    export_full_model(trainer, output_dir or trainer.args.output_dir)
+    if trainer.args.push_to_hub and not internal:
+        trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
