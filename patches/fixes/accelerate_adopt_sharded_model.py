@@ -17,9 +17,11 @@ TEST = '''\
 # See the License for the specific language governing permissions and
 # limitations under the License.
 import sys
+import tempfile
 import unittest
 
 from accelerate.test_utils import execute_subprocess_async, get_torch_dist_unique_port, require_torch_min_version
+from accelerate.test_utils.testing import require_transformers
 from accelerate.utils import patch_environment
 
 
@@ -28,7 +30,7 @@ class ShardedModelTester(unittest.TestCase):
     """A model sharded before `prepare` (FSDP2 or tensor parallel, no plugin) trains like one process on the global
     batch: each case runs on 2 CPU processes (gloo) and compares with that reference computed in the same script."""
 
-    def run_case(self, case):
+    def run_case(self, *args):
         cmd = [
             sys.executable,
             "-m",
@@ -36,7 +38,7 @@ class ShardedModelTester(unittest.TestCase):
             "--nproc_per_node=2",
             f"--master_port={get_torch_dist_unique_port()}",
             __file__,
-            case,
+            *args,
         ]
         with patch_environment(omp_num_threads=1):
             execute_subprocess_async(cmd)
@@ -46,6 +48,11 @@ class ShardedModelTester(unittest.TestCase):
 
     def test_tensor_parallel_model(self):
         self.run_case("tp")
+
+    @require_transformers
+    def test_model_sharded_by_transformers(self):
+        with tempfile.TemporaryDirectory() as checkpoint:
+            self.run_case("transformers", checkpoint)
 
 
 DATASET_SIZE, BATCH_SIZE, ACCUMULATION_STEPS, MAX_NORM, LR = 32, 4, 2, 0.05, 0.5
@@ -83,6 +90,58 @@ def full(tensor):
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def train_transformers_model(checkpoint):
+    """A model that `transformers` shards while loading (tensor parallel over both processes) trains like one process
+    on the same batches: the same losses, step by step."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.distributed import DistributedConfig
+
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    if accelerator.is_main_process:
+        config = LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(checkpoint)
+    accelerator.wait_for_everyone()
+    sequences = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(1))
+
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, distributed_config=DistributedConfig(tp_size=2), dtype=torch.float32
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(sequences, batch_size=BATCH_SIZE))
+    losses, seen = [], []
+    for batch in loader:
+        seen.append(batch.tolist())
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    everyone = [None] * accelerator.num_processes
+    dist.all_gather_object(everyone, seen)
+    assert everyone[0] == everyone[1], "the ranks of a tensor parallel group got different batches"
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    expected = []
+    for batch in DataLoader(sequences, batch_size=BATCH_SIZE):
+        loss = reference(input_ids=batch, labels=batch).loss
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        expected.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    accelerator.end_training()  # destroys the process group
 
 
 def main(case):
@@ -158,7 +217,10 @@ def main(case):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "transformers":
+        train_transformers_model(sys.argv[2])
+    else:
+        main(sys.argv[1])
 '''
 
 ACCELERATOR = "src/accelerate/accelerator.py"
@@ -476,7 +538,9 @@ FIX = Fix(
         guard and _clip_grad_norm_dtensor_aware (clip_grad_norm_ over several meshes and plain tensors at once); 1.15
         has them. The test trains an FSDP2 model and a tensor parallel model (with a plain LayerNorm) on two CPU
         processes with gradient accumulation and clipping, and compares parameters and gathered predictions with one
-        process training on the global batch; it checks the TP ranks' batches are identical.
+        process training on the global batch, and a Llama model that transformers shards while loading
+        (DistributedConfig(tp_size=2)) against the same model trained in one process, loss by loss; it checks that
+        the ranks of each tensor parallel group get identical batches.
 
         Left out (the shardadopt runtime patch does these): an explicit layout for meshes this cannot read
         (AdoptionKwargs(topology=...)), e.g. an unnamed tensor parallel mesh or one whose tp dimension is not last;
