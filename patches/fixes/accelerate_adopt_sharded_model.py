@@ -545,6 +545,8 @@ FIX = Fix(
         Left out (the shardadopt runtime patch does these): an explicit layout for meshes this cannot read
         (AdoptionKwargs(topology=...)), e.g. an unnamed tensor parallel mesh or one whose tp dimension is not last;
         re-splitting dataloaders prepared before the model; one Accelerator adopting models of different layouts;
+        refusing a model sharded over more processes than the Accelerator runs (on a machine without GPUs, torchrun
+        processes without Accelerator(cpu=True) each run as a job of their own);
         splitting optimizer param groups by mesh so foreach/fused optimizers can step mixed DTensor/plain groups (the
         test uses SGD, which on CPU steps per tensor); counting the plain tensor-parallel shards of transformers
         5.15/5.16 by the ranks that hold them when clipping, and giving them contiguous storage for fused AdamW (both
