@@ -1,0 +1,90 @@
+"""accelerate-cpu-parallelism-config: accept ParallelismConfig on CPU processes (DistributedType.MULTI_CPU, gloo)."""
+
+from upstream_diffs import Edit, Fix, NewFile
+
+TEST = '''\
+# Copyright 2026 The HuggingFace Team. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+import sys
+import unittest
+
+from accelerate.test_utils import execute_subprocess_async, get_torch_dist_unique_port
+from accelerate.utils import patch_environment
+
+
+class ParallelismConfigOnCpuTester(unittest.TestCase):
+    def test_tensor_parallel_config_on_two_cpu_processes(self):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={get_torch_dist_unique_port()}",
+            __file__,
+        ]
+        with patch_environment(omp_num_threads=1):
+            execute_subprocess_async(cmd)
+
+
+if __name__ == "__main__":
+    # Runs on each of 2 CPU processes (gloo): a ParallelismConfig must be accepted, its mesh built on CPU, and the
+    # two processes of the tensor parallel group must get the same batches.
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2))
+    assert accelerator.distributed_type == DistributedType.MULTI_CPU, accelerator.distributed_type
+    assert accelerator.torch_device_mesh["tp"].size() == 2
+    assert accelerator.tensor_parallel_rank == accelerator.process_index
+
+    loader = accelerator.prepare(DataLoader(torch.arange(12.0), batch_size=3))
+    batches = [batch.tolist() for batch in loader]
+    everyone = [None] * accelerator.num_processes
+    dist.all_gather_object(everyone, batches)
+    assert everyone[0] == everyone[1], f"tensor parallel ranks got different batches: {everyone}"
+    assert sum(everyone[0], []) == torch.arange(12.0).tolist(), everyone[0]
+    accelerator.end_training()  # destroys the process group
+'''
+
+FIX = Fix(
+    id="accelerate-cpu-parallelism-config",
+    distribution="accelerate",
+    kind="proposal",
+    upstream="huggingface/accelerate main (no upstream issue yet)",
+    summary="""
+        ParallelismConfig._validate_accelerator refuses DistributedType.MULTI_CPU, because Accelerator.multi_device
+        lists only the MULTI_<accelerator> types. Tensor parallelism, HSDP and 2-D layouts therefore cannot run on CPU
+        processes (gloo), not even the ParallelismConfig that transformers' Trainer builds for a model loaded with
+        DistributedConfig(tp_size=...). Nothing downstream needs an accelerator: the device mesh is built for
+        accelerator.device.type ("cpu" gives gloo groups), the dataloader split reads the mesh, and prepare_model keys
+        its TP branch on parallelism_config.tp_enabled.
+
+        Accept MULTI_CPU in this one check. multi_device keeps its meaning for its other readers (the DDP device_ids,
+        join_uneven_inputs, load_state's map_location), which are device specific. The test runs a tp_size=2
+        ParallelismConfig on two CPU processes and checks that both ranks of the TP group get the same batches.
+    """,
+    edits=(
+        Edit("src/accelerate/parallelism_config.py",
+             "            or accelerator.distributed_type == DistributedType.DEEPSPEED\n"
+             "        ):\n",
+             "            or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MULTI_CPU)\n"
+             "        ):\n"),
+    ),
+    new_files=(NewFile("tests/test_parallelism_config_cpu.py", TEST),),
+)
