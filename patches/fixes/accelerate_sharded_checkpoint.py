@@ -268,7 +268,8 @@ HELPER = Edit(
     "        \"\"\"\n"
     "        if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):\n"
     "            return False\n"
-    "        return any(model_has_dtensor(self.unwrap_model(model)) for model in (self._models if models is None else models))\n"
+    "        models = self._models if models is None else models\n"
+    "        return any(model_has_dtensor(self.unwrap_model(model)) for model in models)\n"
     "\n"
     "    def register_for_checkpointing(self, *objects):\n")
 

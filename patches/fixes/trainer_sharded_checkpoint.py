@@ -59,8 +59,12 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
         config = LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
         )
         LlamaForCausalLM(config).save_pretrained(model_dir)
     dist.barrier()
@@ -71,8 +75,17 @@ if __name__ == "__main__":
     def train(run_dir, resume_from_checkpoint=None):
         model = AutoModelForCausalLM.from_pretrained(model_dir, distributed_config=DistributedConfig(fsdp_size=2))
         args = TrainingArguments(
-            output_dir=run_dir, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2, logging_steps=1,
-            save_strategy="steps", save_steps=2, use_cpu=True, report_to=[], seed=7, disable_tqdm=True,
+            output_dir=run_dir,
+            per_device_train_batch_size=2,
+            max_steps=4,
+            learning_rate=1e-2,
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=2,
+            use_cpu=True,
+            report_to=[],
+            seed=7,
+            disable_tqdm=True,
         )
         trainer = Trainer(model=model, args=args, train_dataset=dataset)
         trainer.train(resume_from_checkpoint=resume_from_checkpoint)
