@@ -36,8 +36,8 @@ def build_experts(dtype):
 
     from shardadopt import upstream
 
-    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=2, num_experts_per_tok=2)
-    upstream.set_experts_implementation(config, "grouped_mm")
+    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=2, num_experts_per_tok=2,
+                            experts_implementation="grouped_mm")
     torch.manual_seed(0)
     experts = Qwen3MoeExperts(config).to(device="cuda", dtype=dtype)
     for param in experts.parameters():

@@ -242,13 +242,6 @@ def set_experts_expert_parallel(experts: Any, flag: bool) -> None:
     experts._is_expert_parallel = flag
 
 
-def set_experts_implementation(config: Any, implementation: str) -> None:
-    """Set ``PretrainedConfig._experts_implementation`` (e.g. ``"grouped_mm"``), the experts kernel a MoE model
-    built from ``config`` uses. Checked on transformers 5.15-5.24."""
-    _attribute(config, "_experts_implementation", "set_experts_implementation", "transformers")
-    config._experts_implementation = implementation
-
-
 def experts_apply_gate(experts: Any, projected: torch.Tensor) -> torch.Tensor:
     """``experts._apply_gate(projected)``: the gated activation of a gate+up projection. Checked on transformers
     5.15-5.24."""
