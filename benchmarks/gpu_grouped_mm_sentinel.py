@@ -42,7 +42,7 @@ def build_experts(dtype):
     experts = Qwen3MoeExperts(config).to(device="cuda", dtype=dtype)
     for param in experts.parameters():
         torch.nn.init.normal_(param, std=0.05)
-    upstream.set_experts_expert_parallel(experts, True)  # read by transformers >= 5.21; 5.15/5.16 mask unconditionally
+    upstream.set_experts_expert_parallel(experts, True)  # read by transformers >= 5.18; 5.15/5.16 mask unconditionally
     return experts
 
 

@@ -38,7 +38,7 @@ __all__ = ["fix_single_rank_expert_grad_divide", "grouped_mm_experts_forward", "
 
 def is_expert_parallel(experts: torch.nn.Module) -> bool:
     """Whether an experts module was sharded by expert at load time (its routing carries sentinel slots)."""
-    flag = upstream.experts_is_expert_parallel(experts)  # set by upstream from 5.21
+    flag = upstream.experts_is_expert_parallel(experts)  # set by upstream from 5.18
     if flag is not None:
         return bool(flag)
     distributed = getattr(getattr(experts, "config", None), "distributed_config", None)

@@ -195,7 +195,7 @@ def model_device_mesh(model: Any) -> Any:
 
 def model_mesh_manager(model: Any) -> Any:
     """``PreTrainedModel._mesh_manager``: the ``TransformersDeviceMesh`` (dense and expert meshes) of a model
-    sharded at load time; None for other models, and on releases before it existed (5.15 has none). Checked on
+    sharded at load time; None for other models, and on releases before 5.19 (which have none). Checked on
     transformers 5.15-5.24."""
     return getattr(model, "_mesh_manager", None)
 
@@ -212,7 +212,8 @@ def is_mesh_manager(obj: Any) -> bool:
 
 def mesh_manager_meshes(manager: Any) -> tuple[Any, Any]:
     """``(TransformersDeviceMesh._dense_mesh, TransformersDeviceMesh._expert_mesh)``: the (pp, [dp_replicate,]
-    fsdp, tp) and (pp, [dp_replicate,] efsdp, ep) meshes. Checked on transformers 5.24."""
+    fsdp, tp) and (pp, [dp_replicate,] efsdp, ep) meshes (the class exists from 5.19). Checked on transformers
+    5.24."""
     return (_attribute(manager, "_dense_mesh", "mesh_manager_meshes", "transformers"),
             _attribute(manager, "_expert_mesh", "mesh_manager_meshes", "transformers"))
 
@@ -233,12 +234,12 @@ def from_config_constructor(model_class: type) -> Callable[..., Any] | None:
 
 def experts_is_expert_parallel(experts: Any) -> bool | None:
     """``experts._is_expert_parallel``: whether transformers sharded an experts module by expert; None when unset
-    (releases before 5.21 never set it). Checked on transformers 5.15-5.24."""
+    (releases before 5.18 never set it). Checked on transformers 5.15-5.24."""
     return getattr(experts, "_is_expert_parallel", None)
 
 
 def set_experts_expert_parallel(experts: Any, flag: bool) -> None:
-    """Set ``experts._is_expert_parallel`` (read by transformers >= 5.21; earlier releases ignore it)."""
+    """Set ``experts._is_expert_parallel`` (read by transformers >= 5.18; earlier releases ignore it)."""
     experts._is_expert_parallel = flag
 
 
@@ -263,7 +264,7 @@ def moe_can_use_grouped_mm(hidden: torch.Tensor, weight: torch.Tensor, offsets: 
 
 def module_hf_device_mesh(module: torch.nn.Module) -> Any:
     """``module._hf_device_mesh``: the mesh transformers 5.15's tensor parallelism records on the modules it shards;
-    None where it is unset (other modules, later releases). Checked on transformers 5.15-5.24."""
+    None where it is unset (other modules; 5.16 and later never set it). Checked on transformers 5.15-5.24."""
     return getattr(module, "_hf_device_mesh", None)
 
 

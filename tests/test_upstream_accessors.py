@@ -203,8 +203,8 @@ def _experts():
 def test_experts_is_expert_parallel():
     experts = _experts()
     flag = upstream.experts_is_expert_parallel(experts)
-    # transformers 5.21 started marking experts modules (False unless sharded by expert); earlier ones never do.
-    assert flag is (False if _transformers_at_least("5.21") else None)
+    # transformers 5.18 started marking experts modules (False unless sharded by expert); earlier ones never do.
+    assert flag is (False if _transformers_at_least("5.18") else None)
 
 
 def test_set_experts_expert_parallel():
@@ -446,8 +446,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     def manager_meshes():
         manager = upstream.model_mesh_manager(model)
-        if manager is None:  # releases before the mesh manager; 5.24 has one
-            return not _transformers_at_least("5.24") and not upstream.is_mesh_manager(model)
+        if manager is None:  # the mesh manager came in 5.19
+            return not _transformers_at_least("5.19")
         dense, expert = upstream.mesh_manager_meshes(manager)
         return (upstream.is_mesh_manager(manager) and isinstance(dense, DeviceMesh)
                 and isinstance(expert, DeviceMesh) and dense.size() == world)
@@ -465,8 +465,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
         meshes = [upstream.module_hf_device_mesh(m) for m in model.modules()]
         if not all(m is None or isinstance(m, DeviceMesh) for m in meshes):
             return False
-        # 5.15 records the mesh on every module its tensor parallelism shards.
-        return _transformers_at_least("5.16") or any(m is not None for m in meshes)
+        # 5.15 records the mesh on the modules its tensor parallelism shards; later releases on none.
+        return any(m is not None for m in meshes) is not _transformers_at_least("5.16")
 
     check("module_hf_device_mesh", hf_meshes)
     return results
