@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from shardadopt.probing import Undecided, upstream_function
@@ -54,8 +55,8 @@ _MISSING = object()
 def _attribute(obj: Any, name: str, accessor: str, distribution: str) -> Any:
     value = getattr(obj, name, _MISSING)
     if value is _MISSING:
-        owner = obj if isinstance(obj, type) else type(obj)
-        raise _changed(accessor, f"{owner.__qualname__}.{name}", distribution)
+        owner = obj if isinstance(obj, (type, ModuleType)) else type(obj)
+        raise _changed(accessor, f"{getattr(owner, '__qualname__', owner.__name__)}.{name}", distribution)
     return value
 
 
