@@ -106,6 +106,7 @@ def rank_accelerate_plain(path: str, root: str, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
+
     from shardadopt import upstream
     from shardadopt.selftest.checkpoint import load_model
 
