@@ -63,10 +63,9 @@ def _load(path: str):
 
 
 def _fresh_state() -> None:
-    from accelerate.state import AcceleratorState, GradientState
+    from shardadopt import upstream
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    upstream.reset_accelerate_state()
 
 
 def accelerate_steps(path: str, steps: int, batch: int, accum: int, seq: int, vocab: int) -> list[float]:

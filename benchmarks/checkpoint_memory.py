@@ -106,12 +106,11 @@ def rank_accelerate_plain(path: str, root: str, repeats: int) -> dict:
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
+    from shardadopt import upstream
     from shardadopt.selftest.checkpoint import load_model
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    upstream.reset_accelerate_state()
     accelerator = Accelerator(cpu=True)
     model = load_model(path, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)

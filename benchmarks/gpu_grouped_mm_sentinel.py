@@ -34,13 +34,15 @@ def build_experts(dtype):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=2, num_experts_per_tok=2)
-    config._experts_implementation = "grouped_mm"
+    from shardadopt import upstream
+
+    config = Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=2, num_experts_per_tok=2,
+                            experts_implementation="grouped_mm")
     torch.manual_seed(0)
     experts = Qwen3MoeExperts(config).to(device="cuda", dtype=dtype)
     for param in experts.parameters():
         torch.nn.init.normal_(param, std=0.05)
-    experts._is_expert_parallel = True  # read by transformers >= 5.21; 5.15/5.16 mask unconditionally
+    upstream.set_experts_expert_parallel(experts, True)  # read by transformers >= 5.18; 5.15/5.16 mask unconditionally
     return experts
 
 
@@ -100,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
-    from transformers.integrations import moe as upstream
+    from transformers.integrations import moe as upstream_moe
 
+    from shardadopt import upstream
     from shardadopt.moe import grouped_mm_experts_forward as fixed
 
     if not torch.cuda.is_available():
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     hidden = torch.randn(args.tokens, experts.gate_up_proj.shape[-1], device="cuda", dtype=dtype)
     ids, weights = routing(args.tokens, experts.num_experts, dtype, seed=0)
     offs = torch.tensor([args.tokens, args.tokens], dtype=torch.int32, device="cuda")
-    real_kernel = upstream._can_use_grouped_mm(hidden, experts.gate_up_proj, offs)
+    real_kernel = upstream.moe_can_use_grouped_mm(hidden, experts.gate_up_proj, offs)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.cuda.get_device_name()}, "
           f"{args.dtype}; upstream uses the real grouped_mm kernel: {real_kernel}")
     reference = dense_reference(experts, hidden, ids, weights)
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     for step in range(1, args.steps + 1):
-        for label, forward in (("upstream", upstream.grouped_mm_experts_forward), ("shardadopt", fixed)):
+        for label, forward in (("upstream", upstream_moe.grouped_mm_experts_forward), ("shardadopt", fixed)):
             poison_allocator(256 * 1024 * 1024)
             result = run_once(forward, experts, hidden, ids, weights)
             diff = (result["output"].float() - reference).abs().max().item()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from accelerate.utils import KwargsHandler
 from torch import nn
 
+from shardadopt import upstream
 from shardadopt.optimizer_ready import make_shards_contiguous
 from shardadopt.topology import Topology, TopologyError, topology
 
@@ -131,13 +132,13 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     make_shards_contiguous(model)
     if prepare is not None:
         model = prepare(model, device_placement=False, evaluation_mode=True)
-    elif model not in accelerator._models:
-        accelerator._models.append(model)
+    elif model not in upstream.accelerator_models(accelerator):
+        upstream.accelerator_models(accelerator).append(model)
     state.topologies[id(model)] = topo
     state.models.append(model)
     if state.owners is None:
         state.owners = _dp_owners(topo)
-    for loader in getattr(accelerator, "_dataloaders", []):
+    for loader in upstream.accelerator_dataloaders(accelerator):
         shard_dataloader(loader, topo)
     return model
 
@@ -187,7 +188,7 @@ def shard_dataloader(loader: Any, topo: Topology) -> Any:
             "dataloader_config=DataLoaderConfiguration(dispatch_batches=False).")
     target = _shard_target(loader)
     if target is None:
-        if topo.world_size > 1 and topo.dp_size > 1 and getattr(loader, "_is_accelerate_prepared", False):
+        if topo.world_size > 1 and topo.dp_size > 1 and upstream.is_accelerate_prepared(loader):
             raise AdoptionError(
                 f"dataloader {type(loader).__name__} was prepared without a per-process split, but the model needs "
                 f"{topo.dp_size} data-parallel ranks; prepare the torch DataLoader itself with this Accelerator.")

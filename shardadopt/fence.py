@@ -52,6 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from shardadopt import upstream
 from shardadopt.hpo.errors import RANK_ATTRIBUTE
 
 POLL_INTERVAL = 0.05  # seconds between a watchdog's store checks
@@ -92,7 +93,7 @@ def _base_store(store: Any) -> Any:
 
 
 def _store() -> Any:
-    store = dist.distributed_c10d._get_default_store()
+    store = upstream.default_store()
     return dist.PrefixStore(f"shardadopt-fence/{_STATE['generation']}/", store)
 
 
@@ -183,7 +184,7 @@ def break_training_groups() -> int:
 def _shutdown_gloo_connections() -> int:
     try:
         sockets = _own_tcp_sockets()
-        store_port = getattr(_base_store(dist.distributed_c10d._get_default_store()), "port", None)
+        store_port = getattr(_base_store(upstream.default_store()), "port", None)
     except Exception:  # noqa: BLE001  (no /proc: not Linux)
         return 0
     listeners = {port for _, state, port, address, _ in sockets
@@ -298,16 +299,16 @@ def rebuild_world() -> None:
 
     Same backend, timeout and bound device. Groups created before (device meshes, ``new_group``) are gone:
     create them again (``transformers-reuse-device-mesh`` rebuilds a mesh whose groups were destroyed)."""
-    default = dist.distributed_c10d._get_default_group()
+    default = upstream.default_group()
     backend = dist.get_backend()
     rank, world = dist.get_rank(), dist.get_world_size()
     timeout = None
     try:
-        timeout = default._get_backend(default.bound_device_id or _cpu()).options._timeout
+        timeout = upstream.group_timeout(default, default.bound_device_id or _cpu())
     except Exception:  # noqa: BLE001  (backend without options: torch's default timeout)
         pass
     device_id = getattr(default, "bound_device_id", None)
-    base = _base_store(dist.distributed_c10d._get_default_store())
+    base = _base_store(upstream.default_store())
     _STATE["generation"] += 1
     _STATE["sequence"] = 0
     _PROTECTED_GROUPS.clear()

@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from shardadopt import upstream
+
 __all__ = ["UnsupportedShardingError", "record_sharding_degrees", "refuse_fsdp_with_tp", "reuse_device_mesh"]
 
 
@@ -65,8 +67,7 @@ def record_sharding_degrees(model: Any, distributed_config: Any) -> Any:
     sizes = _sizes(distributed_config)
     tp_size = sizes.get("tp_size") or 1
     fsdp_size = sizes.get("fsdp_size") or 1
-    model._tp_size = tp_size
-    model._fsdp_size = fsdp_size
+    upstream.set_model_sharding_sizes(model, tp_size, fsdp_size)
     if not isinstance(getattr(type(model), "fsdp_size", None), property):
         # An instance attribute, not a class property, so only models sharded at load time gain it.
         model.fsdp_size = fsdp_size
@@ -79,17 +80,15 @@ _MESHES_LOCK = threading.Lock()
 
 def _layout_key(distributed_config: Any) -> tuple:
     """Every ``*_size`` field of the config (what the mesh shapes are made of) and the accelerator type."""
-    import torch
-
     sizes = _sizes(distributed_config)
-    return (torch._C._get_accelerator().type,
+    return (upstream.accelerator_type(),
             tuple(sorted((name, value) for name, value in sizes.items() if name.endswith("_size"))))
 
 
 def _device_meshes(mesh: Any) -> list[Any]:
     from torch.distributed.device_mesh import DeviceMesh
 
-    candidates = [mesh, *(getattr(mesh, name, None) for name in ("_dense_mesh", "_expert_mesh"))]
+    candidates = [mesh, *(upstream.mesh_manager_meshes(mesh) if upstream.is_mesh_manager(mesh) else ())]
     return [candidate for candidate in candidates if isinstance(candidate, DeviceMesh)]
 
 

@@ -30,13 +30,15 @@ from typing import Any
 
 import torch
 
+from shardadopt import upstream
+
 __all__ = ["fix_single_rank_expert_grad_divide", "grouped_mm_experts_forward", "is_expert_parallel",
            "sum_router_score_grad"]
 
 
 def is_expert_parallel(experts: torch.nn.Module) -> bool:
     """Whether an experts module was sharded by expert at load time (its routing carries sentinel slots)."""
-    flag = getattr(experts, "_is_expert_parallel", None)  # set by upstream from 5.21
+    flag = upstream.experts_is_expert_parallel(experts)  # set by upstream from 5.18
     if flag is not None:
         return bool(flag)
     distributed = getattr(getattr(experts, "config", None), "distributed_config", None)
@@ -52,9 +54,7 @@ def grouped_mm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
     installed ``transformers.integrations.moe._grouped_linear``, so the kernel choice stays upstream's.
     """
     if grouped_linear is None:
-        from transformers.integrations import moe as upstream
-
-        grouped_linear = upstream._grouped_linear
+        grouped_linear = upstream.moe_grouped_linear()
 
     device = hidden_states.device
     num_top_k = top_k_index.size(-1)
@@ -91,7 +91,7 @@ def grouped_mm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
                               is_transposed=self.is_transposed)
     proj_out = proj_out.masked_fill(sentinel_mask, 0.0)
 
-    proj_out = self._apply_gate(proj_out) if self.has_gate else self.act_fn(proj_out)
+    proj_out = upstream.experts_apply_gate(self, proj_out) if self.has_gate else self.act_fn(proj_out)
 
     selected_biases = self.down_proj_bias[expert_ids_g] if self.has_bias else None
     proj_out = grouped_linear(proj_out, self.down_proj, offsets, bias=selected_biases,
@@ -151,7 +151,7 @@ def fix_single_rank_expert_grad_divide(model: torch.nn.Module) -> list[str]:
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = upstream.fsdp_param_groups(module)
         if groups and all(group.force_sum_reduction_for_comms and group.gradient_divide_factor is not None
                           and getattr(group.mesh_info, "shard_mesh_size", None) == 1 for group in groups):
             module.set_force_sum_reduction_for_comms(False)

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from shardadopt import upstream
+
 __all__ = ["split_param_groups", "split_param_groups_by_mesh", "unsplit_param_groups_by_mesh", "group_key"]
 
 _STATE_ATTR = "_shardadopt_split"
@@ -40,7 +42,7 @@ def group_key(param: torch.Tensor) -> tuple:
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         return ("dtensor", tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names,
-                tuple(param.placements), param._local_tensor.device, param.dtype)
+                tuple(param.placements), upstream.dtensor_local(param).device, param.dtype)
     return ("plain", (), (), None, (), param.device, param.dtype)
 
 

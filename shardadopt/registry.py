@@ -160,7 +160,9 @@ def _ready(name: str, just_imported: ModuleType | None) -> bool:
         return False
     if module is just_imported:
         return True
-    return not getattr(getattr(module, "__spec__", None), "_initializing", False)
+    from shardadopt import upstream  # imports this module
+
+    return not upstream.module_initializing(module)
 
 
 def _resolve(target: Target) -> tuple[Any, str, Any]:

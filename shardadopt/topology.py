@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardadopt import upstream
+
 __all__ = ["Topology", "TopologyError", "topology", "OVERRIDE_KEYS"]
 
 OVERRIDE_KEYS = ("dp_replicate", "dp_shard", "tp", "ep")
@@ -108,7 +110,7 @@ def _world() -> tuple[int, int]:
 def _unwrap(model: nn.Module) -> nn.Module:
     """The user's module under accelerate/DDP/compile wrappers."""
     while True:
-        inner = getattr(model, "_orig_mod", None) or (model.module if isinstance(
+        inner = upstream.compiled_original(model) or (model.module if isinstance(
             model, nn.parallel.DistributedDataParallel) else None)
         if inner is None:
             return model
@@ -135,8 +137,8 @@ def topology(model: nn.Module, override: Mapping[str, int] | None = None) -> Top
 
 def _detect(model: nn.Module) -> Topology:
     distributed_config = getattr(getattr(model, "config", None), "distributed_config", None)
-    if distributed_config is not None and (getattr(model, "_device_mesh", None) is not None
-                                           or getattr(model, "_mesh_manager", None) is not None):
+    if distributed_config is not None and (upstream.model_device_mesh(model) is not None
+                                           or upstream.model_mesh_manager(model) is not None):
         return _from_transformers(model, distributed_config)
     return _from_hand_sharding(model)
 
@@ -180,24 +182,24 @@ def _from_transformers(model: nn.Module, config: Any) -> Topology:
                    f"the model's DistributedConfig (dp_replicate_size={replicate} x fsdp_size={fsdp} x tp_size={tp})",
                    "launch as many processes as the DistributedConfig covers, or load with sizes that multiply to "
                    "the world size")
-    manager = getattr(model, "_mesh_manager", None)
+    manager = upstream.model_mesh_manager(model)
     meshes = list(_param_meshes(model))
     if manager is not None:  # dense (pp, [dp_replicate,] fsdp, tp), expert (pp, [dp_replicate,] efsdp, ep)
-        dense, expert = manager._dense_mesh, manager._expert_mesh
+        dense, expert = upstream.mesh_manager_meshes(manager)
         _check_covers(dense, world, "the model's device mesh")
         ranks = {name: _named_rank(dense, name, size)
                  for name, size in (("dp_replicate", replicate), ("fsdp", fsdp), ("tp", tp))}
         ranks["ep"] = _named_rank(expert, "ep", ep)
         meshes[:0] = [dense, expert]
-    elif model._device_mesh.ndim > 1:  # transformers 5.18: one mesh of the named dims > 1, e.g. (fsdp, tp)
-        mesh = model._device_mesh
+    elif upstream.model_device_mesh(model).ndim > 1:  # 5.18: one mesh of the named dims > 1, e.g. (fsdp, tp)
+        mesh = upstream.model_device_mesh(model)
         _check_covers(mesh, world, "the model's device mesh")
         ranks = {name: _named_rank(mesh, name, size)
                  for name, size in (("dp_replicate", replicate), ("fsdp", fsdp), ("tp", tp))}
         ranks["ep"] = ranks["tp"] if ep > 1 else 0  # EP on the TP mesh (enable_expert_parallel)
         meshes.insert(0, mesh)
     else:  # one 1-D mesh, tp or fsdp (never both)
-        mesh = model._device_mesh
+        mesh = upstream.model_device_mesh(model)
         _check_covers(mesh, world, "the model's device mesh")
         local = mesh.get_local_rank(mesh.ndim - 1) if tp > 1 else 0
         ranks = {"dp_replicate": 0, "fsdp": mesh.get_local_rank(mesh.ndim - 1) if fsdp > 1 else 0, "tp": local,
@@ -233,13 +235,14 @@ def _plain_shard_counts(model: nn.Module, world: int) -> dict[int, int]:
     from torch.distributed.tensor import DTensor
 
     plain = [(n, p) for n, p in model.named_parameters() if not isinstance(p, DTensor)]
-    if not plain or world == 1 or not hasattr(type(model), "_from_config"):
+    from_config = upstream.from_config_constructor(type(model))
+    if not plain or world == 1 or from_config is None:
         return {}
     config = copy.deepcopy(model.config)
     if hasattr(config, "distributed_config"):
         del config.distributed_config
     with torch.device("meta"):
-        reference = type(model)._from_config(config)
+        reference = from_config(config)
     full = {n: p.numel() for n, p in reference.named_parameters()}
     counts = {}
     for name, param in plain:
@@ -263,7 +266,7 @@ def _fsdp_mesh_infos(model: nn.Module) -> list[Any]:
     infos = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in upstream.fsdp_param_groups(module):
                 infos.append(group.mesh_info)
     return infos
 

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from shardadopt import upstream
+
 __all__ = ["fused_adamw_strided_ok", "strided_shard_is_shard", "inf_norm_accepts_empty", "report"]
 
 
@@ -44,9 +46,9 @@ def fused_adamw_strided_ok(device: str = "cpu") -> bool:
 @functools.cache
 def strided_shard_is_shard() -> bool:
     """Whether ``_StridedShard`` placements are ``Shard`` instances."""
-    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+    from torch.distributed.tensor.placement_types import Shard
 
-    return issubclass(_StridedShard, Shard)
+    return issubclass(upstream.strided_shard_type(), Shard)
 
 
 @functools.cache

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardadopt import upstream
+
 __all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation"]
 
 # Upstream's installer lives on this class in every release since 5.15; its hooks are recognised by qualname.
@@ -88,7 +90,7 @@ def _upstream_mesh(module: nn.Module, function: Callable[..., Any]) -> Any:
         return closure["mesh"]
     defaults = getattr(function, "__defaults__", None) or ()
     mesh = next((d for d in defaults if hasattr(d, "get_group")), None)
-    return mesh if mesh is not None else getattr(module, "_hf_device_mesh", None)
+    return mesh if mesh is not None else upstream.module_hf_device_mesh(module)
 
 
 def fix_tp_grad_accumulation(model: nn.Module) -> int:
@@ -105,10 +107,10 @@ def fix_tp_grad_accumulation(model: nn.Module) -> int:
             continue
         meshes = []
         # 5.15 .. 5.20: a module full backward hook that reduces every parameter's accumulated .grad.
-        for key, hook in list(module._backward_hooks.items()):
+        for key, hook in list(upstream.module_backward_hooks(module).items()):
             if _is_upstream(hook):
                 meshes.append(_upstream_mesh(module, hook))
-                del module._backward_hooks[key]
+                del upstream.module_backward_hooks(module)[key]
         # 5.21+: module.forward replaced by a wrapper that registers a post-accumulate-grad hook on first use.
         forward = module.__dict__.get("forward")
         if _is_upstream(forward):
@@ -119,7 +121,7 @@ def fix_tp_grad_accumulation(model: nn.Module) -> int:
             else:
                 module.forward = original
             for param in module.parameters(recurse=False):
-                hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+                hooks = upstream.post_accumulate_grad_hooks(param)
                 for key in [k for k, h in hooks.items() if _is_upstream(h)]:
                     del hooks[key]
         if not meshes:

@@ -22,12 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import (
-    _device_has_foreach_support,
-    _group_tensors_by_device_and_dtype,
-    _has_foreach_support,
-)
 
+from shardadopt import upstream
 from shardadopt.gradnorm.core import check_norm_type, finish, local_payload, poisoned_payload, reduce_op
 from shardadopt.gradnorm.layout import Group, LayoutError, PlainReplication, to_pieces
 
@@ -52,7 +48,7 @@ def _group(group: dist.ProcessGroup | None) -> tuple[Group, dist.ProcessGroup | 
 def _payload_device(first: torch.device | None, group: dist.ProcessGroup | None) -> torch.device:
     """Where the all-reduce can run: the grads' device if the backend supports it (gloo: CPU and CUDA, NCCL:
     CUDA only), else the backend's device (e.g. CPU-offloaded grads under NCCL)."""
-    supported = dist.distributed_c10d._device_capability(group)
+    supported = upstream.backend_device_types(group)
     if first is not None and first.type in supported:
         return first
     kind = next((d for d in supported if d != "cpu"), supported[0]) if supported else "cpu"
@@ -119,15 +115,15 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
     DTensor gradients are scaled through their local tensors (any placement, Partial included: scaling is
     linear), with foreach kernels per (device, dtype); no collective.
     """
-    grads = [g._local_tensor if isinstance(g, DTensor) else g for g in _grads(parameters)]
+    grads = [upstream.dtensor_local(g) if isinstance(g, DTensor) else g for g in _grads(parameters)]
     if not grads:
         return
     # Always multiply, even by 1: a `coef < 1` test would sync with the device.
     coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-    for (device, _), ([device_grads], _) in _group_tensors_by_device_and_dtype([grads]).items():
-        if (foreach is None and _has_foreach_support(device_grads, device)) or (
-                foreach and _device_has_foreach_support(device)):
-            torch._foreach_mul_(device_grads, coef.to(device))
+    for (device, _), ([device_grads], _) in upstream.group_tensors_by_device_and_dtype([grads]).items():
+        if (foreach is None and upstream.has_foreach_support(device_grads, device)) or (
+                foreach and upstream.device_has_foreach_support(device)):
+            upstream.foreach_mul_(device_grads, coef.to(device))
         elif foreach:
             raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
         else:

@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+
+from shardadopt import upstream
 
 __all__ = ["Piece", "check_norm_type", "reduce_op", "local_payload", "poisoned_payload", "finish"]
 
@@ -63,8 +64,9 @@ def _norms(tensors: list[Tensor], p: float, device: torch.device, dtype: torch.d
            foreach: bool | None) -> list[Tensor]:
     acc = _accumulation_dtype(dtype)
     upcast = {} if acc == dtype else {"dtype": acc}  # passing dtype= costs even when it changes nothing
-    if (foreach is None and _has_foreach_support(tensors, device)) or (foreach and _device_has_foreach_support(device)):
-        return list(torch._foreach_norm(tensors, p, **upcast))
+    if (foreach is None and upstream.has_foreach_support(tensors, device)) or (
+            foreach and upstream.device_has_foreach_support(device)):
+        return list(upstream.foreach_norm(tensors, p, **upcast))
     if foreach:
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     return [torch.linalg.vector_norm(t, p, **upcast) for t in tensors]

@@ -15,9 +15,12 @@ from collections.abc import Callable, Sequence
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Shard
 
+from shardadopt import upstream
 from shardadopt.gradnorm.core import Piece
+
+StridedShard = upstream.strided_shard_type()
 
 __all__ = ["LayoutError", "Group", "count_shards", "to_pieces"]
 
@@ -71,7 +74,7 @@ def count_shards(mesh, placements, group: Group) -> int:
             f"that hold copies of this mesh, or reduce such gradients in a separate call.")
     shards = 1
     for dim, placement in enumerate(placements):
-        if isinstance(placement, (Shard, _StridedShard)):  # not a Shard in 2.13-2.15 (torchprobe)
+        if isinstance(placement, (Shard, StridedShard)):  # not a Shard in 2.13-2.15 (torchprobe)
             shards *= mesh.size(dim)
         elif not isinstance(placement, Replicate):
             raise LayoutError(f"unsupported placement {placement!r} on mesh dim {dim} of {mesh}; "
@@ -111,7 +114,7 @@ def to_pieces(tensors: Sequence[Tensor], group: Group,
                 if shards is None:
                     tensor = _without_partial(tensor)
                     shards = count_shards(tensor.device_mesh, tensor.placements, group)
-                pieces.append(Piece(tensor._local_tensor, group.size // shards))
+                pieces.append(Piece(upstream.dtensor_local(tensor), group.size // shards))
             else:
                 try:
                     replicas = group.size if plain_replication is None else plain_replication(tensor)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardadopt import fence
+from shardadopt import fence, upstream
 from shardadopt.hpo.errors import PeerLostError
 
 # Ops: what a rank is doing in this round. Rows with different ops in one round mean the ranks diverged.
@@ -194,7 +194,7 @@ class Channel:
         if self.local:
             return None
         try:
-            store = dist.distributed_c10d._get_default_store()
+            store = upstream.default_store()
         except Exception:
             return None
         return dist.PrefixStore(f"shardadopt-hpo/{id(self.group)}/", store)

@@ -34,6 +34,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.hpo import failures
 from shardadopt.hpo.durability import ATTR_RESUME_FROM, checkpoint_name, record_checkpoint_dir
 from shardadopt.hpo.trial import DistributedTrial
@@ -88,7 +89,7 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
                          output_dir=trainer.args.output_dir, hp_space=trainer.hp_space, **durable, **optimize_kwargs)
 
         def best_runs() -> BestRun | list[BestRun]:
-            if not study._is_multi_objective():
+            if not upstream.study_is_multi_objective(study):
                 best = study.best_trial
                 return BestRun(str(best.number), best.value, best.params)
             return [BestRun(str(best.number), best.values, best.params) for best in study.best_trials]
@@ -153,7 +154,7 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
         # Sample the space first, as upstream does, so a model_init(trial) can read trial.params.
         trainer.hp_space(trial)
         output_dir = trainer.args.output_dir
-        record_checkpoint_dir(trial, os.path.relpath(trainer._get_output_dir(trial), output_dir))
+        record_checkpoint_dir(trial, os.path.relpath(upstream.trainer_output_dir(trainer, trial), output_dir))
         # A retry (shardadopt hpo requeue) resumes from the dead trial's last complete checkpoint.
         dead = trial.user_attrs.get(ATTR_RESUME_FROM)
         resume = last_complete_checkpoint(os.path.join(output_dir, dead)) if dead else None

@@ -37,6 +37,7 @@ from typing import Any
 
 import optuna
 
+from shardadopt import upstream
 from shardadopt.fence import Fence
 from shardadopt.hpo import errors, preempt
 from shardadopt.hpo.channel import (OP_END, OP_INIT, OP_NAMES, OP_REPORT, OP_SET_ATTR, OP_SHOULD_PRUNE, OP_SUGGEST,
@@ -77,7 +78,7 @@ class TrialInfo:
     @classmethod
     def of(cls, trial: optuna.trial.BaseTrial) -> TrialInfo:
         study = getattr(trial, "study", None)
-        return cls(number=trial.number, multi_objective=bool(study is not None and study._is_multi_objective()),
+        return cls(number=trial.number, multi_objective=study is not None and upstream.study_is_multi_objective(study),
                    datetime_start=trial.datetime_start, user_attrs=dict(trial.user_attrs),
                    params=dict(trial.params), distributions=dict(trial.distributions))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -58,7 +59,7 @@ def _prepare_model(wrapped, instance, args, kwargs):
 
     model = args[0] if args else kwargs.get("model")
     evaluation_mode = kwargs.get("evaluation_mode", args[2] if len(args) > 2 else False)
-    if (evaluation_mode or getattr(model, "_is_accelerate_prepared", False) or _plugin_managed(instance)
+    if (evaluation_mode or upstream.is_accelerate_prepared(model) or _plugin_managed(instance)
             or not is_sharded_model(model, adoption_kwargs(instance).topology)):
         return wrapped(*args, **kwargs)
     return adopt_model(instance, model, prepare=wrapped)

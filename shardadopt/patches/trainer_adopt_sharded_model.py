@@ -37,11 +37,12 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
 PATCH_ID = "trainer-adopt-sharded-model"
-_MODULE = "transformers.trainer"
+_MODULE = upstream.TRAINER_MODULE
 
 
 def _ours(trainer: Any, model: Any) -> bool:
@@ -71,7 +72,7 @@ def create_optimizer(wrapped, instance, args, kwargs):
 
 # Conditions under which upstream keeps a load-time-sharded model in place: 5.19+ test
 # `self.is_distributed_loading_by_transformers`, 5.18 `getattr(model, "_device_mesh", None) is not None`.
-_IN_PLACE_MARKERS = {"is_distributed_loading_by_transformers", "_device_mesh"}
+_IN_PLACE_MARKERS = {"is_distributed_loading_by_transformers", upstream.MODEL_DEVICE_MESH_ATTRIBUTE}
 
 
 def _keeps_sharded_model_in_place(init) -> bool:
@@ -100,7 +101,7 @@ def _reshards_before_optimizer(prepare) -> bool:
             seen_reshard = True
         if isinstance(node, ast.Call) and callee(node) == "create_optimizer" and not node.args:
             return seen_reshard
-    raise undecided("Trainer._prepare_for_training", "the self.create_optimizer() call")
+    raise undecided(upstream.TRAINER_PREPARE_FOR_TRAINING.qualname, "the self.create_optimizer() call")
 
 
 def probe() -> Probe:
@@ -111,7 +112,8 @@ def probe() -> Probe:
 
     where = "trainer-adopt probe"
     in_place = _keeps_sharded_model_in_place(source_tree(upstream_function(Trainer, "__init__", where)))
-    reshards = _reshards_before_optimizer(source_tree(upstream_function(Trainer, "_prepare_for_training", where)))
+    prepare = upstream.upstream_method(upstream.TRAINER_PREPARE_FOR_TRAINING, where)
+    reshards = _reshards_before_optimizer(source_tree(prepare))
     if in_place and reshards:
         return Probe(False, "Trainer keeps load-time-sharded models in place and reshards them before building the "
                             "optimizer")
@@ -127,7 +129,7 @@ PATCH = Patch(
     upstream="backports huggingface/transformers: load-time-sharded models stay in place (5.18 `_device_mesh`, "
              "5.19 is_distributed_loading_by_transformers) and FSDP2 reshards before create_optimizer (5.24)",
     requires=supported("transformers"),
-    wrappers={Target(_MODULE, "Trainer._move_model_to_device"): move_model_to_device,
+    wrappers={upstream.TRAINER_MOVE_MODEL_TO_DEVICE: move_model_to_device,
               Target(_MODULE, "Trainer.create_optimizer"): create_optimizer},
     probe=probe,
     # Trainer prepares the model through accelerate: without adoption it DDP-wraps the sharded model.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.probing import callee, source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
@@ -42,7 +43,7 @@ def _gemm_outputs(function: Any) -> tuple[int, list[str]]:
     gemms, unmasked = 0, []
     for index, statement in enumerate(statements):
         if not (isinstance(statement, ast.Assign) and isinstance(statement.value, ast.Call)
-                and callee(statement.value) == "_grouped_linear"):
+                and callee(statement.value) == upstream.MOE_GROUPED_LINEAR):
             continue
         gemms += 1
         name = statement.targets[0].id if isinstance(statement.targets[0], ast.Name) else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 
+from shardadopt import upstream
 from shardadopt.probing import source_tree, undecided, upstream_function
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
@@ -42,9 +43,9 @@ def probe() -> Probe:
     where = "transformers-sharding-sizes probe"
     assigned = _assigned_attributes(upstream_function(upstream_function(mixin, "DistributedMixin", where),
                                                       "maybe_distribute_model", where))
-    if "_device_mesh" not in assigned:
+    if upstream.MODEL_DEVICE_MESH_ATTRIBUTE not in assigned:
         raise undecided("DistributedMixin.maybe_distribute_model", "where it records the model's _device_mesh")
-    missing = sorted({"_tp_size", "_fsdp_size"} - assigned)
+    missing = sorted(set(upstream.MODEL_SHARDING_SIZE_ATTRIBUTES) - assigned)
     if not missing:
         return Probe(False, "maybe_distribute_model records _tp_size and _fsdp_size")
     return Probe(True, f"maybe_distribute_model records the mesh but not {' or '.join(missing)} on the model")

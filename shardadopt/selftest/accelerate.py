@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.selftest import Context, Scenario
 
 SEED = 4321
@@ -31,10 +32,8 @@ TOPOLOGY_FIELDS = ("source", "world_size", "dp_replicate_size", "dp_replicate_ra
 def fresh_accelerator(**kwargs):
     """A new CPU/GPU Accelerator (accelerate keeps process-wide singletons; pools reuse processes)."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    upstream.reset_accelerate_state()
     return Accelerator(**kwargs)
 
 
@@ -58,7 +57,9 @@ def _load(path: str, sizes: dict[str, Any] | None):
 
 
 def _local(t):
-    return (t._local_tensor if hasattr(t, "_local_tensor") else t).detach().clone()
+    from torch.distributed.tensor import DTensor
+
+    return (upstream.dtensor_local(t) if isinstance(t, DTensor) else t).detach().clone()
 
 
 def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "together", patched: bool = True,
@@ -128,7 +129,7 @@ def _fsdp_reduces(model) -> bool | None:
     from torch.distributed.fsdp import FSDPModule
 
     flags = [g.reduce_grads for m in model.modules() if isinstance(m, FSDPModule)
-             for g in m._get_fsdp_state()._fsdp_param_groups]
+             for g in upstream.fsdp_param_groups(m)]
     return all(flags) if flags else None
 
 

@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.selftest import Context, Scenario
 
 SEQ_LEN = 16
@@ -105,10 +106,7 @@ class TokenDataset:
 
 def _fresh_accelerate_state() -> None:
     # accelerate keeps process-wide singletons; pooled ranks and the launcher run several Trainers in one process.
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    upstream.reset_accelerate_state()
 
 
 def train_log(models: dict[str, str], layout: str, steps: int, *, single_process: bool = False,

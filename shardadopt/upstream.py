@@ -1,0 +1,407 @@
+"""Every private upstream name shardadopt uses, each behind one named accessor.
+
+torch, transformers, accelerate and optuna rename or drop private attributes between releases without notice. Here
+each one is reached by a small function (or a constant naming it, for patch targets and probes that read upstream
+source), whose docstring names the upstream object and the releases it was checked on; a missing name raises
+:class:`UpstreamChanged` naming the accessor and the installed release instead of an ``AttributeError`` deep inside
+training. ``tests/test_upstream_accessors.py`` runs every accessor against the installed upstream (so a rename fails
+one test named after its accessor) and fails when code elsewhere in shardadopt spells a private upstream name.
+
+"Checked on" ranges are the releases CI runs (torch 2.13.0/2.15.0, transformers 5.15.0/5.24.0, accelerate
+1.13.0/1.15.0, optuna 4.9.0/5.0.0). Upstream modules are imported inside the accessors, because
+``shardadopt.enable()`` (which imports the patch modules, and so the constants here) must not import them.
+
+Accessors meant for the checkpoint code (``shardadopt/checkpoint.py`` and the two sharded-checkpoint patches, not
+yet routed through this module): ``accelerator_models``, ``accelerator_optimizers``, ``accelerator_schedulers``,
+``accelerator_dataloaders``, ``accelerator_custom_objects``, ``accelerator_save_state_pre_hooks``,
+``accelerator_load_state_pre_hooks``, ``trainer_output_dir``, ``trainer_save_scaler``, ``trainer_save_rng_state``,
+``trainer_push_from_checkpoint``, ``SAVE_MODEL_INTERNAL_CALL``, ``MODEL_DEVICE_MESH_ATTRIBUTE``,
+``TRAINER_SAVE_CHECKPOINT``, ``TRAINER_LOAD_FROM_CHECKPOINT``, ``TRAINER_LOAD_OPTIMIZER_AND_SCHEDULER``,
+``TRAINER_LOAD_BEST_MODEL``, ``TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER``, ``upstream_method``,
+``compute_local_shape_and_global_offset``, ``backend_device_types``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from shardadopt.probing import Undecided, upstream_function
+from shardadopt.registry import Target, installed_version
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+
+class UpstreamChanged(Undecided):
+    """A private upstream name that an accessor of :mod:`shardadopt.upstream` reaches is gone in this release.
+
+    An :class:`~shardadopt.probing.Undecided`, so a probe that hits it reports its patch ``unsupported``."""
+
+
+def _changed(accessor: str, what: str, distribution: str) -> UpstreamChanged:
+    version = installed_version(distribution)
+    return UpstreamChanged(f"shardadopt.upstream.{accessor}: {what} does not exist in {distribution} "
+                           f"{version or '(not installed)'} (renamed or removed upstream; shardadopt needs updating)")
+
+
+_MISSING = object()
+
+
+def _attribute(obj: Any, name: str, accessor: str, distribution: str) -> Any:
+    value = getattr(obj, name, _MISSING)
+    if value is _MISSING:
+        owner = obj if isinstance(obj, (type, ModuleType)) else type(obj)
+        raise _changed(accessor, f"{getattr(owner, '__qualname__', owner.__name__)}.{name}", distribution)
+    return value
+
+
+def _module_attribute(module: str, name: str, accessor: str, distribution: str) -> Any:
+    try:
+        owner = importlib.import_module(module)
+    except ImportError as exc:
+        raise _changed(accessor, f"module {module}", distribution) from exc
+    value = getattr(owner, name, _MISSING)
+    if value is _MISSING:
+        raise _changed(accessor, f"{module}.{name}", distribution)
+    return value
+
+
+def upstream_method(target: Target, where: str) -> Callable[..., Any]:
+    """The function ``target`` names (its module imported), for probes that read or run it; a missing class or
+    method raises :class:`~shardadopt.probing.Undecided` saying ``<Class>.<method> does not exist in this release``."""
+    *path, name = target.qualname.split(".")
+    owner: Any = importlib.import_module(target.module)
+    for part in path:
+        owner = upstream_function(owner, part, where)
+    return upstream_function(owner, name, where)
+
+
+# -- accelerate ------------------------------------------------------------------------------------------------------
+
+def accelerator_models(accelerator: Any) -> list[Any]:
+    """``Accelerator._models``: the list ``prepare()`` appends models to (mutable: appending registers a model).
+    Checked on accelerate 1.13-1.15."""
+    return _attribute(accelerator, "_models", "accelerator_models", "accelerate")
+
+
+def accelerator_optimizers(accelerator: Any) -> list[Any]:
+    """``Accelerator._optimizers``: the prepared (wrapped) optimizers. Checked on accelerate 1.13-1.15."""
+    return _attribute(accelerator, "_optimizers", "accelerator_optimizers", "accelerate")
+
+
+def accelerator_schedulers(accelerator: Any) -> list[Any]:
+    """``Accelerator._schedulers``: the prepared schedulers. Checked on accelerate 1.13-1.15."""
+    return _attribute(accelerator, "_schedulers", "accelerator_schedulers", "accelerate")
+
+
+def accelerator_dataloaders(accelerator: Any) -> list[Any]:
+    """``Accelerator._dataloaders``: the prepared dataloaders. Checked on accelerate 1.13-1.15."""
+    return _attribute(accelerator, "_dataloaders", "accelerator_dataloaders", "accelerate")
+
+
+def accelerator_custom_objects(accelerator: Any) -> list[Any]:
+    """``Accelerator._custom_objects``: what ``register_for_checkpointing`` registered. Checked on accelerate
+    1.13-1.15."""
+    return _attribute(accelerator, "_custom_objects", "accelerator_custom_objects", "accelerate")
+
+
+def accelerator_save_state_pre_hooks(accelerator: Any) -> dict[Any, Callable[..., Any]]:
+    """``Accelerator._save_model_state_pre_hook``: handle -> hook, from ``register_save_state_pre_hook``. Checked
+    on accelerate 1.13-1.15."""
+    return _attribute(accelerator, "_save_model_state_pre_hook", "accelerator_save_state_pre_hooks", "accelerate")
+
+
+def accelerator_load_state_pre_hooks(accelerator: Any) -> dict[Any, Callable[..., Any]]:
+    """``Accelerator._load_model_state_pre_hook``: handle -> hook, from ``register_load_state_pre_hook``. Checked
+    on accelerate 1.13-1.15."""
+    return _attribute(accelerator, "_load_model_state_pre_hook", "accelerator_load_state_pre_hooks", "accelerate")
+
+
+def is_accelerate_prepared(obj: Any) -> bool:
+    """``obj._is_accelerate_prepared``: the flag ``Accelerator.prepare`` sets on models and dataloaders it prepared
+    (unset, so False, on anything it did not). Checked on accelerate 1.13-1.15."""
+    return bool(getattr(obj, "_is_accelerate_prepared", False))
+
+
+def reset_accelerate_state() -> None:
+    """``AcceleratorState._reset_state(reset_partial_state=True)`` and ``GradientState._reset_state()``: forget the
+    process-wide accelerate singletons, so the next ``Accelerator()`` reads its configuration afresh. Checked on
+    accelerate 1.13-1.15."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    _attribute(AcceleratorState, "_reset_state", "reset_accelerate_state", "accelerate")(reset_partial_state=True)
+    _attribute(GradientState, "_reset_state", "reset_accelerate_state", "accelerate")()
+
+
+# -- transformers ----------------------------------------------------------------------------------------------------
+
+TRAINER_MODULE = "transformers.trainer"
+# Private Trainer methods shardadopt's patches replace or probe. Checked on transformers 5.15-5.24.
+TRAINER_MOVE_MODEL_TO_DEVICE = Target(TRAINER_MODULE, "Trainer._move_model_to_device")
+TRAINER_PREPARE_FOR_TRAINING = Target(TRAINER_MODULE, "Trainer._prepare_for_training")
+TRAINER_SAVE_CHECKPOINT = Target(TRAINER_MODULE, "Trainer._save_checkpoint")
+TRAINER_LOAD_FROM_CHECKPOINT = Target(TRAINER_MODULE, "Trainer._load_from_checkpoint")
+TRAINER_LOAD_OPTIMIZER_AND_SCHEDULER = Target(TRAINER_MODULE, "Trainer._load_optimizer_and_scheduler")
+TRAINER_LOAD_BEST_MODEL = Target(TRAINER_MODULE, "Trainer._load_best_model")
+TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER = Target(TRAINER_MODULE, "Trainer._save_optimizer_and_scheduler")
+TRAINER_TARGETS = (TRAINER_MOVE_MODEL_TO_DEVICE, TRAINER_PREPARE_FOR_TRAINING, TRAINER_SAVE_CHECKPOINT,
+                   TRAINER_LOAD_FROM_CHECKPOINT, TRAINER_LOAD_OPTIMIZER_AND_SCHEDULER, TRAINER_LOAD_BEST_MODEL,
+                   TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER)
+
+# ``Trainer.save_model(output_dir, _internal_call=False)``'s private keyword. Checked on transformers 5.15-5.24.
+SAVE_MODEL_INTERNAL_CALL = "_internal_call"
+
+# Attributes ``from_pretrained(..., distributed_config=...)`` sets on a model, as probes find them in upstream
+# source: the device mesh, and the sharding degrees. Checked on transformers 5.15-5.24.
+MODEL_DEVICE_MESH_ATTRIBUTE = "_device_mesh"
+MODEL_SHARDING_SIZE_ATTRIBUTES = ("_tp_size", "_fsdp_size")
+
+# The name of transformers' grouped GEMM helper that ``grouped_mm_experts_forward`` calls, as a probe finds it in
+# upstream source (``transformers.integrations.moe._grouped_linear``). Checked on transformers 5.15-5.24.
+MOE_GROUPED_LINEAR = "_grouped_linear"
+
+
+def trainer_output_dir(trainer: Any, trial: Any) -> str:
+    """``Trainer._get_output_dir(trial=trial)``: the run directory checkpoints go to (per trial under HPO).
+    Checked on transformers 5.15-5.24."""
+    return _attribute(trainer, "_get_output_dir", "trainer_output_dir", "transformers")(trial=trial)
+
+
+def trainer_save_scaler(trainer: Any, output_dir: str) -> None:
+    """``Trainer._save_scaler(output_dir)``: the grad scaler's state. Checked on transformers 5.15-5.24."""
+    _attribute(trainer, "_save_scaler", "trainer_save_scaler", "transformers")(output_dir)
+
+
+def trainer_save_rng_state(trainer: Any, output_dir: str) -> None:
+    """``Trainer._save_rng_state(output_dir)``: this process's RNG states. Checked on transformers 5.15-5.24."""
+    _attribute(trainer, "_save_rng_state", "trainer_save_rng_state", "transformers")(output_dir)
+
+
+def trainer_push_from_checkpoint(trainer: Any, checkpoint_dir: str) -> None:
+    """``Trainer._push_from_checkpoint(checkpoint_dir)``: the hub upload of a saved checkpoint. Checked on
+    transformers 5.15-5.24."""
+    _attribute(trainer, "_push_from_checkpoint", "trainer_push_from_checkpoint", "transformers")(checkpoint_dir)
+
+
+def model_device_mesh(model: Any) -> Any:
+    """``PreTrainedModel._device_mesh``: the mesh a model was sharded on at load time; None (the class default) for
+    a model loaded without ``distributed_config``. Checked on transformers 5.15-5.24."""
+    return getattr(model, MODEL_DEVICE_MESH_ATTRIBUTE, None)
+
+
+def model_mesh_manager(model: Any) -> Any:
+    """``PreTrainedModel._mesh_manager``: the ``TransformersDeviceMesh`` (dense and expert meshes) of a model
+    sharded at load time; None for other models, and on releases before 5.19 (which have none). Checked on
+    transformers 5.15-5.24."""
+    return getattr(model, "_mesh_manager", None)
+
+
+def is_mesh_manager(obj: Any) -> bool:
+    """Whether ``obj`` is a ``transformers.distributed.utils.TransformersDeviceMesh`` (False on releases without
+    that class). Checked on transformers 5.15-5.24."""
+    try:
+        from transformers.distributed.utils import TransformersDeviceMesh
+    except ImportError:
+        return False
+    return isinstance(obj, TransformersDeviceMesh)
+
+
+def mesh_manager_meshes(manager: Any) -> tuple[Any, Any]:
+    """``(TransformersDeviceMesh._dense_mesh, TransformersDeviceMesh._expert_mesh)``: the (pp, [dp_replicate,]
+    fsdp, tp) and (pp, [dp_replicate,] efsdp, ep) meshes (the class exists from 5.19). Checked on transformers
+    5.24."""
+    return (_attribute(manager, "_dense_mesh", "mesh_manager_meshes", "transformers"),
+            _attribute(manager, "_expert_mesh", "mesh_manager_meshes", "transformers"))
+
+
+def set_model_sharding_sizes(model: Any, tp_size: int, fsdp_size: int) -> None:
+    """Set ``PreTrainedModel._tp_size`` / ``_fsdp_size``, the degrees its ``tp_size`` / ``fsdp_size`` properties
+    return. Checked on transformers 5.15-5.24 (a plain attribute write: nothing to be missing)."""
+    tp_name, fsdp_name = MODEL_SHARDING_SIZE_ATTRIBUTES
+    setattr(model, tp_name, tp_size)
+    setattr(model, fsdp_name, fsdp_size)
+
+
+def from_config_constructor(model_class: type) -> Callable[..., Any] | None:
+    """``PreTrainedModel._from_config``: builds a model from a config honouring the dtype/attention settings;
+    None for a class that is not a transformers model. Checked on transformers 5.15-5.24."""
+    return getattr(model_class, "_from_config", None)
+
+
+def experts_is_expert_parallel(experts: Any) -> bool | None:
+    """``experts._is_expert_parallel``: whether transformers sharded an experts module by expert; None when unset
+    (releases before 5.18 never set it). Checked on transformers 5.15-5.24."""
+    return getattr(experts, "_is_expert_parallel", None)
+
+
+def set_experts_expert_parallel(experts: Any, flag: bool) -> None:
+    """Set ``experts._is_expert_parallel`` (read by transformers >= 5.18; earlier releases ignore it)."""
+    experts._is_expert_parallel = flag
+
+
+def experts_apply_gate(experts: Any, projected: torch.Tensor) -> torch.Tensor:
+    """``experts._apply_gate(projected)``: the gated activation of a gate+up projection. Checked on transformers
+    5.15-5.24."""
+    return _attribute(experts, "_apply_gate", "experts_apply_gate", "transformers")(projected)
+
+
+def moe_grouped_linear() -> Callable[..., torch.Tensor]:
+    """``transformers.integrations.moe._grouped_linear``: the grouped GEMM (kernel choice included) that
+    ``grouped_mm_experts_forward`` calls. Checked on transformers 5.15-5.24."""
+    return _module_attribute("transformers.integrations.moe", MOE_GROUPED_LINEAR, "moe_grouped_linear", "transformers")
+
+
+def moe_can_use_grouped_mm(hidden: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """``transformers.integrations.moe._can_use_grouped_mm``: whether ``_grouped_linear`` runs torch's grouped_mm
+    kernel for these operands (else its fallback loop). Checked on transformers 5.15-5.24."""
+    return _module_attribute("transformers.integrations.moe", "_can_use_grouped_mm", "moe_can_use_grouped_mm",
+                             "transformers")(hidden, weight, offsets)
+
+
+def module_hf_device_mesh(module: torch.nn.Module) -> Any:
+    """``module._hf_device_mesh``: the mesh transformers 5.15's tensor parallelism records on the modules it shards;
+    None where it is unset (other modules; 5.16 and later never set it). Checked on transformers 5.15-5.24."""
+    return getattr(module, "_hf_device_mesh", None)
+
+
+# -- optuna ----------------------------------------------------------------------------------------------------------
+
+def study_is_multi_objective(study: Any) -> bool:
+    """``optuna.Study._is_multi_objective()``. Checked on optuna 4.9-5.0."""
+    return bool(_attribute(study, "_is_multi_objective", "study_is_multi_objective", "optuna")())
+
+
+# -- torch -----------------------------------------------------------------------------------------------------------
+
+def default_store() -> dist.Store:
+    """``torch.distributed.distributed_c10d._get_default_store()``: the default group's rendezvous store. Checked on
+    torch 2.13-2.15."""
+    import torch.distributed as dist
+
+    return _attribute(dist.distributed_c10d, "_get_default_store", "default_store", "torch")()
+
+
+def default_group() -> dist.ProcessGroup:
+    """``torch.distributed.distributed_c10d._get_default_group()``: the default (world) process group object.
+    Checked on torch 2.13-2.15."""
+    import torch.distributed as dist
+
+    return _attribute(dist.distributed_c10d, "_get_default_group", "default_group", "torch")()
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
+    """``group._get_backend(device).options._timeout``: the timeout the group's backend for ``device`` was created
+    with. Checked on torch 2.13-2.15."""
+    backend = _attribute(group, "_get_backend", "group_timeout", "torch")(device)
+    return _attribute(_attribute(backend, "options", "group_timeout", "torch"), "_timeout", "group_timeout", "torch")
+
+
+def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
+    """``torch.distributed.distributed_c10d._device_capability(group)``: the device types the group's backend
+    runs collectives on (``["cpu"]`` for gloo on a CPU build). Checked on torch 2.13-2.15."""
+    import torch.distributed as dist
+
+    return _attribute(dist.distributed_c10d, "_device_capability", "backend_device_types", "torch")(group)
+
+
+def _foreach_utils(name: str, accessor: str) -> Callable[..., Any]:
+    return _module_attribute("torch.utils._foreach_utils", name, accessor, "torch")
+
+
+def has_foreach_support(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """``torch.utils._foreach_utils._has_foreach_support``. Checked on torch 2.13-2.15."""
+    return _foreach_utils("_has_foreach_support", "has_foreach_support")(tensors, device)
+
+
+def device_has_foreach_support(device: torch.device) -> bool:
+    """``torch.utils._foreach_utils._device_has_foreach_support``. Checked on torch 2.13-2.15."""
+    return _foreach_utils("_device_has_foreach_support", "device_has_foreach_support")(device)
+
+
+def group_tensors_by_device_and_dtype(tensorlistlist: list[list[torch.Tensor]]) -> dict[Any, Any]:
+    """``torch.utils._foreach_utils._group_tensors_by_device_and_dtype``: ``{(device, dtype): (lists, indices)}``.
+    Checked on torch 2.13-2.15."""
+    return _foreach_utils("_group_tensors_by_device_and_dtype", "group_tensors_by_device_and_dtype")(tensorlistlist)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor | float) -> None:
+    """``torch._foreach_mul_``: in-place multiply of a tensor list. Checked on torch 2.13-2.15."""
+    import torch
+
+    _attribute(torch, "_foreach_mul_", "foreach_mul_", "torch")(tensors, scalar)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float, **kwargs: Any) -> Sequence[torch.Tensor]:
+    """``torch._foreach_norm`` (``dtype=`` among ``kwargs``). Checked on torch 2.13-2.15."""
+    import torch
+
+    return _attribute(torch, "_foreach_norm", "foreach_norm", "torch")(tensors, ord, **kwargs)
+
+
+def dtensor_local(tensor: Any) -> torch.Tensor:
+    """``DTensor._local_tensor``: the local shard itself, outside autograd (``to_local()`` records a graph node).
+    Checked on torch 2.13-2.15."""
+    return _attribute(tensor, "_local_tensor", "dtensor_local", "torch")
+
+
+def strided_shard_type() -> type:
+    """``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP x TP layouts use (not a
+    ``Shard`` subclass in 2.13-2.15). Checked on torch 2.13-2.15."""
+    return _module_attribute("torch.distributed.tensor.placement_types", "_StridedShard", "strided_shard_type", "torch")
+
+
+def compute_local_shape_and_global_offset(global_shape: Any, mesh_shape: Any, coordinate: list[int],
+                                          placements: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``: the shape and offset of the
+    piece the rank at ``coordinate`` holds. Checked on torch 2.13-2.15."""
+    return _module_attribute("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset",
+                             "compute_local_shape_and_global_offset", "torch")(
+        global_shape, mesh_shape, coordinate, placements)
+
+
+def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
+    """``FSDPModule._get_fsdp_state()._fsdp_param_groups``: the parameter groups (mesh info, reduction settings)
+    of a module ``fully_shard`` wrapped. Checked on torch 2.13-2.15."""
+    state = _attribute(module, "_get_fsdp_state", "fsdp_param_groups", "torch")()
+    groups = _attribute(state, "_fsdp_param_groups", "fsdp_param_groups", "torch")
+    return list(groups) if groups is not None else []
+
+
+def accelerator_type() -> str:
+    """``torch._C._get_accelerator().type``: the current accelerator's device type, ``"cpu"`` without one (where
+    ``torch.accelerator.current_accelerator()`` returns None). Checked on torch 2.13-2.15."""
+    import torch
+
+    return _attribute(torch._C, "_get_accelerator", "accelerator_type", "torch")().type
+
+
+def module_backward_hooks(module: torch.nn.Module) -> dict[int, Callable[..., Any]]:
+    """``nn.Module._backward_hooks``: handle id -> hook of ``register_full_backward_hook`` (mutable: deleting a key
+    removes the hook). Checked on torch 2.13-2.15."""
+    return _attribute(module, "_backward_hooks", "module_backward_hooks", "torch")
+
+
+def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict[int, Callable[..., Any]]:
+    """``Tensor._post_accumulate_grad_hooks``: handle id -> hook of ``register_post_accumulate_grad_hook``
+    (mutable); empty when none was registered (upstream leaves it None). Checked on torch 2.13-2.15."""
+    hooks = _attribute(tensor, "_post_accumulate_grad_hooks", "post_accumulate_grad_hooks", "torch")
+    return hooks if hooks is not None else {}
+
+
+def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``OptimizedModule._orig_mod``: the module ``torch.compile`` wrapped; None for a model that is not compiled.
+    Checked on torch 2.13-2.15."""
+    return getattr(model, "_orig_mod", None)
+
+
+# -- Python ----------------------------------------------------------------------------------------------------------
+
+def module_initializing(module: Any) -> bool:
+    """``module.__spec__._initializing``: whether importlib is still executing the module (unset, so False, once
+    done and for modules imported without a spec). Checked on CPython 3.10-3.13."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))

@@ -1,0 +1,623 @@
+"""shardadopt.upstream: every accessor against the installed upstream, and no private upstream name outside it.
+
+Each accessor has a test named after it, checked against a public reference where upstream has one, so a rename or a
+changed meaning upstream fails exactly that test. The distributed ones run together on one 2-rank gloo pool.
+``test_no_private_upstream_names_outside_upstream_module`` reads the syntax tree of every module in shardadopt/,
+benchmarks/ and tools/ and lists, file:line, each private upstream name used outside shardadopt/upstream.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import pathlib
+import random
+import sys
+from collections.abc import Iterable
+
+import pytest
+import torch
+from packaging.version import Version
+
+from shardadopt import upstream
+from shardadopt.registry import installed_version
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _transformers_at_least(version: str) -> bool:
+    return installed_version("transformers") >= Version(version)
+
+
+# -- accelerate ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def accelerator():
+    """A CPU Accelerator with one model, optimizer, scheduler and dataloader prepared, and a registered object."""
+    from accelerate import Accelerator
+
+    upstream.reset_accelerate_state()
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    loader = torch.utils.data.DataLoader(torch.arange(8.0).reshape(4, 2), batch_size=2)
+    acc.prepared = acc.prepare(model, optimizer, scheduler, loader)
+    acc.raw = (model, optimizer, scheduler, loader)
+    acc.register_for_checkpointing(acc.raw[0])
+    yield acc
+    upstream.reset_accelerate_state()
+
+
+def test_accelerator_models(accelerator):
+    models = upstream.accelerator_models(accelerator)
+    assert models == [accelerator.prepared[0]]
+    extra = torch.nn.Linear(1, 1)
+    models.append(extra)  # adopt_model registers a model this way: it must be the Accelerator's own list
+    assert upstream.accelerator_models(accelerator)[-1] is extra
+
+
+def test_accelerator_optimizers(accelerator):
+    [prepared] = upstream.accelerator_optimizers(accelerator)
+    assert prepared is accelerator.prepared[1] and prepared.optimizer is accelerator.raw[1]
+
+
+def test_accelerator_schedulers(accelerator):
+    [prepared] = upstream.accelerator_schedulers(accelerator)
+    assert prepared is accelerator.prepared[2] and prepared.scheduler is accelerator.raw[2]
+
+
+def test_accelerator_dataloaders(accelerator):
+    assert upstream.accelerator_dataloaders(accelerator) == [accelerator.prepared[3]]
+
+
+def test_accelerator_custom_objects(accelerator):
+    assert upstream.accelerator_custom_objects(accelerator) == [accelerator.raw[0]]
+
+
+def test_accelerator_save_state_pre_hooks(accelerator):
+    def hook(models, weights, output_dir):
+        pass
+
+    handle = accelerator.register_save_state_pre_hook(hook)
+    assert hook in upstream.accelerator_save_state_pre_hooks(accelerator).values()
+    handle.remove()
+    assert hook not in upstream.accelerator_save_state_pre_hooks(accelerator).values()
+
+
+def test_accelerator_load_state_pre_hooks(accelerator):
+    def hook(models, input_dir):
+        pass
+
+    handle = accelerator.register_load_state_pre_hook(hook)
+    assert hook in upstream.accelerator_load_state_pre_hooks(accelerator).values()
+    handle.remove()
+    assert hook not in upstream.accelerator_load_state_pre_hooks(accelerator).values()
+
+
+def test_is_accelerate_prepared(accelerator):
+    assert upstream.is_accelerate_prepared(accelerator.prepared[3])
+    assert not upstream.is_accelerate_prepared(accelerator.raw[3])
+
+
+def test_reset_accelerate_state():
+    from accelerate import Accelerator
+
+    upstream.reset_accelerate_state()
+    assert Accelerator(cpu=True).mixed_precision == "no"
+    # Without a reset accelerate refuses a second configuration of its process-wide state.
+    upstream.reset_accelerate_state()
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+    upstream.reset_accelerate_state()
+
+
+def test_missing_name_raises_upstream_changed():
+    with pytest.raises(upstream.UpstreamChanged, match=r"accelerator_models: object\._models does not exist in "
+                                                       rf"accelerate {installed_version('accelerate')}"):
+        upstream.accelerator_models(object())
+
+
+# -- transformers ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", upstream.TRAINER_TARGETS, ids=lambda t: t.qualname)
+def test_trainer_targets(target):
+    method = upstream.upstream_method(target, "test")
+    assert callable(method) and method.__qualname__ == target.qualname
+
+
+def test_save_model_internal_call():
+    from transformers import Trainer
+
+    assert upstream.SAVE_MODEL_INTERNAL_CALL in inspect.signature(Trainer.save_model).parameters
+
+
+@pytest.fixture
+def trainer(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    class PushSpy(TrainerCallback):
+        def on_push_begin(self, args, state, control, **kwargs):
+            raise LookupError("push began")  # stops before any hub traffic
+
+    upstream.reset_accelerate_state()
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True,
+                             hub_strategy="every_save", hub_always_push=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32)
+    yield Trainer(model=model, args=args, callbacks=[PushSpy()])
+    upstream.reset_accelerate_state()
+
+
+def test_trainer_output_dir(trainer):
+    assert upstream.trainer_output_dir(trainer, None) == trainer.args.output_dir
+
+
+def test_trainer_save_rng_state(trainer, tmp_path):
+    torch.manual_seed(1234)
+    random.seed(5)
+    upstream.trainer_save_rng_state(trainer, str(tmp_path))
+    [saved] = [f for f in os.listdir(tmp_path) if f.startswith("rng_state")]
+    states = torch.load(tmp_path / saved, weights_only=False)
+    assert torch.equal(states["cpu"], torch.random.get_rng_state()) and states["python"] == random.getstate()
+
+
+def test_trainer_save_scaler(trainer, tmp_path):
+    from transformers.trainer import SCALER_NAME
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    trainer.accelerator.scaler = scaler
+    upstream.trainer_save_scaler(trainer, str(tmp_path))
+    assert torch.load(tmp_path / SCALER_NAME, weights_only=False)["scale"] == scaler.state_dict()["scale"]
+
+
+def test_trainer_push_from_checkpoint(trainer, tmp_path):
+    with pytest.raises(LookupError, match="push began"):
+        upstream.trainer_push_from_checkpoint(trainer, str(tmp_path))
+
+
+def test_from_config_constructor(tiny_models):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32)
+    build = upstream.from_config_constructor(type(model))
+    with torch.device("meta"):
+        built = build(AutoConfig.from_pretrained(tiny_models["qwen3"]))
+    assert type(built) is type(model)
+    assert {n: p.shape for n, p in built.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
+    assert upstream.from_config_constructor(torch.nn.Linear) is None
+
+
+def _experts():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=4, num_experts=3, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config)
+    for param in experts.parameters():
+        torch.nn.init.normal_(param)
+    return experts
+
+
+def test_experts_is_expert_parallel():
+    experts = _experts()
+    flag = upstream.experts_is_expert_parallel(experts)
+    # transformers 5.18 started marking experts modules (False unless sharded by expert); earlier ones never do.
+    assert flag is (False if _transformers_at_least("5.18") else None)
+
+
+def test_set_experts_expert_parallel():
+    from shardadopt.moe import is_expert_parallel
+
+    experts = _experts()
+    upstream.set_experts_expert_parallel(experts, True)
+    assert upstream.experts_is_expert_parallel(experts) is True and is_expert_parallel(experts)
+
+
+def test_experts_apply_gate():
+    experts = _experts()
+    projected = torch.randn(5, 8)
+    gate, up = projected.chunk(2, dim=-1)
+    torch.testing.assert_close(upstream.experts_apply_gate(experts, projected), experts.act_fn(gate) * up)
+
+
+def _grouped_operands():
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 4)
+    weight = torch.randn(3, 5, 4)  # (experts, out, in)
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32)  # expert 1 gets no rows
+    return hidden, weight, offsets
+
+
+def test_moe_grouped_linear():
+    hidden, weight, offsets = _grouped_operands()
+    starts = [0, *offsets.tolist()[:-1]]
+    reference = torch.cat([hidden[s:e] @ weight[g].T for g, (s, e) in enumerate(zip(starts, offsets.tolist()))])
+    out = upstream.moe_grouped_linear()(hidden, weight, offsets)
+    torch.testing.assert_close(out, reference)
+
+
+def test_moe_can_use_grouped_mm():
+    hidden, weight, offsets = _grouped_operands()
+    assert isinstance(upstream.moe_can_use_grouped_mm(hidden, weight.transpose(1, 2), offsets), bool)
+
+
+def test_moe_grouped_linear_name():
+    """The constant the EP sentinel probe looks for in upstream's ``grouped_mm_experts_forward``."""
+    from transformers.integrations import moe
+
+    from shardadopt.probing import calls, source_tree
+
+    assert calls(source_tree(moe.grouped_mm_experts_forward), upstream.MOE_GROUPED_LINEAR)
+
+
+# -- optuna ----------------------------------------------------------------------------------------------------------
+
+def test_study_is_multi_objective():
+    import optuna
+
+    for directions in (["minimize"], ["minimize", "maximize"]):
+        study = optuna.create_study(directions=directions)
+        assert upstream.study_is_multi_objective(study) is (len(study.directions) > 1)
+
+
+# -- torch, one process ----------------------------------------------------------------------------------------------
+
+def _foreach_clip_works(device: str) -> bool:
+    """torch's public reference: ``clip_grads_with_norm_(foreach=True)`` refuses devices without foreach kernels."""
+    param = torch.nn.Parameter(torch.ones(2, device=device))
+    param.grad = torch.ones(2, device=device)
+    try:
+        torch.nn.utils.clip_grads_with_norm_([param], 1.0, torch.tensor(4.0, device=device), foreach=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_device_has_foreach_support():
+    for device in ("cpu", "meta"):
+        assert upstream.device_has_foreach_support(torch.device(device)) is _foreach_clip_works(device), device
+
+
+def test_has_foreach_support():
+    cpu = torch.device("cpu")
+    plain, parameter = torch.ones(2), torch.nn.Parameter(torch.ones(2))
+    assert upstream.has_foreach_support([plain, None], cpu) is upstream.device_has_foreach_support(cpu)
+    assert upstream.has_foreach_support([plain, parameter], cpu) is False  # plain tensors only
+    assert upstream.has_foreach_support([plain], torch.device("meta")) is False
+
+
+def test_group_tensors_by_device_and_dtype():
+    tensors = [torch.ones(2), torch.ones(2, dtype=torch.float64), torch.zeros(3)]
+    grouped = upstream.group_tensors_by_device_and_dtype([tensors])
+    reference: dict = {}
+    for t in tensors:
+        reference.setdefault((t.device, t.dtype), []).append(id(t))
+    assert {key: [id(t) for t in lists[0]] for key, (lists, _) in grouped.items()} == reference
+
+
+def test_foreach_mul_():
+    tensors = [torch.arange(3.0), torch.ones(2)]
+    expected = [t * 0.5 for t in tensors]
+    upstream.foreach_mul_(tensors, torch.tensor(0.5))
+    for t, e in zip(tensors, expected):
+        torch.testing.assert_close(t, e)
+
+
+def test_foreach_norm():
+    tensors = [torch.arange(3.0), -torch.ones(2)]
+    for p in (1.0, 2.0, float("inf")):
+        norms = upstream.foreach_norm(tensors, p, dtype=torch.float64)
+        for n, t in zip(norms, tensors):
+            torch.testing.assert_close(n, torch.linalg.vector_norm(t, p, dtype=torch.float64))
+
+
+def test_strided_shard_type():
+    from torch.distributed.tensor.placement_types import Placement
+
+    strided = upstream.strided_shard_type()
+    assert issubclass(strided, Placement) and strided(0, split_factor=2).dim == 0
+
+
+def test_compute_local_shape_and_global_offset():
+    from torch.distributed.tensor import Replicate, Shard
+
+    full = torch.arange(5 * 4).reshape(5, 4)
+    for coordinate in ([0, 0], [1, 1]):
+        shape, offset = upstream.compute_local_shape_and_global_offset(full.shape, (2, 2), coordinate,
+                                                                         [Shard(0), Replicate()])
+        piece = full.chunk(2, dim=0)[coordinate[0]]  # torch's Shard layout: chunk
+        assert tuple(shape) == tuple(piece.shape) and tuple(offset) == (int(piece[0, 0]) // 4, 0)
+
+
+def test_accelerator_type():
+    current = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    assert upstream.accelerator_type() == (current.type if current is not None else "cpu")
+
+
+def test_module_backward_hooks():
+    module = torch.nn.Linear(2, 2)
+    seen = []
+    module.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(1))
+    hooks = upstream.module_backward_hooks(module)
+    assert len(hooks) == 1
+    module(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert seen == [1]
+    hooks.clear()  # tp.fix_tp_grad_accumulation deletes upstream's hook this way
+    module(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    assert seen == [1]
+
+
+def test_post_accumulate_grad_hooks():
+    param = torch.nn.Parameter(torch.ones(2))
+    assert upstream.post_accumulate_grad_hooks(param) == {}
+    seen = []
+    param.register_post_accumulate_grad_hook(lambda p: seen.append(1))
+    hooks = upstream.post_accumulate_grad_hooks(param)
+    (param * 2).sum().backward()
+    assert len(hooks) == 1 and seen == [1]
+    hooks.clear()
+    (param * 2).sum().backward()
+    assert seen == [1]
+
+
+def test_compiled_original():
+    module = torch.nn.Linear(2, 2)
+    assert upstream.compiled_original(torch.compile(module)) is module
+    assert upstream.compiled_original(module) is None
+
+
+def test_module_initializing(tmp_path, monkeypatch):
+    (tmp_path / "half_imported.py").write_text(
+        "import sys\nfrom shardadopt import upstream\nDURING = upstream.module_initializing(sys.modules[__name__])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("half_imported")
+    try:
+        assert module.DURING is True and upstream.module_initializing(module) is False
+    finally:
+        sys.modules.pop("half_imported", None)
+
+
+# -- torch and transformers on two ranks -----------------------------------------------------------------------------
+
+def distributed_checks(path: str) -> dict[str, str | None]:
+    """Every accessor that needs a process group or a load-time-sharded model: accessor -> failure (None: ok)."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, str | None] = {}
+
+    def check(name, condition):
+        try:
+            ok = condition()
+        except Exception as exc:  # noqa: BLE001  (reported per accessor)
+            results[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            results[name] = None if ok else "unexpected value"
+
+    def store_is_shared():
+        store = upstream.default_store()
+        store.add("test-upstream-accessors", 1)
+        dist.barrier()
+        return store.add("test-upstream-accessors", 0) == world
+
+    check("default_store", store_is_shared)
+    check("default_group", lambda: upstream.default_group() is dist.group.WORLD)
+    # RankPool leaves init_process_group's timeout at torch's default.
+    check("group_timeout", lambda: upstream.group_timeout(upstream.default_group(), torch.device("cpu"))
+          == default_pg_timeout)
+    # gloo runs collectives on CPU tensors (and CUDA ones on a CUDA build).
+    check("backend_device_types", lambda: "cpu" in upstream.backend_device_types(None)
+          and set(upstream.backend_device_types(None)) <= {"cpu", "cuda"})
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(6.0 * world).reshape(3 * world, 2)
+
+    def local_is_the_shard():
+        sharded = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+        local = upstream.dtensor_local(sharded)
+        return torch.equal(local, full.chunk(world)[rank]) and local.grad_fn is None
+
+    check("dtensor_local", local_is_the_shard)
+
+    def one_group_on_the_mesh():
+        module = torch.nn.Linear(2, 2)
+        fully_shard(module, mesh=mesh)
+        [group] = upstream.fsdp_param_groups(module)
+        return group.mesh_info.mesh == mesh
+
+    check("fsdp_param_groups", one_group_on_the_mesh)
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(tp_size=world))
+
+    def mesh_covers_world():
+        found = upstream.model_device_mesh(model)
+        return isinstance(found, DeviceMesh) and found.size() == world
+
+    check("model_device_mesh", mesh_covers_world)
+
+    def manager_meshes():
+        manager = upstream.model_mesh_manager(model)
+        if manager is None:  # the mesh manager came in 5.19
+            return not _transformers_at_least("5.19")
+        dense, expert = upstream.mesh_manager_meshes(manager)
+        return (upstream.is_mesh_manager(manager) and isinstance(dense, DeviceMesh)
+                and isinstance(expert, DeviceMesh) and dense.size() == world)
+
+    check("model_mesh_manager", manager_meshes)
+
+    def sizes_read_back():
+        upstream.set_model_sharding_sizes(model, 3, 5)
+        fsdp_property = isinstance(getattr(type(model), "fsdp_size", None), property)
+        return model.tp_size == 3 and (not fsdp_property or model.fsdp_size == 5)
+
+    check("set_model_sharding_sizes", sizes_read_back)
+
+    def hf_meshes():
+        meshes = [upstream.module_hf_device_mesh(m) for m in model.modules()]
+        if not all(m is None or isinstance(m, DeviceMesh) for m in meshes):
+            return False
+        # 5.15 records the mesh on the modules its tensor parallelism shards; later releases on none.
+        return any(m is not None for m in meshes) is not _transformers_at_least("5.16")
+
+    check("module_hf_device_mesh", hf_meshes)
+    return results
+
+
+DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "group_timeout", "backend_device_types", "dtensor_local",
+                         "fsdp_param_groups", "model_device_mesh", "model_mesh_manager", "set_model_sharding_sizes",
+                         "module_hf_device_mesh")
+
+
+@pytest.fixture(scope="module")
+def distributed_results(pool2, tiny_models):
+    return pool2.run(distributed_checks, tiny_models["qwen3"])
+
+
+@pytest.mark.parametrize("accessor", DISTRIBUTED_ACCESSORS)
+def test_distributed_accessor(distributed_results, accessor):
+    failures = {rank: r[accessor] for rank, r in enumerate(distributed_results) if r[accessor] is not None}
+    assert not failures, f"shardadopt.upstream.{accessor}: {failures}"
+
+
+def test_every_accessor_is_tested():
+    """A new accessor needs a test here: each public function and constant of shardadopt.upstream is used above
+    (the Trainer targets through TRAINER_TARGETS, the model attribute names through the accessors that use them)."""
+    source = pathlib.Path(__file__).read_text()
+    covered = {*(n for n in vars(upstream) if n.startswith("TRAINER_")), "MODEL_DEVICE_MESH_ATTRIBUTE",
+               "MODEL_SHARDING_SIZE_ATTRIBUTES"}
+    public = [n for n, v in vars(upstream).items() if not n.startswith("_") and n not in covered and (
+        n.isupper() and n != "TYPE_CHECKING" or inspect.isfunction(v) and v.__module__ == upstream.__name__)]
+    untested = [n for n in public if f"upstream.{n}" not in source]
+    assert not untested, f"accessors without a test in {pathlib.Path(__file__).name}: {untested}"
+
+
+# -- no private upstream name outside shardadopt/upstream.py --------------------------------------------------------
+
+SCANNED = ("shardadopt", "benchmarks", "tools")
+# Where shardadopt's own private names are defined (benchmarks call helpers of test modules).
+OWN_DEFINITIONS = SCANNED + ("tests", "examples")
+UPSTREAM_PACKAGES = {"torch", "transformers", "accelerate", "optuna"}
+ACCESSOR_MODULE = "shardadopt/upstream.py"
+# The checkpoint code another branch is restructuring now; the lead routes it through shardadopt.upstream (whose
+# docstring lists the accessors meant for it) after merging, and removes it from this list.
+_NOT_YET_ROUTED = ("shardadopt/checkpoint.py", "shardadopt/checkpoint/",
+                   "shardadopt/patches/accelerate_sharded_checkpoint.py",
+                   "shardadopt/patches/trainer_sharded_checkpoint.py")
+_AFFIX_METHODS = {"startswith", "endswith", "removeprefix", "removesuffix"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def own_private_names(trees: Iterable[ast.AST]) -> set[str]:
+    """Private names shardadopt defines: functions, classes, assigned names, ``self._x`` attributes and aliases."""
+    own: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for part in ast.walk(target):
+                        if isinstance(part, ast.Name):
+                            own.add(part.id)
+                        elif (isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name)
+                              and part.value.id in ("self", "cls")):
+                            own.add(part.attr)
+            elif isinstance(node, ast.alias) and node.asname:
+                own.add(node.asname)
+            elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+                  and node.args[0].id == "self" and isinstance(node.args[1], ast.Constant)
+                  and isinstance(node.args[1].value, str)):  # object.__setattr__(self, "_x", ...)
+                own.add(node.args[1].value)
+    return {name for name in own if _private(name)}
+
+
+def private_upstream_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
+    """(line, what) for each private name in ``tree`` that is not shardadopt's own: ``obj._x``, imports of ``_x`` or
+    of a private upstream module, and strings naming one (``getattr(m, "_x")``, ``Target(.., "Trainer._x")``)."""
+
+    def foreign(name: str) -> bool:
+        return _private(name) and name not in own and not name.startswith("_shardadopt")
+
+    skipped: set[int] = set()  # docstrings, f-string pieces, str.startswith("_x") affixes
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)):
+            skipped.add(id(body[0].value))
+        if isinstance(node, ast.JoinedStr):
+            skipped.update(id(v) for v in node.values)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _AFFIX_METHODS:
+            skipped.update(id(a) for a in node.args)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and foreign(node.attr):
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] in UPSTREAM_PACKAGES and any(_private(p) for p in parts):
+                    found.append((node.lineno, f"import of {module}"))
+            if isinstance(node, ast.ImportFrom) and not (node.module or "").startswith("shardadopt"):
+                found.extend((node.lineno, f"from {node.module} import {a.name}") for a in node.names
+                             if foreign(a.name))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skipped
+              and all(p.isidentifier() for p in node.value.split("."))
+              and any(foreign(p) for p in node.value.split("."))):
+            found.append((node.lineno, repr(node.value)))
+    return sorted(set(found))
+
+
+def _python_files(folders: Iterable[str]) -> list[pathlib.Path]:
+    return [p for folder in folders for p in sorted((REPO / folder).rglob("*.py"))]
+
+
+@pytest.fixture(scope="module")
+def own_names() -> set[str]:
+    return own_private_names(ast.parse(p.read_text()) for p in _python_files(OWN_DEFINITIONS))
+
+
+def test_no_private_upstream_names_outside_upstream_module(own_names):
+    offending = []
+    for path in _python_files(SCANNED):
+        relative = path.relative_to(REPO).as_posix()
+        if relative == ACCESSOR_MODULE or relative.startswith(_NOT_YET_ROUTED):
+            continue
+        offending += [f"{relative}:{line}: {what}" for line, what in private_upstream_uses(ast.parse(
+            path.read_text()), own_names)]
+    assert not offending, ("private upstream names outside shardadopt/upstream.py (add a named accessor there and "
+                           "call it):\n" + "\n".join(offending))
+
+
+@pytest.mark.parametrize("source", [
+    "models = accelerator._models\n",
+    "multi = study._is_multi_objective()\n",
+    "mesh = getattr(model, '_device_mesh', None)\n",
+    "from torch.distributed.tensor._utils import compute\n",
+    "from torch.distributed.tensor.placement_types import _StridedShard\n",
+    "import torch.distributed._composable.fsdp\n",
+    "target = Target('transformers.trainer', 'Trainer._save_checkpoint')\n",
+])
+def test_private_names_are_found(own_names, source):
+    """The check above catches each kind of use even with every private name shardadopt defines taken as its own."""
+    assert private_upstream_uses(ast.parse(source), own_names)
+
+
+def test_own_private_names_are_not_found(own_names):
+    source = ("class _View:\n    def __init__(self, a):\n        object.__setattr__(self, '_inner', a)\n"
+              "    def get(self):\n        return self._inner, getattr(self, '_shardadopt_mark', None)\n"
+              "ok = name.endswith('_size') and f'_run_{name}'\n")
+    tree = ast.parse(source)
+    assert private_upstream_uses(tree, own_names | own_private_names([tree])) == []
