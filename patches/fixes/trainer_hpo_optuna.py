@@ -96,7 +96,6 @@ if __name__ == "__main__":
     # Runs on each of 2 ranks (gloo, CPU): a data-parallel Optuna search whose pruner stops trial 1 at step 2.
     from datetime import timedelta
 
-    import optuna
     import torch
     import torch.distributed as dist
 
@@ -113,8 +112,12 @@ if __name__ == "__main__":
     def model_init(trial=None):
         torch.manual_seed(0)
         config = LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
         )
         return LlamaForCausalLM(config)
 

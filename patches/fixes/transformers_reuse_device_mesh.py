@@ -56,8 +56,12 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     if dist.get_rank() == 0:
         config = LlamaConfig(
-            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
         )
         LlamaForCausalLM(config).save_pretrained(checkpoint)
     dist.barrier()
