@@ -66,7 +66,7 @@ class TestTrainerDistributedOptuna(TestCasePlus):
             self.test_file_path,
             work_dir,
         ]
-        # A rank left behind waits in a collective until the process group's timeout (60 s) fails it.
+        # A rank left behind waits in a collective until the process group's timeout (120 s) fails it.
         execute_subprocess_async(cmd, env=self.get_env(), timeout=600)
 
         # The same search with plain Optuna in one process: one report per evaluation step.
@@ -102,7 +102,7 @@ if __name__ == "__main__":
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     work_dir = sys.argv[1]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     ends = []
 
     class RecordTrialEnd(TrainerCallback):
