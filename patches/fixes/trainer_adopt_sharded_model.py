@@ -86,6 +86,7 @@ if __name__ == "__main__":
         output_dir=os.path.join(work_dir, "output"),
         per_device_train_batch_size=2,
         per_device_eval_batch_size=2,
+        save_strategy="no",
         report_to=[],
         use_cpu=True,
     )
