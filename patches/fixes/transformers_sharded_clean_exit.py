@@ -89,7 +89,7 @@ if __name__ == "__main__":
 
 RELEASE = '''\
 def _release_gloo_process_groups() -> None:
-    \"\"\"At a successful exit, destroy the gloo process groups and let their worker threads finish while Python is whole.
+    \"\"\"Destroy the gloo process groups at a successful exit; let their workers finish while Python is whole.
 
     A gloo worker drops the tensors of a collective after `wait()` returned, and dropping a tensor Python also holds
     takes the GIL. A worker that runs only once the interpreter is finalizing gets the GIL too late: CPython ends the
