@@ -146,8 +146,9 @@ FIX = Fix(
     id="trainer-adopt-sharded-model",
     distribution="transformers",
     kind="backport",
-    upstream=("huggingface/transformers 5.18.0 (Trainer keeps a model with a `_device_mesh` in place) and 5.24.0 "
-              "(FSDP2 modules resharded before create_optimizer in _prepare_for_training)"),
+    upstream=("huggingface/transformers (PRs not identified), released in 5.18.0 (Trainer keeps a model with a "
+              "`_device_mesh` in place) and 5.24.0 (FSDP2 modules resharded before create_optimizer in "
+              "_prepare_for_training)"),
     summary="""
         Trainer treats a model sharded at load time (from_pretrained(..., distributed_config=...)) like a plain one.
         Before 5.18, __init__ (and train() with model_init) moves it with model.to(args.device), which re-creates
