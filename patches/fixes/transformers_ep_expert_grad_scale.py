@@ -117,10 +117,10 @@ FIX = Fix(
                  "                if torch.distributed.get_backend(expert_mesh.get_group()) != \"nccl\":\n"
                  "                    # Non-NCCL backends need to sum first, then apply the division otherwise it"
                  " runtime error.\n",
+                 "                backend = torch.distributed.get_backend(expert_mesh.get_group())\n"
                  "                # No reduce-scatter if efsdp_size == 1: FSDP2 already divides, so a forced sum would"
                  " divide twice.\n"
-                 "                if distributed_config.efsdp_size > 1 and torch.distributed.get_backend(expert_mesh"
-                 ".get_group()) != \"nccl\":\n"
+                 "                if distributed_config.efsdp_size > 1 and backend != \"nccl\":\n"
                  "                    # Non-NCCL backends need to sum first, then apply the division otherwise it"
                  " runtime error.\n"),
         ), new_files=(TEST_FILE,)),

@@ -124,10 +124,12 @@ FIX = Fix(
     """,
     edits=(
         Edit(MOE,
-             "        selected_hidden_states_g, selected_weights, offsets, bias=selected_biases, is_transposed=self.is_transposed\n"
+             "        selected_hidden_states_g, selected_weights, offsets, bias=selected_biases,"
+             " is_transposed=self.is_transposed\n"
              "    )  # (S, 2 * intermediate_dim) or  (S, intermediate_dim) depending on whether we have gating\n"
              "\n",
-             "        selected_hidden_states_g, selected_weights, offsets, bias=selected_biases, is_transposed=self.is_transposed\n"
+             "        selected_hidden_states_g, selected_weights, offsets, bias=selected_biases,"
+             " is_transposed=self.is_transposed\n"
              "    )  # (S, 2 * intermediate_dim) or  (S, intermediate_dim) depending on whether we have gating\n"
              "\n"
              "    # Zero the sentinel-tail rows the kernel left uninitialized (fwd output and bwd `d_input`).\n"

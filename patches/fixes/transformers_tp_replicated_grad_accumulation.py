@@ -149,7 +149,8 @@ V522 = (
         "        def _all_reduce_grad(param):\n"
         "            dist.all_reduce(param.grad, group=mesh.get_group())\n",
         "        def _all_reduce_grad(grad):\n"
-        "            # Reduce this backward's gradient before it is accumulated into `param.grad`: reducing `param.grad`\n"
+        "            # Reduce this backward's gradient before it is accumulated into `param.grad`: reducing"
+        " `param.grad`\n"
         "            # itself would sum the gradients accumulated from earlier micro-batches over the mesh again.\n"
         "            grad = grad.clone(memory_format=torch.contiguous_format)\n"
         "            dist.all_reduce(grad, group=mesh.get_group())\n"
