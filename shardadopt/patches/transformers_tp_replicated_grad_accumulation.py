@@ -1,7 +1,7 @@
 """TP style ``replicated_with_grad_allreduce``: all-reduce each backward's new gradient, not the accumulated ``.grad``.
 
-Upstream: not reported yet (anticipates a transformers fix; the diff is patches/transformers-tp-replicated-grad-
-accumulation.diff). The style keeps a parameter whole on every TP rank while each rank's gradient covers only its
+Upstream: not reported yet (anticipates a transformers fix; the diffs are patches/transformers-tp-replicated-grad-
+accumulation@<release>.diff, one per upstream layout). The style keeps a parameter whole on every TP rank while each rank's gradient covers only its
 own heads (Qwen3 / Qwen3-MoE / Gemma3 / ... ``q_norm``/``k_norm``). transformers 5.21 and later
 (``transformers/distributed/tensor_parallel.py``, ``ReplicatedWithGradAllReduce.install_forward``) sums the
 *accumulated* gradient after every backward::
@@ -137,7 +137,7 @@ PATCH = Patch(
     summary="TP replicated_with_grad_allreduce (Qwen3 q_norm/k_norm): reduce each backward's gradient once, so "
             "gradient accumulation is right",
     upstream="anticipates a transformers fix (not reported yet); patches/transformers-tp-replicated-grad-"
-             "accumulation.diff",
+             "accumulation@<release>.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, f"ReplicatedWithGradAllReduce.{METHOD}"): _install},
     probe=probe,
