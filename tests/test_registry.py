@@ -291,18 +291,6 @@ def test_enable_imports_no_upstream():
     assert out.stdout.strip() == "[]"
 
 
-def test_patches_folder_matches_registry():
-    diffs = {p.stem for p in (REPO / "patches").glob("*.diff")}
-    ids = {p.id for p in shardadopt._registry().patches()}
-    assert diffs == ids, f"patches/ has {sorted(diffs - ids)} without a patch; patches without a diff: {sorted(ids - diffs)}"
-
-
-def test_every_diff_names_upstream_reference_and_version():
-    for diff in (REPO / "patches").glob("*.diff"):
-        header = diff.read_text().split("\n---", 1)[0]
-        assert "Upstream:" in header and "Against:" in header, f"{diff.name} lacks its Upstream:/Against: header"
-
-
 def test_every_patch_targets_exist_in_installed_upstream():
     """Each registered patch resolves all its targets against what is installed (or reports why not)."""
     shardadopt.enable()

@@ -13,16 +13,16 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
 
 import shardadopt
 from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID, MODULE
-from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
+from test_upstream_diffs import tool
 
-DIFF = Path(__file__).resolve().parents[1] / "patches" / f"{ID}.diff"
+DIFF = tool.diff_for(tool.load_fixes([ID])[ID], str(installed_version("transformers")))  # the installed release's
 BATCH = 2
 SEEDS = (21, 22, 23)  # one token batch per micro-batch
 STYLE_PARAMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
@@ -251,7 +251,7 @@ def diff_applied_style():
     upstream module's namespace; None when the installed source is not the one the diff is against."""
     module = importlib.import_module(MODULE)
     source = inspect.getsource(module)
-    hunks = DIFF.read_text().split("\n@@")[1:]
+    hunks = tool.source_hunks(DIFF.read_text()).split("\n@@")[1:]
     for hunk in hunks:
         lines = hunk.split("\n")[1:]
         old = "\n".join(line[1:] for line in lines if line[:1] in (" ", "-"))
@@ -271,7 +271,7 @@ def test_probe_not_needed_with_the_upstream_diff(monkeypatch):
 
     fixed = diff_applied_style()
     if fixed is None:
-        pytest.skip(f"{DIFF.name} is against transformers 5.24.0's source, which this transformers does not have")
+        pytest.skip(f"{DIFF.name} changes other source than {MODULE}'s ReplicatedWithGradAllReduce")
     monkeypatch.setattr(importlib.import_module(MODULE), "ReplicatedWithGradAllReduce", fixed)
     found = patch.probe()
     assert not found.needed, found.reason

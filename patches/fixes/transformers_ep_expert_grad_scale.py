@@ -93,7 +93,8 @@ FIX = Fix(
     id="transformers-ep-expert-grad-scale",
     distribution="transformers",
     kind="backport",
-    upstream="the fix released in transformers 5.23.0 (distributed/fsdp.py; no PR named in its source)",
+    upstream=("huggingface/transformers (PR not identified; found by diffing the 5.22.2 and 5.23.0 wheels), "
+              "released in 5.23.0 (distributed/fsdp.py)"),
     summary="""
         apply_fully_sharded_data_parallelism shards the dispatched experts over the efsdp mesh with
         set_gradient_divide_factor(fsdp_size) and set_force_sum_reduction_for_comms(True) (5.19 forces the sum on
