@@ -125,7 +125,7 @@ def test_pruning_matches_single_process_study(pool2):
     assert [row[:3] for row in table] == _reference()
     assert sum(row[1] == "PRUNED" for row in table) >= 1, table
     # every rank left each trial at the step optuna recorded last for it
-    for (number, state, _, _, reported), (seen_number, _, last_step) in zip(table, results[0]["seen"]):
+    for (number, _, _, _, reported), (seen_number, _, last_step) in zip(table, results[0]["seen"]):
         assert seen_number == number and reported == last_step + 1
 
 
