@@ -126,7 +126,7 @@ def _study_job(storage: str, study_name: str, n_trials: int, seed: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from shardadopt.hpo import ConcurrencyWarning, optimize
+    from shardadopt.hpo import ConcurrencyWarning, StudySpec, optimize
     from shardadopt.hpo.storage import default_sampler
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -143,8 +143,8 @@ def _study_job(storage: str, study_name: str, n_trials: int, seed: int) -> None:
             trial.report(value, step)
         return value
 
-    optimize(None, objective, n_trials=n_trials, storage=storage, study_name=study_name, direction="minimize",
-             sampler=default_sampler(seed=seed))
+    spec = StudySpec(storage=storage, study_name=study_name, direction="minimize", sampler=default_sampler(seed=seed))
+    optimize(spec, objective, n_trials=n_trials)
 
 
 def _study_throughput(pools: list, storage: str, n_trials: int) -> float:

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
 
 import shardadopt.checkpoint  # noqa: E402
-from shardadopt.hpo import optimize, resume_checkpoint, trial_checkpoint_dir  # noqa: E402
+from shardadopt.hpo import StudySpec, optimize, resume_checkpoint, trial_checkpoint_dir  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -98,10 +98,10 @@ def main() -> None:
             trial.report_and_maybe_prune(loss, step + 1)
         return loss
 
-    study = optimize(None, objective, n_trials=args.n_trials, storage=args.storage, study_name=args.study,
-                     output_dir=args.output_dir, direction="minimize",
+    spec = StudySpec(storage=args.storage, study_name=args.study, output_dir=args.output_dir, direction="minimize",
                      sampler=optuna.samplers.RandomSampler(seed=0),
                      pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1))
+    study = optimize(spec, objective, n_trials=args.n_trials)
     if rank == 0:  # optimize returns the study on rank 0 (None elsewhere)
         states = [t.state.name for t in study.trials]
         print(f"trials: {states}; best: #{study.best_trial.number} loss {study.best_value:.4f} "

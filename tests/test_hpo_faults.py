@@ -124,7 +124,7 @@ def _search(fault: dict | None, catch: tuple, n_trials: int = 2) -> dict:
     import optuna
     import torch.distributed as dist
 
-    from shardadopt.hpo import optimize
+    from shardadopt.hpo import ControlOptions, optimize
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if dist.get_rank() == 0 else None
@@ -138,7 +138,7 @@ def _search(fault: dict | None, catch: tuple, n_trials: int = 2) -> dict:
 
     error = None
     try:
-        optimize(study, objective, n_trials=n_trials, catch=catch, control_timeout=CONTROL_TIMEOUT)
+        optimize(study, objective, n_trials=n_trials, catch=catch, control=ControlOptions(timeout=CONTROL_TIMEOUT))
     except BaseException as exc:  # noqa: BLE001
         error = {"type": type(exc).__name__, "message": str(exc), "origin": getattr(exc, "shardadopt_rank", None),
                  "at": time.time()}
@@ -206,7 +206,7 @@ def _sharded_search(path: str, fault: dict | None, layout: str) -> dict:
     import torch.distributed as dist
 
     import shardadopt
-    from shardadopt.hpo import optimize
+    from shardadopt.hpo import ControlOptions, optimize
     from shardadopt.selftest import checkpoint as scenario
     from shardadopt.selftest.trainer import distributed_sizes
 
@@ -232,7 +232,8 @@ def _sharded_search(path: str, fault: dict | None, layout: str) -> dict:
         marks["trials"].append((trial.number, losses))
         return losses[-1]
 
-    optimize(study, objective, n_trials=2 if fault else 1, catch=(_Fault,), control_timeout=CONTROL_TIMEOUT)
+    optimize(study, objective, n_trials=2 if fault else 1, catch=(_Fault,),
+             control=ControlOptions(timeout=CONTROL_TIMEOUT))
     table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study else None
     return {"table": table, **marks}
 

@@ -75,7 +75,7 @@ def _run(n_trials=N_TRIALS, catch=(), timeout=None, **objective_kwargs):
     """On every rank: run the study, return (rank 0's trial table or None, what this rank saw, error info)."""
     import torch.distributed as dist
 
-    from shardadopt.hpo import optimize
+    from shardadopt.hpo import ControlOptions, optimize
 
     study = _study() if dist.get_rank() == 0 else None
     seen: list = []
@@ -83,7 +83,7 @@ def _run(n_trials=N_TRIALS, catch=(), timeout=None, **objective_kwargs):
     start = time.monotonic()
     try:
         optimize(study, _objective(seen, **objective_kwargs), n_trials=n_trials, timeout=timeout, catch=catch,
-                 control_timeout=30)
+                 control=ControlOptions(timeout=30))
     except BaseException as exc:  # KeyboardInterrupt included: the test checks every rank raised the same
         error = {"type": type(exc).__name__, "message": str(exc), "origin": getattr(exc, "shardadopt_rank", None)}
     table = None
@@ -125,7 +125,7 @@ def test_pruning_matches_single_process_study(pool2):
     assert [row[:3] for row in table] == _reference()
     assert sum(row[1] == "PRUNED" for row in table) >= 1, table
     # every rank left each trial at the step optuna recorded last for it
-    for (number, state, _, _, reported), (seen_number, _, last_step) in zip(table, results[0]["seen"]):
+    for (number, _, _, _, reported), (seen_number, _, last_step) in zip(table, results[0]["seen"]):
         assert seen_number == number and reported == last_step + 1
 
 
@@ -212,17 +212,25 @@ def _stop_and_multi_objective():
         n_jobs_error = None
     except ValueError as exc:
         n_jobs_error = str(exc)
-    return stopped, multi_seen, multi_states, n_jobs_error
+    try:  # the keyword arguments that moved into option objects name their new home
+        optimize(study, objective, n_trials=2, control_timeout=30, storage="journal:///x.log")
+        moved_error = None
+    except TypeError as exc:
+        moved_error = str(exc)
+    return stopped, multi_seen, multi_states, n_jobs_error, moved_error
 
 
 def test_study_stop_multi_objective_and_n_jobs(pool2):
     results = pool2.run(_stop_and_multi_objective, timeout=120)
-    (total, counts), multi_seen, multi_states, n_jobs_error = results[0]
+    (total, counts), multi_seen, multi_states, n_jobs_error, moved_error = results[0]
     assert total == 3 and counts == [0, 1, 2]
     assert results[1][0][1] == [0, 1, 2], "the worker stopped with rank 0's study.stop()"
     assert multi_states == ["COMPLETE"] * 3
     assert results[1][1] == multi_seen == [(0, True), (1, True), (2, True)]
     assert all("n_jobs=2" in r[3] for r in results)
+    assert "instead of control_timeout=, pass control=ControlOptions(timeout=...)" in moved_error
+    assert "instead of storage=, pass StudySpec(storage=...) as the study" in moved_error
+    assert all(r[4] == moved_error for r in results), "every rank raises it, before any collective"
 
 
 def _standalone():
@@ -278,7 +286,7 @@ def _stuck(control_timeout: float):
     """Rank 1 stops answering (busy, not dead) in trial 1 while rank 0 waits for its report."""
     import torch.distributed as dist
 
-    from shardadopt.hpo import optimize
+    from shardadopt.hpo import ControlOptions, optimize
 
     rank = dist.get_rank()
     study = _study() if rank == 0 else None
@@ -292,7 +300,7 @@ def _stuck(control_timeout: float):
 
     start = time.monotonic()
     try:
-        optimize(study, objective, n_trials=3, control_timeout=control_timeout)
+        optimize(study, objective, n_trials=3, control=ControlOptions(timeout=control_timeout))
     except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc), "ranks": getattr(exc, "ranks", None),
                 "seconds": time.monotonic() - start}

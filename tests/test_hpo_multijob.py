@@ -50,7 +50,15 @@ def _job(storage: str, study_name: str, n_trials: int, *, seed: int = 0, root: s
     import torch.distributed as dist
 
     from shardadopt import checkpoint
-    from shardadopt.hpo import InvalidConfigError, optimize, resume_checkpoint, trial_checkpoint_dir
+    from shardadopt.hpo import (
+        ControlOptions,
+        DurabilityOptions,
+        InvalidConfigError,
+        StudySpec,
+        optimize,
+        resume_checkpoint,
+        trial_checkpoint_dir,
+    )
     from shardadopt.hpo.storage import default_sampler
 
     rank = dist.get_rank()
@@ -89,10 +97,11 @@ def _job(storage: str, study_name: str, n_trials: int, *, seed: int = 0, root: s
 
     error = None
     try:
-        optimize(None, objective, n_trials=n_trials, storage=storage, study_name=study_name,
-                 sampler=default_sampler(seed=seed), space_version=space_version,
-                 allow_space_mismatch=allow_space_mismatch, heartbeat_interval=HEARTBEAT,
-                 catch=(ArithmeticError, ValueError), control_timeout=30, data_snapshot="snap-1")
+        optimize(StudySpec(storage=storage, study_name=study_name, sampler=default_sampler(seed=seed)), objective,
+                 n_trials=n_trials, catch=(ArithmeticError, ValueError),
+                 durability=DurabilityOptions(space_version=space_version, allow_space_mismatch=allow_space_mismatch,
+                                              heartbeat_interval=HEARTBEAT, data_snapshot="snap-1"),
+                 control=ControlOptions(timeout=30))
     except BaseException as exc:
         error = {"type": type(exc).__name__, "message": str(exc)}
     return {"seen": seen, "error": error}

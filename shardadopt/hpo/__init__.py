@@ -3,7 +3,8 @@
 - ``DistributedTrial(trial_or_None)``: one trial, collective and consistent on every rank (rank 0 holds the
   real trial); errors raised on any rank reach every rank.
 - ``optimize(study, objective, ...)``: ``study.optimize`` with every trial running on every rank, all ranks in
-  step through pruning, failures, ``catch``, ``timeout``, ``n_trials``, ``study.stop()`` and Ctrl-C.
+  step through pruning, failures, ``catch``, ``timeout``, ``n_trials``, ``study.stop()`` and Ctrl-C;
+  ``StudySpec`` (a shared, durable study), ``DurabilityOptions`` and ``ControlOptions`` configure it.
 - ``run_hp_search_optuna(trainer, ...)`` (``shardadopt.hpo.trainer_backend``): the same for
   ``Trainer.hyperparameter_search(backend="optuna")``; ``shardadopt.enable()`` routes Trainer there.
 
@@ -23,6 +24,9 @@ _LAZY = {
     "DistributedTrial": "shardadopt.hpo.trial",
     "report_and_maybe_prune": "shardadopt.hpo.trial",
     "optimize": "shardadopt.hpo.loop",
+    "StudySpec": "shardadopt.hpo.loop",
+    "DurabilityOptions": "shardadopt.hpo.loop",
+    "ControlOptions": "shardadopt.hpo.loop",
     "run_on_root": "shardadopt.hpo.loop",
     "ATTR_RANK": "shardadopt.hpo.loop",
     "run_hp_search_optuna": "shardadopt.hpo.trainer_backend",

@@ -18,9 +18,9 @@ ends, for whatever reason, it sends STOP, carrying the error when it ended with 
   trial on every rank within a fraction of a second (the trial's fault fence, see ``shardadopt.hpo.trial``) and
   the process groups are rebuilt, so with ``catch`` the next trial trains on working groups.
 
-Durable, multi-job studies: pass ``storage=`` (a URL or an Optuna storage) and ``study_name=`` instead of a study,
-and any number of torchrun jobs attach to the same study as workers (rank 0 of each job alone talks to storage;
-a bad URL raises ``StorageError`` on every rank before any training). On every trial rank 0 records the failure
+Durable, multi-job studies: pass ``StudySpec(storage=..., study_name=...)`` (a URL or an Optuna storage) instead of
+a study, and any number of torchrun jobs attach to the same study as workers (rank 0 of each job alone talks to
+storage; a bad URL raises ``StorageError`` on every rank before any training). On every trial rank 0 records the failure
 kind of a FAIL (``nan_loss`` for a non-finite objective, ``config_error``, ``preempted`` on SIGTERM, ...), the
 reproducibility attributes (search-space version, git SHA, library versions, world size and topology, data
 snapshot) and ``params_hash``, and keeps a heartbeat while the trial runs (persistent storages), so
@@ -46,7 +46,13 @@ from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpo
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
 from shardadopt.hpo.durability import TrialHeartbeat
 from shardadopt.hpo.errors import PeerLostError
-from shardadopt.hpo.provenance import ATTR_PARAMS_HASH, check_space_version, params_hash, reproducibility_attrs, space_version
+from shardadopt.hpo.provenance import (
+    ATTR_PARAMS_HASH,
+    check_space_version,
+    params_hash,
+    reproducibility_attrs,
+    space_version,
+)
 from shardadopt.hpo.trial import COMPLETE, FAIL, PRUNED, DistributedTrial, Outcome, TrialInfo
 
 Objective = Callable[[DistributedTrial], Any]
@@ -59,95 +65,144 @@ DEFAULT_HEARTBEAT_INTERVAL = 30.0  # seconds between a running trial's heartbeat
 _PROGRESS_BAR_TRIALS = 20  # studies at least this long show optuna's progress bar on rank 0 (on a terminal)
 
 
-@dataclass
-class Durable:
-    """What rank 0 records on every trial and how it keeps a running trial visibly alive."""
+@dataclass(frozen=True)
+class StudySpec:
+    """The study ``optimize`` creates or attaches to on rank 0, so that many torchrun jobs can share it.
 
-    attrs: dict[str, Any]
-    heartbeat_interval: float | None
+    ``storage``: a URL or an Optuna storage (``None`` with ``output_dir``: a journal file there). Jobs giving the
+    same ``study_name`` attach as workers (``load_if_exists``). ``sampler`` defaults to ``default_sampler()`` (TPE,
+    multivariate, constant liar).
+    """
+
+    storage: str | os.PathLike | optuna.storages.BaseStorage | None = None
+    study_name: str | None = None
+    load_if_exists: bool = True
+    direction: str | None = None
+    directions: Sequence[str] | None = None
+    sampler: optuna.samplers.BaseSampler | None = None
+    pruner: optuna.pruners.BasePruner | None = None
+    output_dir: str | None = None
 
 
-def optimize(study: optuna.Study | Callable[[], optuna.Study] | None, objective: Objective,
+@dataclass(frozen=True)
+class DurabilityOptions:
+    """What rank 0 records on every trial and how it keeps a running trial visibly alive.
+
+    ``space_version`` (default, given ``hp_space``: a hash of its source) versions the search space; attaching to a
+    study created with another version raises ``SpaceVersionMismatch`` unless ``allow_space_mismatch``.
+    ``data_snapshot`` and ``topology`` (default from ``$LOCAL_WORLD_SIZE``) are recorded on every trial.
+    ``heartbeat_interval`` (seconds; None: off) paces the heartbeat of a running trial on persistent storages.
+    """
+
+    hp_space: Callable[..., Any] | None = None
+    space_version: str | None = None
+    allow_space_mismatch: bool = False
+    data_snapshot: str | None = None
+    topology: str | None = None
+    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL
+
+
+@dataclass(frozen=True)
+class ControlOptions:
+    """The control plane (see ``DistributedTrial``): the gloo ``group`` its messages use (default: a dedicated
+    one) and ``timeout``, the seconds after which a silent peer counts as lost (default
+    ``$SHARDADOPT_HPO_TIMEOUT``, 600 s)."""
+
+    group: Any = None
+    timeout: float | None = None
+
+
+# optimize()'s former keyword arguments and what replaces each (pre-1.0 API change).
+_MOVED = {name: f"StudySpec({name}=...) as the study" for name in (
+    "storage", "study_name", "load_if_exists", "direction", "directions", "sampler", "pruner", "output_dir")}
+_MOVED.update({name: f"durability=DurabilityOptions({name}=...)" for name in (
+    "hp_space", "space_version", "allow_space_mismatch", "data_snapshot", "topology", "heartbeat_interval")})
+_MOVED.update(group="control=ControlOptions(group=...)", control_timeout="control=ControlOptions(timeout=...)")
+
+
+def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None, objective: Objective,
              n_trials: int | None = None, timeout: float | None = None, n_jobs: int = 1,
              catch: Iterable[type[Exception]] | type[Exception] = (),
              callbacks: Iterable[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] | None = None,
-             gc_after_trial: bool = False, show_progress_bar: bool | None = None, *, group: Any = None,
-             control_timeout: float | None = None, storage: Any = None, study_name: str | None = None,
-             load_if_exists: bool = True, direction: str | None = None, directions: Sequence[str] | None = None,
-             sampler: optuna.samplers.BaseSampler | None = None, pruner: optuna.pruners.BasePruner | None = None,
-             output_dir: str | None = None, hp_space: Callable[..., Any] | None = None,
-             space_version: str | None = None, allow_space_mismatch: bool = False, data_snapshot: str | None = None,
-             topology: str | None = None,
-             heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL) -> optuna.Study | None:
+             gc_after_trial: bool = False, show_progress_bar: bool | None = None, *,
+             durability: DurabilityOptions | None = None, control: ControlOptions | None = None,
+             **moved: Any) -> optuna.Study | None:
     """Run ``objective(trial)`` on every rank for each trial of ``study``; a collective call.
 
-    ``study`` matters on rank 0 only (the other ranks may pass ``None``); it may be a zero-argument function
-    that creates it, called on rank 0 only, whose errors every rank raises. Or leave it ``None`` and give
-    ``storage`` (URL or Optuna storage; ``output_dir`` alone means a journal file there) with ``study_name``:
-    rank 0 creates the study or attaches to it (``load_if_exists``) with ``direction(s)``, ``sampler`` (default
-    ``storage.default_sampler()``: TPE, multivariate, constant liar) and ``pruner``, so many jobs share it.
-    ``objective`` receives a ``DistributedTrial`` on every rank; rank 0's return value is the trial's value (a
-    non-finite one fails the trial as ``nan_loss``). ``callbacks`` run on rank 0. The other arguments have
-    Optuna's meaning; ``n_jobs`` must be 1 when the world has more than one rank (a trial already uses every
-    rank); ``show_progress_bar=None`` shows it for studies of 20+ trials on a terminal.
+    ``study`` matters on rank 0 only (the other ranks may pass ``None``): an ``optuna.Study``, a zero-argument
+    function that creates it (called on rank 0 only; every rank raises its errors), or a ``StudySpec``: rank 0
+    creates the study in its storage or attaches to it, so many jobs share it. ``objective`` receives a
+    ``DistributedTrial`` on every rank; rank 0's return value is the trial's value (a non-finite one fails the
+    trial as ``nan_loss``). ``callbacks`` run on rank 0. The arguments up to ``show_progress_bar`` have Optuna's
+    meaning; ``n_jobs`` must be 1 when the world has more than one rank (a trial already uses every rank);
+    ``show_progress_bar=None`` shows it for studies of 20+ trials on a terminal.
 
-    Durability: ``space_version`` (or the source of ``hp_space``) versions the search space; attaching to a
-    study created with another version raises ``SpaceVersionMismatch`` unless ``allow_space_mismatch``.
-    ``data_snapshot`` and ``topology`` are recorded on every trial. ``heartbeat_interval`` (seconds; None: off)
-    paces the heartbeat rank 0 writes for a running trial on persistent storages. SIGTERM on rank 0 ends the
-    running trial as ``preempted`` on every rank at its next control call and stops the study.
-
-    ``group`` and ``control_timeout`` configure the control plane (see ``DistributedTrial``). Returns the study
-    on rank 0 and ``None`` elsewhere; without an initialised process group it is plain ``study.optimize`` with a
+    ``durability`` (``DurabilityOptions``): search-space version check, reproducibility attributes and heartbeats.
+    SIGTERM on rank 0 ends the running trial as ``preempted`` on every rank at its next control call and stops the
+    study. ``control`` (``ControlOptions``): the control plane's group and timeout. Returns the study on rank 0 and
+    ``None`` elsewhere; without an initialised process group it is plain ``study.optimize`` with a
     ``DistributedTrial`` for the objective.
     """
+    if moved:
+        unknown = sorted(set(moved) - set(_MOVED))
+        if unknown:
+            raise TypeError(f"optimize() got unexpected keyword arguments {unknown}")
+        raise TypeError("optimize() options moved: " + "; ".join(
+            f"instead of {name}=, pass {_MOVED[name]}" for name in sorted(moved)))
+    durability = durability if durability is not None else DurabilityOptions()
+    control = control if control is not None else ControlOptions()
     if isinstance(catch, type):
         catch = (catch,)
     catch = tuple(catch)
-    channel = Channel(group, control_timeout)
+    channel = Channel(control.group, control.timeout)
     if show_progress_bar is None:
         show_progress_bar = bool(n_trials and n_trials >= _PROGRESS_BAR_TRIALS and sys.stderr.isatty())
-    if study is None and (storage is not None or study_name is not None or output_dir is not None):
+    if isinstance(study, StudySpec):
+        spec = study
+
         def study() -> optuna.Study:  # rank 0 only: every rank raises its errors (StorageError, mismatch)
-            return attach_study(storage, study_name=study_name, load_if_exists=load_if_exists,
-                                direction=direction, directions=directions, sampler=sampler, pruner=pruner,
-                                output_dir=output_dir, space=_space(hp_space, space_version),
-                                allow_space_mismatch=allow_space_mismatch, n_trials=n_trials)
-    elif isinstance(study, optuna.Study) and (hp_space is not None or space_version):
+            return attach_study(spec.storage, study_name=spec.study_name, load_if_exists=spec.load_if_exists,
+                                direction=spec.direction, directions=spec.directions, sampler=spec.sampler,
+                                pruner=spec.pruner, output_dir=spec.output_dir, space=_space(durability),
+                                allow_space_mismatch=durability.allow_space_mismatch, n_trials=n_trials)
+    elif isinstance(study, optuna.Study) and (durability.hp_space is not None or durability.space_version):
         given = study
 
         def study() -> optuna.Study:  # a function, so a mismatch raises on every rank
-            check_space_version(given, _space(hp_space, space_version), allow_mismatch=allow_space_mismatch)
+            check_space_version(given, _space(durability), allow_mismatch=durability.allow_space_mismatch)
             return given
     if n_jobs != 1 and channel.world > 1:
         raise ValueError(f"optimize(n_jobs={n_jobs}) with {channel.world} ranks: every trial already runs on all "
                          "ranks, so trials cannot run in parallel threads; use n_jobs=1 (start more torchrun jobs "
                          "on one shared storage to run trials concurrently)")
     if channel.is_root:
-        durable = Durable(_attrs(channel, hp_space, space_version, data_snapshot, topology), heartbeat_interval)
+        attrs = _attrs(channel, durability)
         with preempt.sigterm_preempts():
             return _root_loop(channel, study, objective, n_trials, timeout, n_jobs, catch, callbacks,
-                              gc_after_trial, show_progress_bar, durable)
+                              gc_after_trial, show_progress_bar, attrs, durability.heartbeat_interval)
     _worker_loop(channel, objective, gc_after_trial)
     return None
 
 
-def _space(hp_space: Callable[..., Any] | None, explicit: str | None) -> str | None:
-    return space_version(hp_space, explicit) if hp_space is not None or explicit else None
+def _space(durability: DurabilityOptions) -> str | None:
+    """The search-space version, or None when not versioned (an unreadable ``hp_space`` raises ``ValueError``)."""
+    if durability.hp_space is None and not durability.space_version:
+        return None
+    return space_version(durability.hp_space, durability.space_version)
 
 
-def _attrs(channel: Channel, hp_space: Any, explicit: str | None, data_snapshot: str | None,
-           topology: str | None) -> dict[str, Any]:
+def _attrs(channel: Channel, durability: DurabilityOptions) -> dict[str, Any]:
     try:
-        space = _space(hp_space, explicit)
+        version = _space(durability)
     except ValueError:
-        space = None  # unreadable source: the attach check raises the explicit error where it matters
+        version = None  # unreadable source: the attach check raises the explicit error where it matters
+    topology = durability.topology
     if topology is None and os.environ.get("LOCAL_WORLD_SIZE"):
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         topology = f"{max(channel.world // max(local, 1), 1)} node(s) x {local} rank(s)"
-    attrs = reproducibility_attrs(space=space or "", world_size=channel.world, topology=topology,
-                                  data_snapshot=data_snapshot)
-    if space is None:
+    attrs = reproducibility_attrs(space=version or "", world_size=channel.world, topology=topology,
+                                  data_snapshot=durability.data_snapshot)
+    if version is None:
         del attrs["space_version"]
     return attrs
 
@@ -168,7 +223,7 @@ def run_on_root(channel: Channel, fn: Callable[[], Any]) -> Any:
 
 def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int | None, timeout: float | None,
                n_jobs: int, catch: tuple, callbacks: Any, gc_after_trial: bool,
-               show_progress_bar: bool, durable: Durable) -> optuna.Study:
+               show_progress_bar: bool, attrs: dict[str, Any], heartbeat_interval: float | None) -> optuna.Study:
     fatal: list[BaseException] = []  # a lost peer or SIGTERM: the study stops even when `catch` covers the error
 
     def run_trial(trial: optuna.Trial) -> Any:
@@ -176,10 +231,10 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
             outcome = _preempted_outcome()
         else:
             try:
-                for key, value in durable.attrs.items():
+                for key, value in attrs.items():
                     trial.set_user_attr(key, value)
                 info = TrialInfo.of(trial)
-                with _heartbeat(trial, durable.heartbeat_interval):
+                with _heartbeat(trial, heartbeat_interval):
                     if channel.world > 1:
                         channel.broadcast_object(0, (_START, info), OP_COMMAND)
                     outcome = _run_objective(DistributedTrial._started(channel, trial, info), objective)
@@ -289,4 +344,5 @@ def _record_failure(trial: optuna.Trial, outcome: Outcome) -> None:
         pass
 
 
-__all__ = ["optimize", "run_on_root", "ATTR_RANK", "trial_checkpoint_dir", "resume_checkpoint"]
+__all__ = ["optimize", "StudySpec", "DurabilityOptions", "ControlOptions", "run_on_root", "ATTR_RANK",
+           "trial_checkpoint_dir", "resume_checkpoint"]

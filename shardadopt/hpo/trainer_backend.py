@@ -42,8 +42,9 @@ from shardadopt.hpo.trial import DistributedTrial
 REPORT_UNITS = ("examples", "epochs", "steps")
 _UNIT_ATTRIBUTE = "_shardadopt_hpo_report_unit"
 _WATCH_ATTRIBUTE = "_shardadopt_hpo_watch"
-_DURABLE_KWARGS = ("storage", "study_name", "load_if_exists", "sampler", "pruner", "space_version",
-                   "allow_space_mismatch", "data_snapshot", "heartbeat_interval")
+# hyperparameter_search's flat keyword arguments that go into optimize's StudySpec / DurabilityOptions
+_STUDY_KWARGS = ("storage", "study_name", "load_if_exists", "sampler", "pruner")
+_DURABILITY_KWARGS = ("space_version", "allow_space_mismatch", "data_snapshot", "heartbeat_interval")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -54,7 +55,7 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
     from transformers.trainer_utils import BestRun
 
     from shardadopt.hpo.channel import Channel
-    from shardadopt.hpo.loop import optimize, run_on_root
+    from shardadopt.hpo.loop import ControlOptions, DurabilityOptions, StudySpec, optimize, run_on_root
 
     report_unit = kwargs.pop("report_unit", "examples")
     control_timeout = kwargs.pop("control_timeout", None)
@@ -69,7 +70,8 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
             f"{trainer.args.parallel_mode}) needs torch.distributed initialised on every process: the ranks agree "
             "on each trial and each pruning decision through it. Launch with torchrun or `accelerate launch`, or "
             "call torch.distributed.init_process_group() before the search.")
-    durable = {name: kwargs.pop(name) for name in _DURABLE_KWARGS if name in kwargs}
+    study_kwargs = {name: kwargs.pop(name) for name in _STUDY_KWARGS if name in kwargs}
+    durability_kwargs = {name: kwargs.pop(name) for name in _DURABILITY_KWARGS if name in kwargs}
     if kwargs:
         raise TypeError(f"hyperparameter_search(backend='optuna') got unexpected arguments {sorted(kwargs)}; see "
                         "shardadopt.hpo.trainer_backend for the ones understood")
@@ -84,9 +86,10 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
         trainer.hp_name = checkpoint_name
     setattr(trainer, _UNIT_ATTRIBUTE, report_unit)
     try:
-        study = optimize(None, lambda trial: _objective(trainer, trial), n_trials=n_trials,
-                         control_timeout=control_timeout, direction=single, directions=directions,
-                         output_dir=trainer.args.output_dir, hp_space=trainer.hp_space, **durable, **optimize_kwargs)
+        spec = StudySpec(direction=single, directions=directions, output_dir=trainer.args.output_dir, **study_kwargs)
+        study = optimize(spec, lambda trial: _objective(trainer, trial), n_trials=n_trials, **optimize_kwargs,
+                         durability=DurabilityOptions(hp_space=trainer.hp_space, **durability_kwargs),
+                         control=ControlOptions(timeout=control_timeout))
 
         def best_runs() -> BestRun | list[BestRun]:
             if not upstream.study_is_multi_objective(study):
@@ -143,9 +146,8 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
 
 
 def _objective(trainer: Any, trial: DistributedTrial) -> Any:
-    from accelerate.utils.memory import release_memory
-
     import optuna
+    from accelerate.utils.memory import release_memory
 
     trainer.objective = None
     watch = getattr(trainer, _WATCH_ATTRIBUTE)

@@ -40,7 +40,7 @@ def hpo_rank(ctx: Context) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from shardadopt.hpo import optimize
+    from shardadopt.hpo import ControlOptions, optimize
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = "cuda" if ctx.device == "cuda" else "cpu"
@@ -62,7 +62,7 @@ def hpo_rank(ctx: Context) -> dict[str, Any]:
         return value
 
     study = _study() if rank == 0 else None
-    optimize(study, objective, n_trials=N_TRIALS, control_timeout=120)
+    optimize(study, objective, n_trials=N_TRIALS, control=ControlOptions(timeout=120))
     seen_all: list = [None] * world
     dist.all_gather_object(seen_all, seen)
     return {"study": _summary(study) if study is not None else None, "seen": seen_all}
