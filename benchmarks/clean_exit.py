@@ -70,7 +70,7 @@ def _worker(job: str, models_dir: str) -> None:
                                                  distributed_config=DistributedConfig(**sizes))
     losses = (_train_trainer if job.startswith("trainer") else _train_accelerate)(model, dp)
     if int(os.environ["RANK"]) == 0:
-        print(f"{RESULT} losses={['%.4f' % loss for loss in losses]}", flush=True)
+        print(f"{RESULT} losses={[f'{loss:.4f}' for loss in losses]}", flush=True)
 
 
 def _train_trainer(model, dp: int) -> list[float]:

@@ -80,9 +80,9 @@ def bench_rank(path: str, config: dict, warmup: int, calls: int) -> dict:
 
     import torch
     import torch.distributed as dist
+    import transformers
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import CommDebugMode
-    import transformers
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 def _timed_search(fault: dict | None) -> dict:
     """``test_hpo_faults._search`` plus the time rank 0 spent in ``rebuild_world``."""
-    from shardadopt import fence
     import test_hpo_faults as scenario
+    from shardadopt import fence
 
     spent = []
     original = fence.rebuild_world
@@ -56,7 +56,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import test_hpo_faults as scenario
-
     from shardadopt.testing import RankPool
 
     points = args.points or list(scenario.POINTS)

@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     table = [f"Loss parity over {args.steps} steps, transformers {transformers.__version__} (fp32, gloo, CPU)", "",
              "| layout | ranks | DistributedConfig | max rel diff loss | max rel diff grad_norm | result |",
              "|---|---|---|---|---|---|"]
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2e}"
+
     for name, nproc, sizes, loss, norm, verdict in rows:
-        fmt = (lambda v: "-" if v is None else f"{v:.2e}")
         table.append(f"| {name} | {nproc} | {sizes} | {fmt(loss)} | {fmt(norm)} | {verdict} |")
     text = "\n".join(table)
     print(text)

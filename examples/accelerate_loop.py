@@ -22,11 +22,12 @@ import shardadopt
 
 shardadopt.enable()  # first, before transformers/accelerate are used
 
-import shardadopt.checkpoint  # noqa: E402
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.distributed import DistributedConfig  # noqa: E402
+
+import shardadopt.checkpoint  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.selftest.accelerate import (compare_training, eval_rank, train_rank, train_reference)
+from shardadopt.selftest.accelerate import compare_training, eval_rank, train_rank, train_reference
 from shardadopt.selftest.trainer import distributed_sizes
 
 

@@ -23,9 +23,8 @@ SAVE_AT, TOTAL = 2, 4
 
 def crash_mid_save(path: str, distributed: dict[str, int], directory: str) -> None:
     """Rank 1 SIGKILLs itself right after writing its DCP shard, before the save can complete."""
-    from torch.distributed.checkpoint import filesystem
-
     import torch.distributed as dist
+    from torch.distributed.checkpoint import filesystem
 
     import shardadopt
 

@@ -104,7 +104,8 @@ def test_one_rank_raising_in_a_save_makes_every_rank_raise(pool2, tiny_models, t
         error = result["error"]
         assert error is not None, f"rank {rank} did not raise"
         if rank == failing:
-            assert error["type"] in {"InjectedFault", "NotADirectoryError", "FileExistsError", "CheckpointException"}, error
+            assert error["type"] in {"InjectedFault", "NotADirectoryError", "FileExistsError",
+                                     "CheckpointException"}, error
         else:
             assert error["type"] == "PeerFailedError" and error["rank"] == failing, error
         assert 0 <= error["at"] - fault_at < BOUND, f"rank {rank} raised {error['at'] - fault_at:.1f}s after"

@@ -377,8 +377,8 @@ def test_trainer_load_best_model_at_end(tiny_models, root, first, second):
     path, distributed = tiny_models["qwen3"], scenario.LAYOUTS["fsdp"][1]
     out = os.path.join(root, "t-best")
     result = second.run(trainer_run, path, distributed, out, model_init=True, max_steps=4, eval_strategy="steps",
-                        eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
-                        save_total_limit=1, timeout=180)[0]
+                        eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
+                        greater_is_better=False, save_total_limit=1, timeout=180)[0]
     assert result["best"] and os.path.basename(result["best"]) in result["checkpoints"]
     best = second.run(checkpoint_params, path, distributed, result["best"], timeout=120)[0]
     assert_params_equal(result["params"], best)

@@ -54,11 +54,10 @@ def layout_run(path: str, config: dict) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    import shardadopt
     from shardadopt.gradnorm import clip_grad_norm_, total_norm
     from shardadopt.testing import full, token_batch
     from shardadopt.topology import topology
-
-    import shardadopt
 
     # The backports (F2 on 5.15/5.16: the grouped GEMM's backward leaves the sentinel-tail rows of d_input
     # undefined, NaN now and then even on CPU; F3: EP router gradients) make old releases' EP gradients correct; this
@@ -141,7 +140,7 @@ def check_layout(results: list[dict], ref: dict, *, compare_reference: bool = Tr
             if compare_reference and clipped is not None:
                 for name, grad in clipped.items():
                     torch.testing.assert_close(grad, ref["clipped"][p][name], rtol=1e-5, atol=1e-7,
-                                               msg=lambda m: f"{name}, p={p}: {m}")
+                                               msg=lambda m, name=name, p=p: f"{name}, p={p}: {m}")
 
 
 LAYOUTS_2 = [

@@ -14,10 +14,15 @@ from optuna.trial import TrialState
 
 from shardadopt.cli import main
 from shardadopt.hpo import failures
-from shardadopt.hpo.durability import (ATTR_HEARTBEAT, TrialHeartbeat, record_failure, requeue, stale_trials)
+from shardadopt.hpo.durability import ATTR_HEARTBEAT, TrialHeartbeat, record_failure, requeue, stale_trials
 from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
-from shardadopt.hpo.provenance import (SpaceVersionMismatch, check_space_version, params_hash,
-                                       reproducibility_attrs, space_version)
+from shardadopt.hpo.provenance import (
+    SpaceVersionMismatch,
+    check_space_version,
+    params_hash,
+    reproducibility_attrs,
+    space_version,
+)
 from shardadopt.hpo.storage import StorageError, default_sampler, resolve_storage
 from shardadopt.testing.services import POSTGRES_URL, postgres_available
 

@@ -29,8 +29,8 @@ N_TRIALS = 6
 MAX_STEPS = 2
 EVAL_STEPS = 1
 PER_DEVICE_BATCH = 2
-QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-         "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 # -- launcher: torchrun's environment, one process per rank ------------------------------------------------------------
@@ -162,8 +162,8 @@ def _recorder():
 
 
 def _raise_on(rank: int, trial_number: int, error: type):
-    from transformers import TrainerCallback
     import torch.distributed as dist
+    from transformers import TrainerCallback
 
     class Raiser(TrainerCallback):
         trial = -1
@@ -603,7 +603,7 @@ def test_single_process_search_takes_the_same_path(tiny_models, tmp_path):
         shardadopt.disable()
     assert isinstance(trainer._trial, DistributedTrial)
     assert len(table) == N_TRIALS and any(state == "PRUNED" for _, state, *_ in table)
-    for (_, state, params, values, _), (seen_params, evaluations) in zip(table, recorder.trials):
+    for (_, _state, params, values, _), (seen_params, evaluations) in zip(table, recorder.trials):
         assert seen_params == params and len(values) == evaluations
         assert sorted(values) == [EVAL_STEPS * k * PER_DEVICE_BATCH for k in range(1, len(values) + 1)]
     assert best.run_id == str(optuna.load_study(study_name="hpo", storage=storage).best_trial.number)

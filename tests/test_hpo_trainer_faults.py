@@ -232,7 +232,7 @@ def test_fault_mid_training_fails_the_trial_and_every_rank_recovers(tiny_models,
     assert [r["returncode"] for r in ranks] == [1, 1], [r["error"] for r in ranks]
     assert all("InjectedFault: injected on rank 0 in on_step_begin" in r["error"] for r in ranks), ranks[1]["error"]
     results = [pickle.loads((tmp_path / f"partial{r}.pkl").read_bytes()) for r in range(2)]
-    for name, layout, fault in CAUGHT:
+    for name, _layout, fault in CAUGHT:
         got = [results[r][name]["got"] for r in range(2)]
         table = got[0]["table"]
         assert [state for _, state, _, _ in table] == ["FAIL", "COMPLETE"], (name, table)

@@ -158,7 +158,7 @@ def test_trainer_checkpoint_probe_refuses_an_optimizer_save_it_does_not_know(mon
 def test_tp_grad_accumulation_probe_refuses_an_installer_that_reduces_nothing(monkeypatch):
     from shardadopt.patches import transformers_tp_replicated_grad_accumulation as patch
 
-    style = getattr(importlib.import_module(patch.MODULE), "ReplicatedWithGradAllReduce")
+    style = importlib.import_module(patch.MODULE).ReplicatedWithGradAllReduce
     monkeypatch.setattr(style, patch.METHOD, lambda self, module, mesh, **kwargs: module)
     state, reason = state_of(patch.ID)
     assert state == UNSUPPORTED and "neither each gradient reduced once" in reason, reason

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 import shardadopt
-from shardadopt.registry import (APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Patch, Probe, Registry,
-                                 Target)
+from shardadopt.registry import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Patch, Probe, Registry, Target
 
 REPO = Path(__file__).resolve().parents[1]
 _counter = itertools.count()

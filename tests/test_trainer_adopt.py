@@ -20,8 +20,15 @@ from typing import Any
 import pytest
 
 from shardadopt.patches.trainer_adopt_sharded_model import PATCH_ID
-from shardadopt.selftest.trainer import (LAYOUTS, PER_RANK_BATCH, TokenDataset, _fresh_accelerate_state, compare_logs,
-                                         distributed_sizes, train_log)
+from shardadopt.selftest.trainer import (
+    LAYOUTS,
+    PER_RANK_BATCH,
+    TokenDataset,
+    _fresh_accelerate_state,
+    compare_logs,
+    distributed_sizes,
+    train_log,
+)
 
 pytestmark = pytest.mark.multiproc
 STEPS = 3

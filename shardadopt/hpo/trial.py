@@ -40,8 +40,19 @@ import optuna
 from shardadopt import upstream
 from shardadopt.fence import Fence
 from shardadopt.hpo import errors, preempt
-from shardadopt.hpo.channel import (OP_END, OP_INIT, OP_NAMES, OP_REPORT, OP_SET_ATTR, OP_SHOULD_PRUNE, OP_SUGGEST,
-                                    STATUS_ERROR, STATUS_OK, STATUS_PRUNED, Channel)
+from shardadopt.hpo.channel import (
+    OP_END,
+    OP_INIT,
+    OP_NAMES,
+    OP_REPORT,
+    OP_SET_ATTR,
+    OP_SHOULD_PRUNE,
+    OP_SUGGEST,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_PRUNED,
+    Channel,
+)
 from shardadopt.hpo.errors import DesyncError, PackedError
 
 COMPLETE = "complete"

@@ -1,19 +1,28 @@
 """The patches, one module each: a thin adapter from an upstream call into shardadopt's core.
 
-Each module is named after its patch id (``-`` -> ``_``), defines ``PATCH`` (a ``shardadopt.registry.Patch``) and must not import transformers, accelerate or
-optuna at module level: the registry applies it when those are imported.
+Each module is named after its patch id (``-`` -> ``_``), defines ``PATCH`` (a ``shardadopt.registry.Patch``) and
+must not import transformers, accelerate or optuna at module level: the registry applies it when those are imported.
 """
 
 from __future__ import annotations
 
-from shardadopt.patches import (accelerate_adopt_sharded_model, accelerate_cpu_parallelism_config,
-                                accelerate_sharded_checkpoint, trainer_adopt_sharded_model, trainer_hpo_optuna,
-                                trainer_sharded_checkpoint, transformers_ep_expert_grad_scale,
-                                transformers_ep_grouped_mm_sentinel, transformers_ep_router_grad,
-                                transformers_ep_router_grad_post_forward, transformers_fsdp_tp_refused,
-                                transformers_reuse_device_mesh, transformers_sharded_clean_exit,
+from shardadopt.patches import (
+                                accelerate_adopt_sharded_model,
+                                accelerate_cpu_parallelism_config,
+                                accelerate_sharded_checkpoint,
+                                trainer_adopt_sharded_model,
+                                trainer_hpo_optuna,
+                                trainer_sharded_checkpoint,
+                                transformers_ep_expert_grad_scale,
+                                transformers_ep_grouped_mm_sentinel,
+                                transformers_ep_router_grad,
+                                transformers_ep_router_grad_post_forward,
+                                transformers_fsdp_tp_refused,
+                                transformers_reuse_device_mesh,
+                                transformers_sharded_clean_exit,
                                 transformers_sharding_sizes,
-                                transformers_tp_replicated_grad_accumulation)
+                                transformers_tp_replicated_grad_accumulation,
+)
 from shardadopt.registry import Patch
 
 ALL_PATCHES: list[Patch] = [

@@ -127,7 +127,8 @@ def probe() -> Probe:
     for chain in if_chains(tree):
         for test, body in chain:
             # Known broken shape (every supported release): `elif self.distributed_type ==
-            # DistributedType.MULTI_CPU:` and nothing else decides, then `model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)`.
+            # DistributedType.MULTI_CPU:` and nothing else decides, then
+            # `model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)`.
             if (test is not None and "MULTI_CPU" in names(test) and names(test) <= _CPU_TEST
                     and body_calls(body, "DistributedDataParallel")):
                 return Probe(True, "Accelerator.prepare_model DDP-wraps every model on CPU processes (MULTI_CPU), "

@@ -20,7 +20,7 @@ import importlib.util
 import os
 import warnings
 
-from shardadopt.patches.transformers_ep_router_grad import MODULE, _dispatches_tokens, _NO_ROUTER, _probe_hook
+from shardadopt.patches.transformers_ep_router_grad import _NO_ROUTER, MODULE, _dispatches_tokens, _probe_hook
 from shardadopt.probing import undecided
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported

@@ -1,6 +1,7 @@
 """F1: a model sharded at load time records ``_tp_size`` and ``_fsdp_size`` and exposes ``fsdp_size``.
 
-Upstream: transformers#48208 (``_tp_size``) and #48204 (``_fsdp_size``, ``fsdp_size``); released in 5.18. In 5.15 .. 5.17
+Upstream: transformers#48208 (``_tp_size``) and #48204 (``_fsdp_size``, ``fsdp_size``); released in 5.18.
+In 5.15 .. 5.17
 ``DistributedMixin.maybe_distribute_model`` (``transformers/distributed/mixin.py``) records only the mesh::
 
     model.config.distributed_config = distributed_config

@@ -1,10 +1,10 @@
 """TP style ``replicated_with_grad_allreduce``: all-reduce each backward's new gradient, not the accumulated ``.grad``.
 
-Upstream: not reported yet (anticipates a transformers fix; the diffs are patches/transformers-tp-replicated-grad-
-accumulation@<release>.diff, one per upstream layout). The style keeps a parameter whole on every TP rank while each rank's gradient covers only its
-own heads (Qwen3 / Qwen3-MoE / Gemma3 / ... ``q_norm``/``k_norm``). transformers 5.21 and later
-(``transformers/distributed/tensor_parallel.py``, ``ReplicatedWithGradAllReduce.install_forward``) sums the
-*accumulated* gradient after every backward::
+Upstream: not reported yet (anticipates a transformers fix; the diffs are
+patches/transformers-tp-replicated-grad-accumulation@<release>.diff, one per upstream layout). The style keeps a
+parameter whole on every TP rank while each rank's gradient covers only its own heads (Qwen3 / Qwen3-MoE / Gemma3 /
+... ``q_norm``/``k_norm``). transformers 5.21 and later (``transformers/distributed/tensor_parallel.py``,
+``ReplicatedWithGradAllReduce.install_forward``) sums the *accumulated* gradient after every backward::
 
     def _all_reduce_grad(param):
         dist.all_reduce(param.grad, group=mesh.get_group())
@@ -75,6 +75,7 @@ def probe() -> Probe:
     backward's gradient reduced once."""
     import torch
     import torch.distributed as dist
+
     from shardadopt.probing import Undecided, upstream_function
 
     where = "transformers-tp-replicated-grad-accumulation probe"

@@ -14,7 +14,6 @@ from typing import Any
 from shardadopt.selftest import Context, Scenario
 
 
-
 def _ep_layout() -> dict[str, Any]:
     """Expert parallelism on 2 ranks: ``ep_size`` with FSDP where DistributedConfig has it, else EP through TP."""
     import inspect

@@ -110,7 +110,8 @@ def _fresh_accelerate_state() -> None:
 
 
 def train_log(models: dict[str, str], layout: str, steps: int, *, single_process: bool = False,
-              world: int | None = None, device: str = "cpu", grad_accum: int = 1, optim: str = "adamw_torch", max_grad_norm: float = 1.0,
+              world: int | None = None, device: str = "cpu", grad_accum: int = 1, optim: str = "adamw_torch",
+              max_grad_norm: float = 1.0,
               learning_rate: float = 1e-3, enable: bool = True) -> list[dict[str, float]]:
     """Train ``steps`` optimizer steps with Trainer; per step ``{"loss", "grad_norm"}`` as Trainer logs them.
 
