@@ -10,15 +10,6 @@ one test named after its accessor) and fails when code elsewhere in shardadopt s
 "Checked on" ranges are the releases CI runs (torch 2.13.0/2.15.0, transformers 5.15.0/5.24.0, accelerate
 1.13.0/1.15.0, optuna 4.9.0/5.0.0). Upstream modules are imported inside the accessors, because
 ``shardadopt.enable()`` (which imports the patch modules, and so the constants here) must not import them.
-
-Accessors meant for the checkpoint code (``shardadopt/checkpoint.py`` and the two sharded-checkpoint patches, not
-yet routed through this module): ``accelerator_models``, ``accelerator_optimizers``, ``accelerator_schedulers``,
-``accelerator_dataloaders``, ``accelerator_custom_objects``, ``accelerator_save_state_pre_hooks``,
-``accelerator_load_state_pre_hooks``, ``trainer_output_dir``, ``trainer_save_scaler``, ``trainer_save_rng_state``,
-``trainer_push_from_checkpoint``, ``SAVE_MODEL_INTERNAL_CALL``, ``MODEL_DEVICE_MESH_ATTRIBUTE``,
-``TRAINER_SAVE_CHECKPOINT``, ``TRAINER_LOAD_FROM_CHECKPOINT``, ``TRAINER_LOAD_OPTIMIZER_AND_SCHEDULER``,
-``TRAINER_LOAD_BEST_MODEL``, ``TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER``, ``upstream_method``,
-``compute_local_shape_and_global_offset``, ``backend_device_types``.
 """
 
 from __future__ import annotations

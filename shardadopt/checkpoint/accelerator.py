@@ -13,41 +13,11 @@ import shutil
 import warnings
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.checkpoint.export import full_state_dict, save_full
 from shardadopt.checkpoint.publish import IncompleteCheckpointError, is_complete, read_info, staged
 from shardadopt.checkpoint.sharding import is_sharded
 from shardadopt.checkpoint.state import check_compatible, load_sharded_state, save_sharded_state
-
-# -- accelerate's private registries (every supported release): what prepare() and register_* recorded ------------
-
-
-def _prepared_models(accelerator: Any) -> list:
-    return accelerator._models
-
-
-def _prepared_optimizers(accelerator: Any) -> list:
-    return accelerator._optimizers
-
-
-def _prepared_schedulers(accelerator: Any) -> list:
-    return accelerator._schedulers
-
-
-def _prepared_dataloaders(accelerator: Any) -> list:
-    return accelerator._dataloaders
-
-
-def _custom_objects(accelerator: Any) -> list:
-    return accelerator._custom_objects
-
-
-def _save_state_pre_hooks(accelerator: Any) -> list:
-    return list(accelerator._save_model_state_pre_hook.values())
-
-
-def _load_state_pre_hooks(accelerator: Any) -> list:
-    return list(accelerator._load_model_state_pre_hook.values())
-
 
 # -- which models are ours -----------------------------------------------------------------------------------------
 
@@ -66,7 +36,8 @@ def _plugin_managed(accelerator: Any) -> bool:
 
 def manages(accelerator: Any) -> bool:
     """Whether a prepared model is sharded outside accelerate's own FSDP/DeepSpeed/Megatron plugins."""
-    return not _plugin_managed(accelerator) and any(is_sharded(_unwrapped(m)) for m in _prepared_models(accelerator))
+    return not _plugin_managed(accelerator) and any(is_sharded(_unwrapped(m))
+                                                    for m in upstream.accelerator_models(accelerator))
 
 
 def manages_model(accelerator: Any, model: Any) -> bool:
@@ -87,7 +58,7 @@ def _complete_folders(root: str) -> list[str]:
 
 
 def _torch_optimizers(accelerator: Any) -> list:
-    return [getattr(o, "optimizer", o) for o in _prepared_optimizers(accelerator)]
+    return [getattr(o, "optimizer", o) for o in upstream.accelerator_optimizers(accelerator)]
 
 
 def save_state(accelerator: Any, output_dir: str | None = None, safe_serialization: bool = True,
@@ -118,18 +89,19 @@ def save_state(accelerator: Any, output_dir: str | None = None, safe_serializati
         raise ValueError("save_state needs an output_dir when automatic checkpoint naming is disabled")
     output_dir = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
     os.makedirs(os.path.dirname(output_dir), exist_ok=True)
-    prepared = _prepared_models(accelerator)
+    prepared = upstream.accelerator_models(accelerator)
     models = [_unwrapped(m) for m in prepared]
     with staged(output_dir, step=accelerator.step, models=models,
                 metadata={"writer": "accelerate", "save_iteration": accelerator.save_iteration}) as stage:
         save_sharded_state(stage, models, _torch_optimizers(accelerator))
         # The state dicts are already written; hooks see no weights to edit, as with accelerate's FSDP path.
-        for hook in _save_state_pre_hooks(accelerator):
+        for hook in list(upstream.accelerator_save_state_pre_hooks(accelerator).values()):
             hook(prepared, [], stage)
-        save_accelerator_state(stage, [], [], _prepared_schedulers(accelerator), _prepared_dataloaders(accelerator),
-                               accelerator.state.process_index, accelerator.step, accelerator.scaler,
-                               save_on_each_node=config.save_on_each_node, safe_serialization=safe_serialization)
-        for i, obj in enumerate(_custom_objects(accelerator)):
+        save_accelerator_state(stage, [], [], upstream.accelerator_schedulers(accelerator),
+                               upstream.accelerator_dataloaders(accelerator), accelerator.state.process_index,
+                               accelerator.step, accelerator.scaler, save_on_each_node=config.save_on_each_node,
+                               safe_serialization=safe_serialization)
+        for i, obj in enumerate(upstream.accelerator_custom_objects(accelerator)):
             save_custom_state(obj, stage, i, save_on_each_node=config.save_on_each_node)
     config.iteration += 1
     return output_dir
@@ -160,15 +132,15 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
     else:
         raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
     info = read_info(input_dir)  # refuses a partial checkpoint
-    prepared = _prepared_models(accelerator)
+    prepared = upstream.accelerator_models(accelerator)
     models = [_unwrapped(m) for m in prepared]
     resharded = check_compatible(info, models, reshard=adoption_kwargs(accelerator).reshard_checkpoints)
-    for hook in _load_state_pre_hooks(accelerator):
+    for hook in list(upstream.accelerator_load_state_pre_hooks(accelerator).values()):
         hook(prepared, input_dir)
     load_sharded_state(input_dir, models, _torch_optimizers(accelerator))
     load_model_func_kwargs.pop("map_location", None)
-    override = load_accelerator_state(input_dir, [], [], _prepared_schedulers(accelerator),
-                                      _prepared_dataloaders(accelerator), accelerator.state.process_index,
+    override = load_accelerator_state(input_dir, [], [], upstream.accelerator_schedulers(accelerator),
+                                      upstream.accelerator_dataloaders(accelerator), accelerator.state.process_index,
                                       accelerator.scaler, "cpu", load_kwargs)
     if resharded:
         warnings.warn(f"{input_dir} was saved with world size {info.world_size} and layouts {info.layouts}; the "
@@ -176,7 +148,7 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
                       stacklevel=3)
     if "step" in override:
         accelerator.step = override["step"]
-    custom_objects = _custom_objects(accelerator)
+    custom_objects = upstream.accelerator_custom_objects(accelerator)
     custom = [f for f in os.listdir(input_dir) if re.search(r"^custom_checkpoint_\d+\.pkl$", f)]
     if len(custom) != len(custom_objects):
         raise RuntimeError(f"Number of custom checkpoints in folder {input_dir} ({len(custom)}) does not match the "

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardadopt import upstream
 from shardadopt.checkpoint.publish import CheckpointError, _publish_files, _staging_path
 from shardadopt.checkpoint.sharding import _barrier, _is_dtensor, _world, rank_local
 from shardadopt.fence import fenced
@@ -78,7 +79,6 @@ def _pieces(tensor: Any) -> list[tuple[int, tuple[slice, ...]]] | None:
     of the global tensor it holds) for one holder of each distinct piece (coordinate 0 on replicated mesh dims),
     empty pieces left out. ``None`` when the layout needs ``full_tensor`` (``Partial``, strided shards, ...)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     placements = tensor.placements
     ranks = tensor.device_mesh.mesh
@@ -88,7 +88,8 @@ def _pieces(tensor: Any) -> list[tuple[int, tuple[slice, ...]]] | None:
     for coordinate in torch.cartesian_prod(*[torch.arange(n) for n in ranks.shape]).reshape(-1, ranks.dim()).tolist():
         if any(isinstance(p, Replicate) and c != 0 for p, c in zip(placements, coordinate)):
             continue
-        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, ranks.shape, coordinate, placements)
+        shape, offset = upstream.compute_local_shape_and_global_offset(tensor.shape, ranks.shape, coordinate,
+                                                                       placements)
         if all(n > 0 for n in shape):
             out.append((int(ranks[tuple(coordinate)]), tuple(slice(o, o + n) for o, n in zip(offset, shape))))
     return out
@@ -107,7 +108,7 @@ def _p2p_device(local: torch.device) -> torch.device:
     if ":" in backend:  # one backend per device type, e.g. "cpu:gloo,cuda:nccl"
         served = [tuple(item.split(":", 1)) for item in backend.split(",")]
     else:
-        served = [(kind, backend) for kind in dist.distributed_c10d._device_capability()]
+        served = [(kind, backend) for kind in upstream.backend_device_types()]
     usable = [kind for kind, name in served if kind in _P2P_DEVICE_TYPES.get(name, (kind,))]
     if local.type in usable or not usable:
         return local

@@ -15,29 +15,11 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.checkpoint.export import save_full
 from shardadopt.checkpoint.publish import _STATE_DIR, MARKER, read_info, staged
 from shardadopt.checkpoint.sharding import is_sharded
 from shardadopt.checkpoint.state import check_compatible, load_sharded_state, save_sharded_state
-
-# -- the Trainer's private helpers (every supported release) that a checkpoint reuses ------------------------------
-
-
-def _run_output_dir(trainer: Any, trial: Any) -> str:
-    return trainer._get_output_dir(trial=trial)
-
-
-def _save_scaler(trainer: Any, directory: str) -> None:
-    trainer._save_scaler(directory)
-
-
-def _save_rng_state(trainer: Any, directory: str) -> None:
-    trainer._save_rng_state(directory)
-
-
-def _push_from_checkpoint(trainer: Any, directory: str) -> None:
-    trainer._push_from_checkpoint(directory)
-
 
 # -- which trainers and checkpoints are ours -----------------------------------------------------------------------
 
@@ -128,7 +110,7 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
     state, targs = trainer.state, trainer.args
     if trainer.hp_search_backend is None and trial is None:
         trainer.store_flos()
-    run_dir = _run_output_dir(trainer, trial)
+    run_dir = upstream.trainer_output_dir(trainer, trial)
     output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
     os.makedirs(run_dir, exist_ok=True)
 
@@ -145,8 +127,8 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
             if targs.should_save and trainer.lr_scheduler is not None:
                 with warnings.catch_warnings(record=True):
                     torch.save(trainer.lr_scheduler.state_dict(), os.path.join(stage, trainer_module.SCHEDULER_NAME))
-            _save_scaler(trainer, stage)
-            _save_rng_state(trainer, stage)
+            upstream.trainer_save_scaler(trainer, stage)
+            upstream.trainer_save_rng_state(trainer, stage)
         if targs.should_save:
             trainer.model.config.save_pretrained(stage)
             torch.save(targs, os.path.join(stage, trainer_module.TRAINING_ARGS_NAME))
@@ -159,7 +141,7 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
                     state.stateful_callbacks[name] = cb.state()
             state.save_to_json(os.path.join(stage, trainer_module.TRAINER_STATE_NAME))
     if targs.push_to_hub:
-        _push_from_checkpoint(trainer, output_dir)
+        upstream.trainer_push_from_checkpoint(trainer, output_dir)
     if targs.should_save:
         rotate_checkpoints(output_dir=run_dir, save_total_limit=targs.save_total_limit,
                            best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)

@@ -35,11 +35,12 @@ from __future__ import annotations
 import ast
 import os
 
+from shardadopt import upstream
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
 PATCH_ID = "trainer-sharded-checkpoint"
-_MODULE = "transformers.trainer"
+_MODULE = upstream.TRAINER_MODULE
 
 
 def init(wrapped, instance, args, kwargs):
@@ -101,7 +102,11 @@ def save_model(wrapped, instance, args, kwargs):
     if not core.manages(instance):
         return wrapped(*args, **kwargs)
     core.save_model(instance, kwargs.get("output_dir", args[0] if args else None),
-                    internal=kwargs.get("_internal_call", args[1] if len(args) > 1 else False))
+                    internal=kwargs.get(upstream.SAVE_MODEL_INTERNAL_CALL, args[1] if len(args) > 1 else False))
+
+
+# The names a Trainer.__init__ refusal of load-time-sharded models tests: the Trainer's flag or the model's mesh.
+_SHARDED_MARKERS = {"is_distributed_loading_by_transformers", upstream.MODEL_DEVICE_MESH_ATTRIBUTE}
 
 
 def _refuses_sharded_checkpoints(init) -> bool:
@@ -112,7 +117,7 @@ def _refuses_sharded_checkpoints(init) -> bool:
     for chain in if_chains(init):
         for test, body in chain:
             tested = names(test) if test is not None else set()
-            if ({"is_distributed_loading_by_transformers", "_device_mesh"} & tested and "save_strategy" in tested
+            if (_SHARDED_MARKERS & tested and "save_strategy" in tested
                     and any(isinstance(s, ast.Raise) for s in body)):
                 if "save_only_model" not in tested:
                     raise undecided("Trainer.__init__", "a refusal of sharded checkpoints that save_only_model lifts")
@@ -134,7 +139,7 @@ def probe() -> Probe:
     from shardadopt.probing import source_tree, undecided, upstream_function
 
     where = "trainer-sharded-checkpoint probe"
-    save = upstream_function(Trainer, "_save_optimizer_and_scheduler", where)
+    save = upstream.upstream_method(upstream.TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER, where)
     local_state = {"state": {}, "param_groups": [{"lr": 0.5, "params": [0]}]}
     stub = SimpleNamespace(state_dict=lambda: local_state)
     trainer = SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=False, is_fsdp_xla_v1_enabled=False,
@@ -146,9 +151,9 @@ def probe() -> Probe:
         path = os.path.join(directory, trainer_module.OPTIMIZER_NAME)
         local = os.path.isfile(path) and torch.load(path, weights_only=True) == local_state
     if not local:
-        raise undecided("Trainer._save_optimizer_and_scheduler", "the main process's local optimizer state dict "
-                        f"saved as {trainer_module.OPTIMIZER_NAME} (this patch's broken shape) nor a known sharded "
-                        "save")
+        raise undecided(upstream.TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER.qualname, "the main process's local optimizer "
+                        f"state dict saved as {trainer_module.OPTIMIZER_NAME} (this patch's broken shape) nor a known "
+                        "sharded save")
     refuses = _refuses_sharded_checkpoints(source_tree(upstream_function(Trainer, "__init__", where)))
     return Probe(True, "Trainer " + ("refuses to checkpoint" if refuses else "cannot checkpoint")
                  + " load-time-sharded models resumably (optimizer state is rank 0's local shard)")
@@ -163,10 +168,10 @@ PATCH = Patch(
     wrappers={
         Target(_MODULE, "Trainer.__init__"): init,
         Target(_MODULE, "Trainer.call_model_init"): call_model_init,
-        Target(_MODULE, "Trainer._save_checkpoint"): save_checkpoint,
-        Target(_MODULE, "Trainer._load_from_checkpoint"): load_from_checkpoint,
-        Target(_MODULE, "Trainer._load_optimizer_and_scheduler"): load_optimizer_and_scheduler,
-        Target(_MODULE, "Trainer._load_best_model"): load_best_model,
+        upstream.TRAINER_SAVE_CHECKPOINT: save_checkpoint,
+        upstream.TRAINER_LOAD_FROM_CHECKPOINT: load_from_checkpoint,
+        upstream.TRAINER_LOAD_OPTIMIZER_AND_SCHEDULER: load_optimizer_and_scheduler,
+        upstream.TRAINER_LOAD_BEST_MODEL: load_best_model,
         Target(_MODULE, "Trainer.save_model"): save_model,
     },
     probe=probe,
