@@ -22,9 +22,18 @@ nothing is published, and the previous complete checkpoint still loads (in a new
 from __future__ import annotations
 
 from shardadopt.checkpoint.export import full_state_dict, save_full
-from shardadopt.checkpoint.publish import (FORMAT, MARKER, CheckpointError, CheckpointInfo,
-                                           CheckpointMismatchError, IncompleteCheckpointError, is_complete, latest,
-                                           read_info, staged)
+from shardadopt.checkpoint.publish import (
+                                           FORMAT,
+                                           MARKER,
+                                           CheckpointError,
+                                           CheckpointInfo,
+                                           CheckpointMismatchError,
+                                           IncompleteCheckpointError,
+                                           is_complete,
+                                           latest,
+                                           read_info,
+                                           staged,
+)
 from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
 from shardadopt.checkpoint.sharding import is_sharded, layout, rank_local
 from shardadopt.checkpoint.state import check_compatible, load, load_sharded_state, save, save_sharded_state
