@@ -41,6 +41,22 @@ MATRIX = REPO / "tests" / "data" / "release_matrix.json"
 CACHE = Path(os.environ.get("SHARDADOPT_UPSTREAM_CACHE", Path.home() / ".cache" / "shardadopt-upstream"))
 PACKAGES = {"transformers": "transformers", "accelerate": "accelerate"}
 KINDS = ("backport", "proposal")
+# The header upstream's source and test files open with (transformers and accelerate alike).
+LICENSE_HEADER = """\
+# Copyright 2026 The HuggingFace Team. All rights reserved.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     http://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""
 
 
 @dataclass(frozen=True)

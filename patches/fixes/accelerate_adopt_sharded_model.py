@@ -1,21 +1,8 @@
 """accelerate-adopt-sharded-model: Accelerator.prepare trains a model that arrives already sharded as it is."""
 
-from upstream_diffs import Edit, Fix, NewFile, Variant
+from upstream_diffs import LICENSE_HEADER, Edit, Fix, NewFile, Variant
 
-TEST = '''\
-# Copyright 2026 The HuggingFace Team. All rights reserved.
-#
-# Licensed under the Apache License, Version 2.0 (the "License");
-# you may not use this file except in compliance with the License.
-# You may obtain a copy of the License at
-#
-#     http://www.apache.org/licenses/LICENSE-2.0
-#
-# Unless required by applicable law or agreed to in writing, software
-# distributed under the License is distributed on an "AS IS" BASIS,
-# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
-# See the License for the specific language governing permissions and
-# limitations under the License.
+TEST = LICENSE_HEADER + '''\
 import sys
 import tempfile
 import unittest
