@@ -70,17 +70,18 @@ def _gloo_only(group) -> bool:
 def _destroy_gloo_groups() -> int:
     import torch.distributed as dist
 
+    from shardadopt import upstream
+
     if not dist.is_initialized():
         return 0
-    world = dist.distributed_c10d._world
     default = dist.group.WORLD
     destroyed = 0
-    for group in [g for g in list(world.pg_map) if g is not default]:
+    for group in [g for g in upstream.registered_process_groups() if g is not default]:
         if _gloo_only(group):
             dist.destroy_process_group(group)
             destroyed += 1
     # Destroying the default group destroys every group: only when no other backend is left.
-    if default is not None and set(world.pg_map) == {default} and _gloo_only(default):
+    if default is not None and upstream.registered_process_groups() == [default] and _gloo_only(default):
         dist.destroy_process_group()
         destroyed += 1
     return destroyed

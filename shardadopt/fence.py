@@ -152,7 +152,7 @@ def _training_groups() -> list[Any]:
     groups: list[Any] = [dist.group.WORLD]
     for _ in range(10):  # the main thread may be creating a group while the watchdog reads the registry
         try:
-            groups = list(dist.distributed_c10d._world.pg_map)
+            groups = upstream.registered_process_groups()
             break
         except RuntimeError:
             continue

@@ -94,14 +94,12 @@ def _device_meshes(mesh: Any) -> list[Any]:
 
 def _alive(mesh: Any) -> bool:
     """Whether every process group behind ``mesh`` is still registered (none was destroyed)."""
-    import torch.distributed as dist
-
     meshes = _device_meshes(mesh)
     try:
         groups = [group for device_mesh in meshes for group in device_mesh.get_all_groups()]
     except Exception:  # noqa: BLE001  (torch fails the lookup of a destroyed group's name in various ways)
         return False
-    registered = dist.distributed_c10d._world.pg_map
+    registered = upstream.registered_process_groups()
     return bool(meshes) and all(group in registered for group in groups)
 
 

@@ -285,6 +285,16 @@ def default_group() -> dist.ProcessGroup:
     return _attribute(dist.distributed_c10d, "_get_default_group", "default_group", "torch")()
 
 
+def registered_process_groups() -> list[dist.ProcessGroup]:
+    """``torch.distributed.distributed_c10d._world.pg_map``'s keys: every live process group of this process, the
+    default one included (destroyed groups leave it). A snapshot; torch may add a group while it is taken, which
+    raises ``RuntimeError`` (dictionary changed size) for the caller to retry. Checked on torch 2.13-2.15."""
+    import torch.distributed as dist
+
+    world = _attribute(dist.distributed_c10d, "_world", "registered_process_groups", "torch")
+    return list(_attribute(world, "pg_map", "registered_process_groups", "torch"))
+
+
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
     """``group._get_backend(device).options._timeout``: the timeout the group's backend for ``device`` was created
     with. Checked on torch 2.13-2.15."""

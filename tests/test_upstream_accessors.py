@@ -410,6 +410,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     check("default_store", store_is_shared)
     check("default_group", lambda: upstream.default_group() is dist.group.WORLD)
+    check("registered_process_groups", lambda: dist.group.WORLD in upstream.registered_process_groups()
+          and dist.new_group([0, 1]) in upstream.registered_process_groups())
     # RankPool leaves init_process_group's timeout at torch's default.
     check("group_timeout", lambda: upstream.group_timeout(upstream.default_group(), torch.device("cpu"))
           == default_pg_timeout)
@@ -472,7 +474,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
     return results
 
 
-DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "group_timeout", "backend_device_types", "dtensor_local",
+DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "group_timeout",
+                         "backend_device_types", "dtensor_local",
                          "fsdp_param_groups", "model_device_mesh", "model_mesh_manager", "set_model_sharding_sizes",
                          "module_hf_device_mesh")
 
@@ -545,6 +548,21 @@ def private_upstream_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]
     def foreign(name: str) -> bool:
         return _private(name) and name not in own and not name.startswith("_shardadopt")
 
+    # Names this file binds to upstream objects (``import torch.distributed as dist``, ``from transformers import
+    # Trainer``): a private attribute reached from one is upstream's even where shardadopt has a name like it.
+    upstream_names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            upstream_names.update((a.asname or a.name.split(".")[0]) for a in node.names
+                                  if a.name.split(".")[0] in UPSTREAM_PACKAGES)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in UPSTREAM_PACKAGES:
+            upstream_names.update(a.asname or a.name for a in node.names)
+
+    def rooted_upstream(node: ast.AST) -> bool:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in upstream_names
+
     skipped: set[int] = set()  # docstrings, f-string pieces, str.startswith("_x") affixes
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -557,7 +575,8 @@ def private_upstream_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]
             skipped.update(id(a) for a in node.args)
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and foreign(node.attr):
+        if isinstance(node, ast.Attribute) and (foreign(node.attr) or _private(node.attr)
+                                                and rooted_upstream(node.value)):
             found.append((node.lineno, f".{node.attr}"))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -604,6 +623,9 @@ def test_no_private_upstream_names_outside_upstream_module(own_names):
     "from torch.distributed.tensor.placement_types import _StridedShard\n",
     "import torch.distributed._composable.fsdp\n",
     "target = Target('transformers.trainer', 'Trainer._save_checkpoint')\n",
+    # shardadopt has a ``_world()`` of its own; torch's ``_world`` is still torch's
+    "import torch.distributed as dist\ngroups = dist.distributed_c10d._world.pg_map\n",
+    "from transformers import Trainer\nTrainer._get_output_dir\n",
 ])
 def test_private_names_are_found(own_names, source):
     """The check above catches each kind of use even with every private name shardadopt defines taken as its own."""
