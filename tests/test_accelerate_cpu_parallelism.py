@@ -10,10 +10,10 @@ PATCH_ID = "accelerate-cpu-parallelism-config"
 def fresh_accelerator(**kwargs):
     """A new Accelerator on this rank (accelerate keeps process-wide singletons; the pool reuses processes)."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    from shardadopt import upstream
+
+    upstream.reset_accelerate_state()
     return Accelerator(cpu=True, **kwargs)
 
 

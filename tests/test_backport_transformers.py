@@ -17,6 +17,7 @@ import torch
 from packaging.version import Version
 
 import shardadopt
+from shardadopt import upstream
 from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
 from shardadopt.selftest.trainer import distributed_sizes, full_grads, single_process_grads
 
@@ -63,10 +64,10 @@ class NaNTailGroupedMM(torch.autograd.Function):
 def install_nan_tail_kernel():
     from transformers.integrations import moe
 
-    original = moe._grouped_mm
+    original = moe._grouped_mm  # upstream-private: the fault goes where upstream's kernel sits
     NaNTailGroupedMM.kernel = original
-    moe._grouped_mm = NaNTailGroupedMM.apply
-    return lambda: setattr(moe, "_grouped_mm", original)
+    moe._grouped_mm = NaNTailGroupedMM.apply  # upstream-private: as above
+    return lambda: setattr(moe, "_grouped_mm", original)  # upstream-private: as above
 
 
 # -- worker functions (run on every rank) -------------------------------------------------------------------------
@@ -81,7 +82,7 @@ def sharding_record(models: dict[str, str], exclude: list[str]) -> dict[str, Any
         for label, sizes, family in (("fsdp", {"fsdp_size": 2}, "llama"), ("tp", {"tp_size": 2}, "qwen3")):
             model = AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.float32,
                                                          distributed_config=DistributedConfig(**sizes))
-            seen[label] = (getattr(model, "_tp_size", None), getattr(model, "_fsdp_size", None),
+            seen[label] = (*(getattr(model, name, None) for name in upstream.MODEL_SHARDING_SIZE_ATTRIBUTES),
                            getattr(model, "fsdp_size", "missing"))
         return seen
     finally:

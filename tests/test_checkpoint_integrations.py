@@ -30,10 +30,10 @@ ACCELERATE_SAVES, ACCELERATE_TOTAL = 3, 5
 
 def fresh_accelerator(**kwargs):
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    from shardadopt import upstream
+
+    upstream.reset_accelerate_state()
     return Accelerator(cpu=True, **kwargs)
 
 

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from shardadopt import upstream
 from shardadopt.testing import free_port
 
 pytestmark = pytest.mark.multiproc
@@ -38,7 +39,7 @@ def _rank_main(scenario: str, models: str, report: str) -> None:
         import torch.distributed as dist
 
         initialized = dist.is_initialized()
-        groups = len(dist.distributed_c10d._world.pg_map) if initialized else 0
+        groups = len(upstream.registered_process_groups()) if initialized else 0
         with open(report, "w") as out:
             json.dump({"initialized": initialized, "groups": groups, "exit_time": time.time()}, out)
 

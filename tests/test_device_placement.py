@@ -28,7 +28,8 @@ def backend(monkeypatch):
     def use(name: str) -> None:
         capability = {"nccl": ["cuda"], "gloo": ["cpu", "cuda"]}.get(name, ["cpu", "cuda"])
         monkeypatch.setattr(dist, "get_backend", lambda group=None: name)
-        monkeypatch.setattr(dist.distributed_c10d, "_device_capability", lambda group=None: capability)
+        monkeypatch.setattr(dist.distributed_c10d, "_device_capability",  # upstream-private: a mock backend
+                            lambda group=None: capability)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
 
     return use

@@ -21,6 +21,8 @@ import pytest
 import torch
 from packaging.version import Version
 
+from shardadopt import upstream
+
 pytestmark = pytest.mark.multiproc
 
 NORM_TYPES = [1.0, 2.0, math.inf]
@@ -82,12 +84,12 @@ def layout_run(path: str, config: dict) -> dict:
         if not plain_sharded:
             out["gathered"][p] = torch.linalg.vector_norm(torch.cat([full(g).flatten() for g in grads]), p,
                                                          dtype=torch.float64).item()
-    saved = [g._local_tensor.clone() if isinstance(g, DTensor) else g.clone() for g in grads]
+    saved = [upstream.dtensor_local(g).clone() if isinstance(g, DTensor) else g.clone() for g in grads]
     for p in NORM_TYPES:
         norm, count = _count_collectives(clip_grad_norm_, model.parameters(), MAX_NORM, p,
                                          plain_replication=replication)
         coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
-        local = [g._local_tensor if isinstance(g, DTensor) else g for g in grads]
+        local = [upstream.dtensor_local(g) if isinstance(g, DTensor) else g for g in grads]
         scaled_exactly = all(torch.equal(after, before * coef) for after, before in zip(local, saved))
         clipped = {n: full(p_.grad).clone() for n, p_ in named} if not plain_sharded else None
         out["clip"][p] = (norm.item(), count, scaled_exactly, clipped if dist.get_rank() == 0 else None)
@@ -184,15 +186,15 @@ def placements_run(seed: int) -> list[tuple]:
     the reference over the full tensors, plus collective counts."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     from shardadopt.gradnorm import total_norm
 
+    StridedShard = upstream.strided_shard_type()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     gen = torch.Generator().manual_seed(seed)  # the same full tensors on every rank
     layouts = [  # (mesh, placements, shape): uneven shards on purpose
         (mesh, [Shard(0), Shard(1)], (5, 3)), (mesh, [Replicate(), Shard(0)], (7,)),
-        (mesh, [_StridedShard(0, split_factor=2), Shard(0)], (6, 2)), (mesh, [Shard(0), Shard(0)], (9, 2)),
+        (mesh, [StridedShard(0, split_factor=2), Shard(0)], (6, 2)), (mesh, [Shard(0), Shard(0)], (9, 2)),
         (mesh, [Replicate(), Replicate()], (1, 1)), (mesh["dp"], [Shard(0)], (3, 3)),
         (mesh["tp"], [Shard(1)], (4, 5)), (mesh["tp"], [Replicate()], (6,)),
     ]

@@ -18,11 +18,13 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from shardadopt import upstream
 from shardadopt.gradnorm import clip_grads_with_norm_, total_norm
 from shardadopt.gradnorm.core import Piece, check_norm_type, finish, local_payload, reduce_op
 from shardadopt.gradnorm.layout import Group, LayoutError, count_shards, to_pieces
+
+StridedShard = upstream.strided_shard_type()
 
 NORM_TYPES = [0.0, 1.0, 2.0, 3.5, math.inf]
 # fp32 per-piece norms (what torch computes too) raised to p and summed in fp64: a few fp32 ulps.
@@ -56,7 +58,7 @@ class World:
 def placements(draw, ndim: int):
     dim = st.integers(0, ndim - 1)
     return draw(st.one_of(st.just(Replicate()), dim.map(Shard),
-                          st.tuples(dim, st.integers(1, 3)).map(lambda a: _StridedShard(a[0], split_factor=a[1]))))
+                          st.tuples(dim, st.integers(1, 3)).map(lambda a: StridedShard(a[0], split_factor=a[1]))))
 
 
 @st.composite
@@ -98,7 +100,7 @@ def chunk(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
 def local_shard(full: torch.Tensor, mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements):
     local = full
     for size, coord, placement in zip(mesh_shape, coordinate, placements):
-        if isinstance(placement, _StridedShard):
+        if isinstance(placement, StridedShard):
             firsts = chunk(local, placement.split_factor, placement.dim)
             seconds = [chunk(f, size, placement.dim) for f in firsts]
             local = torch.cat([s[coord] for s in seconds], placement.dim)
@@ -300,7 +302,7 @@ def test_count_shards_errors_name_the_problem():
         count_shards(mesh, (Shard(0), Shard(0)), Group(range(8), 5))
     with pytest.raises(LayoutError, match="does not divide"):
         count_shards(StubMesh(torch.tensor([0, 1])), (Shard(0),), Group(range(3), 0))
-    assert count_shards(mesh, (Replicate(), _StridedShard(0, split_factor=2)), Group(range(8), 0)) == 2
+    assert count_shards(mesh, (Replicate(), StridedShard(0, split_factor=2)), Group(range(8), 0)) == 2
 
 
 def test_plain_replication_is_validated():

@@ -99,6 +99,7 @@ def test_no_storage_and_no_output_dir_is_an_error():
 def test_default_sampler_spells_out_parallel_settings():
     sampler = default_sampler(seed=3)
     assert isinstance(sampler, optuna.samplers.TPESampler)
+    # upstream-private: TPESampler has no getters for its options
     assert sampler._constant_liar is True and sampler._multivariate is True
 
 

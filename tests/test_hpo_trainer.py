@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from shardadopt.testing import free_port
+from shardadopt.upstream import registered_process_groups
 
 pytestmark = pytest.mark.multiproc
 
@@ -143,7 +144,6 @@ def _search(trainer, storage=None, **kwargs):
 def _recorder():
     """A callback recording, on this rank, each trial's parameters and evaluations, and the number of process groups
     once the trial's model is built."""
-    import torch.distributed as dist
     from transformers import TrainerCallback
 
     class Recorder(TrainerCallback):
@@ -153,7 +153,7 @@ def _recorder():
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.trials.append([state.trial_params and dict(state.trial_params), 0])
-            self.process_groups.append(len(dist.distributed_c10d._world.pg_map))
+            self.process_groups.append(len(registered_process_groups()))
 
         def on_evaluate(self, args, state, control, **kwargs):
             self.trials[-1][1] += 1

@@ -118,8 +118,10 @@ def test_unsplit_removes_hooks():
     optimizer = torch.optim.SGD([p], lr=0.1)
     split_param_groups_by_mesh(optimizer)
     split_param_groups_by_mesh(optimizer)  # idempotent
+    # upstream-private: torch lists no optimizer step hooks
     assert len(optimizer._optimizer_step_pre_hooks) == 1
     unsplit_param_groups_by_mesh(optimizer)
+    # upstream-private: as above
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         split_param_groups_by_mesh(object())

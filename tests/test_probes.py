@@ -70,6 +70,7 @@ RENAMES = [
      {"MULTI_CPU": "MULTI_HOST"}),
     ("accelerate-sharded-checkpoint", "accelerate.accelerator:Accelerator", "get_state_dict",
      {"model.state_dict()": "model.local_state_dict()"}),
+    # upstream-private: the names these probes read, renamed to simulate an upstream change
     ("trainer-adopt-sharded-model", "transformers.trainer:Trainer", "_prepare_for_training",
      {"self.create_optimizer()": "self.build_optimizer()"}),
     ("trainer-adopt-sharded-model", "transformers.trainer:Trainer", "__init__",
@@ -77,8 +78,10 @@ RENAMES = [
     ("trainer-hpo-optuna", "transformers.integrations.integration_utils", "run_hp_search_optuna",
      {"FixedTrial": "FrozenTrial"}),
     ("transformers-ep-grouped-mm-sentinel", "transformers.integrations.moe", "grouped_mm_experts_forward",
+     # upstream-private: as above
      {"_grouped_linear": "_grouped_gemm"}),
     ("transformers-sharding-sizes", "transformers.distributed.mixin:DistributedMixin", "maybe_distribute_model",
+     # upstream-private: as above
      {"_device_mesh": "_mesh"}),
     ("transformers-reuse-device-mesh", "transformers.distributed.mixin:DistributedMixin", "prepare_distribute_model",
      {"initialize_distributed_mesh": "build_meshes", "initialize_fully_sharded_data_parallelism": "init_fsdp"}),
@@ -116,6 +119,7 @@ def test_a_deleted_upstream_method_makes_doctor_fail(monkeypatch, capsys):
     before = json.loads(capsys.readouterr().out)
     assert before["ok"], before
     assert {p["id"]: p["state"] for p in before["patches"]}["trainer-adopt-sharded-model"] in (APPLIED, NOT_NEEDED)
+    # upstream-private: the method the probe reads, deleted
     monkeypatch.delattr(Trainer, "_prepare_for_training")
     assert cli.doctor(as_json=True) == 1
     after = {p["id"]: p for p in json.loads(capsys.readouterr().out)["patches"]}
@@ -143,6 +147,7 @@ def test_trainer_checkpoint_probe_refuses_an_optimizer_save_it_does_not_know(mon
     def save_optimizer_and_scheduler(self, output_dir):  # e.g. a DCP save under another name
         self.save_sharded_optimizer(output_dir)
 
+    # upstream-private: the method the probe reads, replaced
     monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", save_optimizer_and_scheduler)
     state, reason = state_of("trainer-sharded-checkpoint")
     assert state == UNSUPPORTED and "save_sharded_optimizer" in reason, reason
@@ -150,6 +155,7 @@ def test_trainer_checkpoint_probe_refuses_an_optimizer_save_it_does_not_know(mon
     def writes_nothing(self, output_dir):
         return None
 
+    # upstream-private: as above
     monkeypatch.setattr(Trainer, "_save_optimizer_and_scheduler", writes_nothing)
     state, reason = state_of("trainer-sharded-checkpoint")
     assert state == UNSUPPORTED and "found neither" in reason, reason

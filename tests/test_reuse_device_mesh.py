@@ -15,6 +15,7 @@ import torch
 from packaging.version import Version
 
 import shardadopt
+from shardadopt import upstream
 from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes, full_grads, single_process_grads
 
 pytestmark = pytest.mark.multiproc
@@ -32,9 +33,7 @@ LOADS = 3
 
 
 def _registered_groups() -> int:
-    import torch.distributed as dist
-
-    return len(dist.distributed_c10d._world.pg_map)
+    return len(upstream.registered_process_groups())
 
 
 def group_counts(models: dict[str, str], patched: bool) -> list[tuple[str, int]]:
@@ -83,8 +82,8 @@ def shared_mesh_grads(models: dict[str, str], layout: str) -> tuple[bool, dict, 
         for model in (first, second):
             model(input_ids=batch, labels=batch).loss.backward()
             grads.append(full_grads(model))
-        same_groups = all(a is b for a, b in zip(first._device_mesh.get_all_groups(),
-                                                 second._device_mesh.get_all_groups(), strict=True))
+        same_groups = all(a is b for a, b in zip(upstream.model_device_mesh(first).get_all_groups(),
+                                                 upstream.model_device_mesh(second).get_all_groups(), strict=True))
         return same_groups, grads[0], grads[1]
     finally:
         shardadopt.disable()
@@ -109,8 +108,8 @@ def rebuilt_after_destroy(models: dict[str, str]) -> tuple[bool, bool] | None:
                                                         distributed_config=DistributedConfig(**sizes))
 
         first = load()
-        meshes = [first._device_mesh] if isinstance(first._device_mesh, DeviceMesh) else [
-            first._device_mesh._dense_mesh, first._device_mesh._expert_mesh]
+        mesh = upstream.model_device_mesh(first)
+        meshes = [mesh] if isinstance(mesh, DeviceMesh) else list(upstream.mesh_manager_meshes(mesh))
         doomed = next((group for mesh in meshes for group in mesh.get_all_groups() if group is not dist.group.WORLD),
                       None)
         if doomed is None:
@@ -119,7 +118,7 @@ def rebuilt_after_destroy(models: dict[str, str]) -> tuple[bool, bool] | None:
         second = load()
         batch = token_batch(SEED, PER_RANK_BATCH)
         loss = second(input_ids=batch, labels=batch).loss
-        return doomed not in second._device_mesh.get_all_groups(), bool(torch.isfinite(loss))
+        return doomed not in upstream.model_device_mesh(second).get_all_groups(), bool(torch.isfinite(loss))
     finally:
         shardadopt.disable()
 

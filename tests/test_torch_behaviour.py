@@ -12,12 +12,13 @@ import math
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from shardadopt import torchprobe
+from shardadopt import torchprobe, upstream
 from shardadopt.gradnorm import total_norm
 from shardadopt.gradnorm.layout import Group, count_shards
 from shardadopt.optimizer_ready import make_shards_contiguous
+
+StridedShard = upstream.strided_shard_type()
 
 
 def _adamw_step_on_column_shard(fused: bool, compact: bool) -> torch.Tensor:
@@ -55,7 +56,7 @@ class _Mesh:
 
 def test_strided_shard_counts_as_a_shard():
     """FSDP over TP leaves ``_StridedShard`` placements; torch 2.13 and 2.15 do not make them ``Shard``s."""
-    placement = _StridedShard(0, split_factor=2)
+    placement = StridedShard(0, split_factor=2)
     assert isinstance(placement, Shard) == torchprobe.strided_shard_is_shard()
     mesh = _Mesh(torch.arange(4).reshape(2, 2))
     assert count_shards(mesh, (placement, Replicate()), Group(range(4), 0)) == 2

@@ -199,9 +199,10 @@ class _FixedStyle:
 
         def hook(mod, args):
             for param in mod.parameters(recurse=False):
+                # upstream-private: upstream's own marker, in this copy of its hook
                 if torch.is_grad_enabled() and not getattr(param, "_hooked", False):
                     param.register_hook(_all_reduce_new_grad)
-                    param._hooked = True
+                    param._hooked = True  # upstream-private: upstream's marker
 
         module.register_forward_pre_hook(hook)
         return module
