@@ -56,17 +56,18 @@ def _module_attribute(module: str, name: str, accessor: str, distribution: str) 
         owner = importlib.import_module(module)
     except ImportError as exc:
         raise _changed(accessor, f"module {module}", distribution) from exc
-    value = getattr(owner, name, _MISSING)
-    if value is _MISSING:
-        raise _changed(accessor, f"{module}.{name}", distribution)
-    return value
+    return _attribute(owner, name, accessor, distribution)
 
 
 def upstream_method(target: Target, where: str) -> Callable[..., Any]:
     """The function ``target`` names (its module imported), for probes that read or run it; a missing class or
     method raises :class:`~shardadopt.probing.Undecided` saying ``<Class>.<method> does not exist in this release``."""
     *path, name = target.qualname.split(".")
-    owner: Any = importlib.import_module(target.module)
+    try:
+        owner: Any = importlib.import_module(target.module)
+    except ImportError as exc:
+        raise Undecided(f"{where}: module {target.module} does not exist in this release (renamed or removed "
+                        "upstream; the patch needs updating)") from exc
     for part in path:
         owner = upstream_function(owner, part, where)
     return upstream_function(owner, name, where)

@@ -34,6 +34,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from packaging.version import Version
+
 REPO = Path(__file__).resolve().parents[1]
 PATCHES = REPO / "patches"
 FIXES = PATCHES / "fixes"
@@ -114,10 +116,6 @@ class FixError(RuntimeError):
     """A fix that does not build, or a diff that does not apply."""
 
 
-def _version_key(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".") if part.isdigit())
-
-
 def load_fix(path: Path) -> Fix:
     sys.modules.setdefault("upstream_diffs", sys.modules[__name__])  # fixes import the dataclasses from here
     spec = importlib.util.spec_from_file_location(f"fix_{path.stem}", path)
@@ -147,24 +145,24 @@ def applied_releases(fix: Fix) -> list[str]:
     if not any(fix.id in row["patches"] for row in rows):
         raise FixError(f"{fix.id}: not in {MATRIX.relative_to(REPO)}; run tools/release_matrix.py")
     versions = {row[fix.distribution] for row in rows if row["patches"].get(fix.id) == "applied"}
-    return sorted(versions, key=_version_key)
+    return sorted(versions, key=Version)
 
 
 def coverage(fix: Fix) -> list[tuple[Variant, list[str]]]:
     """Each variant with the applied releases it covers; every applied release is covered by exactly one."""
-    variants = sorted(fix.all_variants(), key=lambda v: _version_key(v.since))
+    variants = sorted(fix.all_variants(), key=lambda v: Version(v.since))
     releases = applied_releases(fix)
     if not releases:
         raise FixError(f"{fix.id}: its probe applies it on no recorded release; nothing to diff against")
     covered = []
     for index, variant in enumerate(variants):
         upper = variants[index + 1].since if index + 1 < len(variants) else None
-        mine = [r for r in releases if _version_key(r) >= _version_key(variant.since)
-                and (upper is None or _version_key(r) < _version_key(upper))]
+        mine = [r for r in releases if Version(r) >= Version(variant.since)
+                and (upper is None or Version(r) < Version(upper))]
         if not mine:
             raise FixError(f"{fix.id}: variant since {variant.since} covers none of {releases}")
         covered.append((variant, mine))
-    if _version_key(releases[0]) < _version_key(variants[0].since):
+    if Version(releases[0]) < Version(variants[0].since):
         raise FixError(f"{fix.id}: release {releases[0]} is older than every variant")
     return covered
 
@@ -172,14 +170,19 @@ def coverage(fix: Fix) -> list[tuple[Variant, list[str]]]:
 def diff_for(fix: Fix, version: str) -> Path:
     """The committed diff meant for ``version`` of ``fix.distribution``: the newest variant from ``version`` back."""
     chosen = [(variant, releases) for variant, releases in coverage(fix)
-              if _version_key(variant.since) <= _version_key(version)]
+              if Version(variant.since) <= Version(version)]
     if not chosen:
         raise FixError(f"{fix.id}: no variant for {fix.distribution} {version}")
-    return diff_path(fix, *chosen[-1])
+    return diff_path(fix, chosen[-1][1])
 
 
-def diff_path(fix: Fix, variant: Variant, releases: list[str]) -> Path:
+def diff_path(fix: Fix, releases: list[str]) -> Path:
     return PATCHES / (f"{fix.id}.diff" if len(fix.all_variants()) == 1 else f"{fix.id}@{releases[0]}.diff")
+
+
+def committed_diffs(fix: Fix) -> list[Path]:
+    """The diffs of ``fix`` in ``patches/``: ``<id>.diff`` and ``<id>@<release>.diff``."""
+    return [p for p in PATCHES.glob(f"{fix.id}*.diff") if p.name == f"{fix.id}.diff" or p.name.startswith(f"{fix.id}@")]
 
 
 def fetch(distribution: str, version: str) -> Path:
@@ -219,6 +222,8 @@ def apply_edits(fix: Fix, variant: Variant, tree: Path, version: str) -> dict[st
                            f"occurrence(s) of the text starting {first!r}, found {found}")
         files[edit.path] = (pristine, text.replace(edit.old, edit.new))
     for new in variant.new_files:
+        if not new.path.startswith(("src/", "tests/")):
+            raise FixError(f"{fix.id}: new file {new.path!r} must be in upstream's layout (src/ or tests/)")
         if (tree / new.path).exists():
             raise FixError(f"{fix.id}: {new.path} already exists upstream")
         files[new.path] = ("", new.text)
@@ -243,14 +248,14 @@ def _header(fix: Fix, releases: list[str]) -> str:
 def render(fix: Fix, variant: Variant, releases: list[str]) -> str:
     tree = fetch(fix.distribution, releases[0])
     files = apply_edits(fix, variant, tree, releases[0])
+    new_paths = {new.path for new in variant.new_files}
+    if not any(before != after for path, (before, after) in files.items() if path.startswith("src/")):
+        raise FixError(f"{fix.id}: the fix changes nothing in upstream's source")
     body = []
     for path in sorted(files, key=lambda p: (p.startswith("tests/"), p)):
         before, after = files[path]
-        source = "/dev/null" if path.startswith("tests/") and not before else f"a/{path}"
         body += difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
-                                     source, f"b/{path}")
-    if not body:
-        raise FixError(f"{fix.id}: the fix changes nothing")
+                                     "/dev/null" if path in new_paths else f"a/{path}", f"b/{path}")
     if not any(p.startswith("tests/") for p in files):
         raise FixError(f"{fix.id}: the fix has no test hunk (a NewFile under tests/)")
     return _header(fix, releases) + "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
@@ -276,12 +281,13 @@ def dry_run(diff: str, tree: Path, strip: int = 1) -> subprocess.CompletedProces
 
 def build(fixes: dict[str, Fix]) -> None:
     for fix in fixes.values():
-        for old in PATCHES.glob(f"{fix.id}*.diff"):
-            if old.name == f"{fix.id}.diff" or old.name.startswith(f"{fix.id}@"):
-                old.unlink()
-        for variant, releases in coverage(fix):
-            path = diff_path(fix, variant, releases)
-            path.write_text(render(fix, variant, releases))
+        # everything rendered before anything is replaced: a fix that no longer builds leaves its diffs as they were
+        rendered = {diff_path(fix, releases): (render(fix, variant, releases), releases)
+                    for variant, releases in coverage(fix)}
+        for old in committed_diffs(fix):
+            old.unlink()
+        for path, (text, releases) in rendered.items():
+            path.write_text(text)
             print(f"wrote {path.relative_to(REPO)} ({fix.distribution} {releases[0]} .. {releases[-1]})")
 
 
@@ -290,26 +296,26 @@ def check(fixes: dict[str, Fix]) -> list[str]:
     for fix in fixes.values():
         expected = set()
         for variant, releases in coverage(fix):
-            path = diff_path(fix, variant, releases)
+            path = diff_path(fix, releases)
             expected.add(path.name)
             if not path.exists():
                 problems.append(f"{path.relative_to(REPO)} is missing: run tools/upstream_diffs.py build {fix.id}")
                 continue
+            committed = path.read_text()
             try:
-                if path.read_text() != render(fix, variant, releases):
+                if committed != render(fix, variant, releases):
                     problems.append(f"{path.relative_to(REPO)} differs from what patches/fixes generates: "
                                     f"run tools/upstream_diffs.py build {fix.id}")
             except FixError as error:
                 problems.append(str(error))
             for release in releases:
-                result = dry_run(path.read_text(), fetch(fix.distribution, release))
+                result = dry_run(committed, fetch(fix.distribution, release))
                 status = "applies" if result.returncode == 0 else "DOES NOT APPLY"
                 print(f"{path.name:<56} {fix.distribution} {release:<8} {status}")
                 if result.returncode:
                     problems.append(f"{path.name} does not apply to {fix.distribution} {release}:\n"
                                     f"{result.stdout}{result.stderr}")
-        stray = {p.name for p in PATCHES.glob(f"{fix.id}*.diff")
-                 if p.name == f"{fix.id}.diff" or p.name.startswith(f"{fix.id}@")} - expected
+        stray = {p.name for p in committed_diffs(fix)} - expected
         problems += [f"patches/{name} is not generated by its fix any more: delete it" for name in sorted(stray)]
     return problems
 
@@ -320,18 +326,17 @@ def verify(fix: Fix, python: str, release: str | None = None) -> list[str]:
     installed = release or subprocess.run(
         [python, "-c", f"import importlib.metadata as m; print(m.version({fix.distribution!r}))"],
         capture_output=True, text=True, check=True).stdout.strip()
-    for variant, releases in coverage(fix):  # noqa: B007 (the loop finds the variant used below)
-        if installed in releases:
-            break
-    else:
+    chosen = next(((v, r) for v, r in coverage(fix) if installed in r), None)
+    if chosen is None:
         return [f"{fix.id}: {fix.distribution} {installed} is not a release its probe applies it on"]
+    variant, releases = chosen
     problems = []
     with tempfile.TemporaryDirectory() as work:
-        trees = {}
-        for label in ("pristine", "patched"):
-            trees[label] = Path(work) / label
-            shutil.copytree(fetch(fix.distribution, installed), trees[label])
-        diff = diff_path(fix, variant, releases)
+        upstream_tree = fetch(fix.distribution, installed)
+        trees = {label: Path(work) / label for label in ("pristine", "patched")}
+        for tree in trees.values():
+            shutil.copytree(upstream_tree, tree)
+        diff = diff_path(fix, releases)
         subprocess.run(["patch", "-p1", "-F0", "-s", "-d", str(trees["patched"]), "-i", str(diff)], check=True)
         tests = [new.path for new in variant.new_files]
         for new in variant.new_files:  # the pristine run needs the test file too
