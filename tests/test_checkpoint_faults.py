@@ -6,7 +6,8 @@ reference loss), then a save at step 2 in which one rank fails, in user shape: t
 (a pre-hook raising on rank 1, while rank 0 is in DCP's collectives), a scheduler-like object whose
 ``state_dict`` raises on rank 0 (while rank 1 waits at the publication barrier), ``save_full`` into a path that is
 a file on rank 0 (while rank 1 sends its shards), ``Accelerator.save_state`` with a registered object whose
-``state_dict`` raises on rank 1. Each asserts: every rank raised within ``BOUND`` seconds (the process group
+``state_dict`` raises on rank 1 (automatic naming with ``total_limit=1``, after one complete save: that one must
+survive the failed save). Each asserts: every rank raised within ``BOUND`` seconds (the process group
 timeout is 30 minutes), the failing rank its own error and the other ``PeerFailedError`` naming it; no new
 checkpoint directory; after ``shardadopt.fence.rebuild_world()`` a fresh model loading the latest complete
 checkpoint trains the next step exactly as the uninterrupted run did.
@@ -53,8 +54,10 @@ def _save_with_fault(path: str, root: str, case: str, failing: int) -> dict:
         raise InjectedFault(f"injected on rank {rank} in {where}")
 
     class Stateful:
+        armed = True
+
         def state_dict(self):
-            if rank == failing:
+            if rank == failing and self.armed:
                 fail("a state_dict")
             return {}
 
@@ -76,23 +79,33 @@ def _save_with_fault(path: str, root: str, case: str, failing: int) -> dict:
             marks["fault_at"] = time.time()  # rank 0 fails creating the staging directory, at once
             checkpoint.save_full(model, f"{blocker}/final")
         else:
+            from accelerate.utils import ProjectConfiguration
+
             from test_checkpoint_integrations import fresh_accelerator
 
-            accelerator = fresh_accelerator()
+            accelerator = fresh_accelerator(project_config=ProjectConfiguration(
+                project_dir=f"{root}/.accelerate", automatic_checkpoint_naming=True, total_limit=1))
             prepared, prepared_optimizer = accelerator.prepare(model, optimizer)
-            accelerator.register_for_checkpointing(Stateful())
-            accelerator.save_state(f"{root}/step-2")
+            stateful = Stateful()
+            accelerator.register_for_checkpointing(stateful)
+            stateful.armed = False
+            accelerator.save_state()  # checkpoint_0, complete
+            stateful.armed = True
+            accelerator.save_state()  # checkpoint_1 fails; total_limit=1 must not have taken checkpoint_0 first
     except Exception as exc:  # noqa: BLE001
         error = {"type": type(exc).__name__, "message": str(exc), "at": time.time(),
                  "rank": getattr(exc, "rank", None)}
     fence.rebuild_world()  # the fence broke the process groups; a new job would start here
     published = sorted(name for name in os.listdir(root) if not name.startswith("."))
+    accelerate_root = f"{root}/.accelerate/checkpoints"
+    accelerate_kept = sorted(os.listdir(accelerate_root)) if os.path.isdir(accelerate_root) else None
     latest = checkpoint.latest(root)
     torch.manual_seed(1)  # the checkpoint's RNG state must win
     model, optimizer, scheduler = scenario.build(path, FSDP)
     checkpoint.load(latest, model, optimizer, scheduler)
     resumed = scenario.train_steps(model, optimizer, scheduler, FSDP, 1)
     return {"error": error, "fault_at": marks.get("fault_at"), "published": published,
+            "accelerate_kept": accelerate_kept,
             "latest": os.path.basename(latest), "expected": expected, "resumed": resumed}
 
 
@@ -111,4 +124,6 @@ def test_one_rank_raising_in_a_save_makes_every_rank_raise(pool2, tiny_models, t
         assert 0 <= error["at"] - fault_at < BOUND, f"rank {rank} raised {error['at'] - fault_at:.1f}s after"
         assert "step-2" not in result["published"] and "final" not in result["published"], result["published"]
         assert result["latest"] == "step-1"
+        if case == "accelerate_custom":
+            assert [n for n in result["accelerate_kept"] if not n.startswith(".")] == ["checkpoint_0"], result
         assert result["resumed"] == result["expected"], "the last complete checkpoint resumes exactly"

@@ -68,23 +68,20 @@ def save_state(accelerator: Any, output_dir: str | None = None, safe_serializati
     Models and optimizers through ``torch.distributed.checkpoint``, the rest (schedulers, dataloader/sampler
     state, RNG per process, scaler, custom objects, ``step``) with accelerate's own writers, all into a staging
     directory published atomically with a completion marker. ``automatic_checkpoint_naming`` and ``total_limit``
-    behave as upstream, counting complete checkpoints only.
+    behave as upstream, counting complete checkpoints only, except that the oldest are removed once the new one is
+    published: a save that fails leaves every complete checkpoint in place.
     """
     from accelerate.checkpointing import save_accelerator_state, save_custom_state
 
     config = accelerator.project_configuration
+    root = None
     if config.automatic_checkpoint_naming:
         root = os.path.join(accelerator.project_dir, "checkpoints")
         os.makedirs(root, exist_ok=True)
-        folders = _complete_folders(root)
-        if config.total_limit is not None and len(folders) + 1 > config.total_limit and accelerator.is_main_process:
-            for folder in folders[: len(folders) + 1 - config.total_limit]:
-                shutil.rmtree(folder)
         output_dir = os.path.join(root, f"checkpoint_{accelerator.save_iteration}")
         if os.path.exists(output_dir):
             raise ValueError(f"Checkpoint directory {output_dir} ({accelerator.save_iteration}) already exists. "
                              f"Please manually override `self.save_iteration` with what iteration to start with.")
-        accelerator.wait_for_everyone()
     if output_dir is None:
         raise ValueError("save_state needs an output_dir when automatic checkpoint naming is disabled")
     output_dir = os.path.abspath(os.path.expanduser(os.fspath(output_dir)))
@@ -103,6 +100,10 @@ def save_state(accelerator: Any, output_dir: str | None = None, safe_serializati
                                safe_serialization=safe_serialization)
         for i, obj in enumerate(upstream.accelerator_custom_objects(accelerator)):
             save_custom_state(obj, stage, i, save_on_each_node=config.save_on_each_node)
+    if root is not None and config.total_limit is not None and accelerator.is_main_process:
+        folders = _complete_folders(root)
+        for folder in folders[: max(0, len(folders) - config.total_limit)]:
+            shutil.rmtree(folder)
     config.iteration += 1
     return output_dir
 
