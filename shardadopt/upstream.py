@@ -261,13 +261,6 @@ def module_hf_device_mesh(module: torch.nn.Module) -> Any:
     return getattr(module, "_hf_device_mesh", None)
 
 
-# -- optuna ----------------------------------------------------------------------------------------------------------
-
-def study_is_multi_objective(study: Any) -> bool:
-    """``optuna.Study._is_multi_objective()``. Checked on optuna 4.9-5.0."""
-    return bool(_attribute(study, "_is_multi_objective", "study_is_multi_objective", "optuna")())
-
-
 # -- torch -----------------------------------------------------------------------------------------------------------
 
 def default_store() -> dist.Store:

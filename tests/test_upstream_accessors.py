@@ -252,16 +252,6 @@ def test_moe_grouped_linear_name():
     assert calls(source_tree(moe.grouped_mm_experts_forward), upstream.MOE_GROUPED_LINEAR)
 
 
-# -- optuna ----------------------------------------------------------------------------------------------------------
-
-def test_study_is_multi_objective():
-    import optuna
-
-    for directions in (["minimize"], ["minimize", "maximize"]):
-        study = optuna.create_study(directions=directions)
-        assert upstream.study_is_multi_objective(study) is (len(study.directions) > 1)
-
-
 # -- torch, one process ----------------------------------------------------------------------------------------------
 
 def _foreach_clip_works(device: str) -> bool:

@@ -92,7 +92,7 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
                          control=ControlOptions(timeout=control_timeout))
 
         def best_runs() -> BestRun | list[BestRun]:
-            if not upstream.study_is_multi_objective(study):
+            if len(study.directions) == 1:
                 best = study.best_trial
                 return BestRun(str(best.number), best.value, best.params)
             return [BestRun(str(best.number), best.values, best.params) for best in study.best_trials]

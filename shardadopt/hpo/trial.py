@@ -37,7 +37,6 @@ from typing import Any
 
 import optuna
 
-from shardadopt import upstream
 from shardadopt.fence import Fence
 from shardadopt.hpo import errors, preempt
 from shardadopt.hpo.channel import (
@@ -89,7 +88,7 @@ class TrialInfo:
     @classmethod
     def of(cls, trial: optuna.trial.BaseTrial) -> TrialInfo:
         study = getattr(trial, "study", None)
-        return cls(number=trial.number, multi_objective=study is not None and upstream.study_is_multi_objective(study),
+        return cls(number=trial.number, multi_objective=study is not None and len(study.directions) > 1,
                    datetime_start=trial.datetime_start, user_attrs=dict(trial.user_attrs),
                    params=dict(trial.params), distributions=dict(trial.distributions))
 

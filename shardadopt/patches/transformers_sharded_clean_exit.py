@@ -42,9 +42,11 @@ def probe() -> Probe:
 
     where = "torch.distributed.distributed_c10d"
     upstream_function(distributed_c10d, "destroy_process_group", where)
-    module = ast.parse(inspect.getsource(distributed_c10d))
-    registered = [call for call in calls(module, "register")
-                  if isinstance(call.func, ast.Attribute) and getattr(call.func.value, "id", None) == "atexit"]
+    source = inspect.getsource(distributed_c10d)
+    # a module that never names atexit registers nothing there: no need to parse its 6k lines on every rank
+    registered = [call for call in calls(ast.parse(source), "register")
+                  if isinstance(call.func, ast.Attribute) and getattr(call.func.value, "id", None) == "atexit"
+                  ] if "atexit" in source else []
     if any("destroy_process_group" in ast.unparse(call) for call in registered):
         return Probe(False, "torch.distributed tears process groups down at interpreter exit itself")
     if not registered:
