@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,13 +36,18 @@ def _rank_main(scenario: str, models: str, report: str) -> None:
 
     rank = int(os.environ["RANK"])
 
+    finished = []
+
     def record() -> None:  # runs after shardadopt's handler (registered later)
         import torch.distributed as dist
+
+        from shardadopt import cleanexit
 
         initialized = dist.is_initialized()
         groups = len(upstream.registered_process_groups()) if initialized else 0
         with open(report, "w") as out:
-            json.dump({"initialized": initialized, "groups": groups, "exit_time": time.time()}, out)
+            json.dump({"initialized": initialized, "groups": groups, "exit_time": time.time(),
+                       "armed": cleanexit.armed(), "finished": bool(finished)}, out)
 
     atexit.register(record)
 
@@ -70,6 +76,7 @@ def _rank_main(scenario: str, models: str, report: str) -> None:
         raise RuntimeError("rank 1 fails after training")
     if late == rank:
         time.sleep(DELAY)
+    finished.append(True)
 
 
 def _job(tmp_path, models: str, scenario: str, env: dict[str, str] | None = None) -> list[dict]:
@@ -118,13 +125,25 @@ def test_raising_rank_keeps_upstream_exit_and_nobody_hangs(tmp_path, tiny_models
     assert ranks[1]["exit"]["initialized"] and ranks[1]["exit"]["groups"] >= 1, ranks[1]["exit"]
 
 
+# What upstream's own plain exit may end in: the gloo-worker SIGABRT during finalisation (1 in 8 plain 2-rank jobs
+# without shardadopt on a loaded 2-core machine), which the patch deliberately leaves alone for plain models.
+UPSTREAM_ABORT = "terminate called without an active exception"
+
+
 def test_plain_model_exit_unchanged(tmp_path, tiny_models):
     """A model loaded without ``distributed_config`` (plain data parallel) under ``enable()``: nothing is armed,
-    the process groups are still registered when the interpreter finalises, as upstream."""
+    the process groups are still registered when the interpreter finalises, as upstream. The exit code is
+    upstream's: 0, or its SIGABRT in finalisation (after the last atexit handler ran), which this must not
+    require away."""
     ranks = _job(tmp_path, tiny_models["qwen3"], "plain")
     for rank, result in enumerate(ranks):
-        assert result["rc"] == 0, f"rank {rank}:\n{result['output'][-3000:]}"
+        output = result["output"][-3000:]
+        assert result["exit"] is not None, f"rank {rank} never reached its last atexit handler:\n{output}"
+        assert result["exit"]["finished"], f"rank {rank} did not finish training:\n{output}"
+        assert not result["exit"]["armed"], f"rank {rank}: a plain model armed the clean exit"
         assert result["exit"]["initialized"] and result["exit"]["groups"] >= 1, (rank, result["exit"])
+        upstream_abort = result["rc"] == -signal.SIGABRT and UPSTREAM_ABORT in result["output"]
+        assert result["rc"] == 0 or upstream_abort, f"rank {rank}: exit code {result['rc']}:\n{output}"
 
 
 if __name__ == "__main__":

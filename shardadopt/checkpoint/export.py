@@ -264,7 +264,8 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
                 generation = getattr(model, "generation_config", None)
                 if generation is not None and getattr(model, "can_generate", lambda: False)():
                     generation.save_pretrained(staging)
-        _barrier()  # every rank took part in every gather: publish
+        # Rank 0 received every piece it wrote (each gather ends on rank 0), so it publishes at once; the others
+        # wait for publication only.
         written = _publish_files(staging, directory, names) if rank == 0 else []
         _barrier()
     return written

@@ -73,6 +73,25 @@ def _staging_path(directory: str) -> str:
     return os.path.join(parent, f".{name}{_STAGING_SUFFIX}")
 
 
+def _aside_path(directory: str) -> str:
+    """Where a same-name re-save moves the previous ``directory`` between its two renames."""
+    return f"{_staging_path(directory)}.old"
+
+
+def _recover_aside(directory: str) -> None:
+    """Put back the previous checkpoint a same-name re-save moved aside and was killed before replacing.
+
+    Between its two renames ``_publish`` leaves ``directory`` absent and its previous content at the aside path:
+    a crash there must not lose it (nor let the next save delete it). Race-safe: ranks that call this together
+    rename once between them.
+    """
+    aside = _aside_path(directory)
+    if os.path.exists(directory) or not os.path.isdir(aside):
+        return
+    with contextlib.suppress(FileNotFoundError):  # another rank put it back first
+        os.rename(aside, directory)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -95,6 +114,7 @@ def staged(directory: str | os.PathLike, *, step: int | None = None, models: Seq
         staging = _staging_path(directory)
         world_size, rank = _world()
         if rank == 0:
+            _recover_aside(directory)  # before anything of this save can replace or remove it
             shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
             os.makedirs(staging)
         _barrier()
@@ -119,8 +139,8 @@ def _publish(staging: str, directory: str, step: int | None, world_size: int, mo
     _fsync_dir(staging)
     old = None
     if os.path.exists(directory):  # re-saving the same name: move the old one aside, then drop it
-        old = f"{staging}.old"
-        shutil.rmtree(old, ignore_errors=True)
+        old = _aside_path(directory)
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of a crash after the second rename: directory is newer
         os.rename(directory, old)
     os.rename(staging, directory)
     _fsync_dir(os.path.dirname(directory))
@@ -136,6 +156,7 @@ def is_complete(directory: str | os.PathLike) -> bool:
 def read_info(directory: str | os.PathLike) -> CheckpointInfo:
     """The completion marker of ``directory``; ``IncompleteCheckpointError`` when it is missing."""
     directory = os.path.abspath(os.fspath(directory))
+    _recover_aside(directory)
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"checkpoint directory {directory} does not exist")
     path = os.path.join(directory, MARKER)
@@ -165,11 +186,16 @@ def read_info(directory: str | os.PathLike) -> CheckpointInfo:
 def latest(root: str | os.PathLike) -> str | None:
     """The complete checkpoint directly under ``root`` with the highest step (then the newest); None if none.
 
-    Staging directories of interrupted saves and directories without a completion marker are skipped.
+    Staging directories of interrupted saves and directories without a completion marker are skipped; a checkpoint
+    that a same-name re-save moved aside and was killed before replacing is put back first.
     """
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
+    aside_suffix = f"{_STAGING_SUFFIX}.old"
+    for name in os.listdir(root):
+        if name.startswith(".") and name.endswith(aside_suffix):
+            _recover_aside(os.path.join(root, name[1:-len(aside_suffix)]))
     found = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
@@ -181,12 +207,29 @@ def latest(root: str | os.PathLike) -> str | None:
     return max(found)[2] if found else None
 
 
+def _stale_weights(directory: str, written: set[str]) -> list[str]:
+    """Weight files of an earlier export in ``directory`` that this one does not write: ``model*.safetensors`` and
+    its index (a plain ``from_pretrained`` prefers a single ``model.safetensors`` over a new sharded index)."""
+    from huggingface_hub import constants
+
+    single, index = constants.SAFETENSORS_SINGLE_FILE, constants.SAFETENSORS_INDEX_FILE
+    stem, suffix = os.path.splitext(single)
+    return [name for name in os.listdir(directory) if name not in written
+            and (name == index or (name.startswith(stem) and name.endswith(suffix)))
+            and os.path.isfile(os.path.join(directory, name))]
+
+
 def _publish_files(staging: str, directory: str, weights: list[str]) -> list[str]:
     """Move the finished files of ``save_full`` into ``directory``, each with one rename (weights before the index
-    and config that name them), so a reader never sees a partly written file."""
+    and config that name them), so a reader never sees a partly written file; weight files of an earlier export
+    that this one does not write are removed before the index and config that describe the new ones arrive."""
     os.makedirs(directory, exist_ok=True)
-    names = sorted(os.listdir(staging), key=lambda name: name not in weights)
-    for name in names:
+    names = os.listdir(staging)
+    for name in [n for n in names if n in weights]:
+        os.replace(os.path.join(staging, name), os.path.join(directory, name))
+    for name in _stale_weights(directory, set(names)):
+        os.remove(os.path.join(directory, name))
+    for name in [n for n in names if n not in weights]:
         os.replace(os.path.join(staging, name), os.path.join(directory, name))
     _fsync_dir(directory)
     shutil.rmtree(staging, ignore_errors=True)
