@@ -12,6 +12,7 @@ from optuna.storages import RDBStorage
 from optuna.storages.journal import JournalStorage
 from optuna.trial import TrialState
 
+from shardadopt import upstream
 from shardadopt.cli import main
 from shardadopt.hpo import failures
 from shardadopt.hpo.durability import ATTR_HEARTBEAT, TrialHeartbeat, record_failure, requeue, stale_trials
@@ -176,24 +177,26 @@ def _running(study, params, heartbeat_age=None):
     for name, value in params.items():
         trial.suggest_float(name, value, value) if isinstance(value, float) else trial.suggest_int(name, value, value)
     if heartbeat_age is not None:
-        study._storage.set_trial_user_attr(trial._trial_id, ATTR_HEARTBEAT, time.time() - heartbeat_age)
+        upstream.study_storage(study).set_trial_user_attr(upstream.trial_id(trial), ATTR_HEARTBEAT,
+                                                          time.time() - heartbeat_age)
     return trial
 
 
 def _failed(study, params, kind):
     trial = _running(study, params, heartbeat_age=0)
-    record_failure(study, trial._trial_id, kind, f"simulated {kind}")
+    record_failure(study, upstream.trial_id(trial), kind, f"simulated {kind}")
     return trial
 
 
 def test_heartbeat_thread_refreshes_the_trial(study):
     trial = _running(study, {"x": 0.5})
-    with TrialHeartbeat(study._storage, trial._trial_id, interval=0.2):
-        first = study._storage.get_trial(trial._trial_id).user_attrs[ATTR_HEARTBEAT]
+    storage, trial_id = upstream.study_storage(study), upstream.trial_id(trial)
+    with TrialHeartbeat(storage, trial_id, interval=0.2):
+        first = storage.get_trial(trial_id).user_attrs[ATTR_HEARTBEAT]
         time.sleep(0.7)
-        later = study._storage.get_trial(trial._trial_id).user_attrs[ATTR_HEARTBEAT]
+        later = storage.get_trial(trial_id).user_attrs[ATTR_HEARTBEAT]
     assert later > first
-    attrs = study._storage.get_trial(trial._trial_id).user_attrs
+    attrs = storage.get_trial(trial_id).user_attrs
     assert attrs["pid"] > 0 and attrs["host"]
 
 
@@ -231,7 +234,7 @@ def test_a_retry_is_never_retried(study):
     retry_number = first.retried[original.number]
     retry = study.ask()  # the worker picks up the enqueued retry
     assert retry.number == retry_number and retry.suggest_float("x", 0, 1) == 0.7
-    record_failure(study, retry._trial_id, failures.PREEMPTED, "preempted again")
+    record_failure(study, upstream.trial_id(retry), failures.PREEMPTED, "preempted again")
     second = requeue(study, grace_period=300)
     assert second.retried == {}
     assert "already a retry" in second.skipped[retry_number]

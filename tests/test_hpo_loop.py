@@ -273,6 +273,40 @@ def test_standalone_distributed_trial_is_consistent(pool2):
     assert stored[0][2] == {"rank0_value": 0}, "user attrs carry rank 0's value on every rank"
 
 
+def _checkpoint_dir_on_some_ranks(root: str):
+    """An objective that asks for its checkpoint directory on one rank only (rank 0 in trial 0, rank 1 in trial 1),
+    then trains and reports on every rank, and resumes on rank 1 alone: none of it may be a collective."""
+    import torch.distributed as dist
+
+    from shardadopt.hpo import ControlOptions, optimize, resume_checkpoint, trial_checkpoint_dir
+
+    rank = dist.get_rank()
+    study = _study() if rank == 0 else None
+    asked = {}
+
+    def objective(trial):
+        x = trial.suggest_float("x", 0.0, 1.0)
+        if rank == trial.number % 2:
+            asked[trial.number] = trial_checkpoint_dir(trial, root)
+        if rank == 1:
+            assert resume_checkpoint(trial, root) is None
+        value = _train_step(_curve(x, 0))
+        trial.report(value, 0)
+        return value
+
+    optimize(study, objective, n_trials=2, control=ControlOptions(timeout=30))
+    recorded = {t.number: t.user_attrs["checkpoint_dir"] for t in study.trials} if study else None
+    return asked, recorded
+
+
+def test_trial_checkpoint_dir_is_no_collective(pool2, tmp_path):
+    (asked0, recorded), (asked1, _) = pool2.run(_checkpoint_dir_on_some_ranks, str(tmp_path), timeout=120)
+    assert sorted(asked0) == [0] and sorted(asked1) == [1]
+    asked = asked0 | asked1
+    assert {number: str(tmp_path / name) for number, name in recorded.items()} == asked, (recorded, asked)
+    assert len(set(asked.values())) == 2
+
+
 def test_four_ranks_error_on_last_rank(pool4):
     results = pool4.run(_run, catch=(ValueError,), fail={"rank": 3, "trial": 2, "type": ValueError}, timeout=180)
     assert all(r["error"] is None for r in results), results

@@ -601,6 +601,7 @@ def test_single_process_search_takes_the_same_path(tiny_models, tmp_path):
         table = _table(storage)
     finally:
         shardadopt.disable()
+    # upstream-private: Trainer keeps the search's trial as _trial and has no getter for it
     assert isinstance(trainer._trial, DistributedTrial)
     assert len(table) == N_TRIALS and any(state == "PRUNED" for _, state, *_ in table)
     for (_, _state, params, values, _), (seen_params, evaluations) in zip(table, recorder.trials):

@@ -16,6 +16,7 @@ import pathlib
 import random
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -369,6 +370,23 @@ def test_module_initializing(tmp_path, monkeypatch):
         sys.modules.pop("half_imported", None)
 
 
+# -- optuna ----------------------------------------------------------------------------------------------------------
+
+def test_study_storage_and_trial_id():
+    import optuna
+
+    storage = optuna.storages.InMemoryStorage()
+    study = optuna.create_study(storage=storage)
+    other = optuna.create_study(storage=storage)
+    trial = study.ask()
+    other.ask()
+    assert upstream.study_storage(study) is storage
+    trial_id = upstream.trial_id(trial)
+    assert storage.get_trial(trial_id).number == trial.number == 0
+    assert upstream.trial_id(study.trials[0]) == trial_id  # a FrozenTrial carries the same id
+    assert upstream.trial_id(other.trials[0]) != trial_id, "ids are unique across the studies of a storage"
+
+
 # -- torch and transformers on two ranks -----------------------------------------------------------------------------
 
 def distributed_checks(path: str) -> dict[str, str | None]:
@@ -504,42 +522,60 @@ OWN_DEFINITIONS = SCANNED + ("examples",)
 UPSTREAM_PACKAGES = {"torch", "transformers", "accelerate", "optuna"}
 ACCESSOR_MODULE = "shardadopt/upstream.py"
 _AFFIX_METHODS = {"startswith", "endswith", "removeprefix", "removesuffix"}
+_SELF = ("self", "cls")
 
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def own_private_names(trees: Iterable[ast.AST]) -> set[str]:
-    """Private names shardadopt defines: functions, classes, assigned names, ``self._x`` attributes and aliases."""
-    own: set[str] = set()
+@dataclass(frozen=True)
+class OwnNames:
+    """Private names shardadopt defines. ``names``: functions, classes, methods, assigned names and aliases, which
+    code may reach through any object; ``attributes``: instance attributes (``self._x = ...``), shardadopt's own
+    only when reached through ``self``/``cls``: elsewhere ``obj._x`` may well be upstream's (``study._storage``,
+    ``trial._trial_id`` while shardadopt's heartbeat has a ``self._storage`` of its own)."""
+
+    names: frozenset[str]
+    attributes: frozenset[str]
+
+    def __or__(self, other: OwnNames) -> OwnNames:
+        return OwnNames(self.names | other.names, self.attributes | other.attributes)
+
+
+def own_private_names(trees: Iterable[ast.AST]) -> OwnNames:
+    """The private names shardadopt defines, split as :class:`OwnNames` describes."""
+    names: set[str] = set()
+    attributes: set[str] = set()
     for tree in trees:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                own.add(node.name)
+                names.add(node.name)
             elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
                 for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
                     for part in ast.walk(target):
                         if isinstance(part, ast.Name):
-                            own.add(part.id)
+                            names.add(part.id)
                         elif (isinstance(part, ast.Attribute) and isinstance(part.value, ast.Name)
-                              and part.value.id in ("self", "cls")):
-                            own.add(part.attr)
+                              and part.value.id in _SELF):
+                            attributes.add(part.attr)
             elif isinstance(node, ast.alias) and node.asname:
-                own.add(node.asname)
+                names.add(node.asname)
             elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
                   and node.args[0].id == "self" and isinstance(node.args[1], ast.Constant)
                   and isinstance(node.args[1].value, str)):  # object.__setattr__(self, "_x", ...)
-                own.add(node.args[1].value)
-    return {name for name in own if _private(name)}
+                attributes.add(node.args[1].value)
+    return OwnNames(frozenset(filter(_private, names)), frozenset(filter(_private, attributes)))
 
 
-def private_upstream_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]:
-    """(line, what) for each private name in ``tree`` that is not shardadopt's own: ``obj._x``, imports of ``_x`` or
-    of a private upstream module, and strings naming one (``getattr(m, "_x")``, ``Target(.., "Trainer._x")``)."""
+def private_upstream_uses(tree: ast.AST, own: OwnNames) -> list[tuple[int, str]]:
+    """(line, what) for each private name in ``tree`` that is not shardadopt's own: ``obj._x`` (whatever ``obj`` is:
+    a parameter, a local, an attribute chain), imports of ``_x`` or of a private upstream module, and strings naming
+    one (``getattr(m, "_x")``, ``Target(.., "Trainer._x")``)."""
 
-    def foreign(name: str) -> bool:
-        return _private(name) and name not in own and not name.startswith("_shardadopt")
+    def foreign(name: str, through_self: bool = False) -> bool:
+        return (_private(name) and name not in own.names and not (through_self and name in own.attributes)
+                and not name.startswith("_shardadopt"))
 
     # Names this file binds to upstream objects (``import torch.distributed as dist``, ``from transformers import
     # Trainer``): a private attribute reached from one is upstream's even where shardadopt has a name like it.
@@ -572,8 +608,9 @@ def private_upstream_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]
             skipped.update(id(a) for a in node.args)
     found = []
     for node in ast.walk(tree):
+        through_self = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in _SELF
         if isinstance(node, ast.Attribute) and root_name(node.value) not in other_modules and (
-                foreign(node.attr) or _private(node.attr) and root_name(node.value) in upstream_names):
+                foreign(node.attr, through_self) or _private(node.attr) and root_name(node.value) in upstream_names):
             found.append((node.lineno, f".{node.attr}"))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -586,7 +623,7 @@ def private_upstream_uses(tree: ast.AST, own: set[str]) -> list[tuple[int, str]]
                              if foreign(a.name))
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skipped
               and all(p.isidentifier() for p in node.value.split("."))
-              and any(foreign(p) for p in node.value.split("."))):
+              and any(foreign(p, through_self=True) for p in node.value.split("."))):  # a string has no receiver
             found.append((node.lineno, repr(node.value)))
     return sorted(set(found))
 
@@ -596,7 +633,7 @@ def _python_files(folders: Iterable[str]) -> list[pathlib.Path]:
 
 
 @pytest.fixture(scope="module")
-def own_names() -> set[str]:
+def own_names() -> OwnNames:
     return own_private_names(ast.parse(p.read_text()) for p in _python_files(OWN_DEFINITIONS))
 
 
@@ -625,6 +662,9 @@ def test_no_private_upstream_names_outside_upstream_module(own_names):
     # shardadopt has a ``_world()`` of its own; torch's ``_world`` is still torch's
     "import torch.distributed as dist\ngroups = dist.distributed_c10d._world.pg_map\n",
     "from transformers import Trainer\nTrainer._get_output_dir\n",
+    # objects that arrive as parameters: shardadopt's heartbeat keeps a ``self._storage``, Optuna's study has one too
+    "def record(study, trial):\n    study._storage.set_trial_user_attr(trial._trial_id, 'k', 1)\n",
+    "def heartbeat(trial):\n    return trial.study._storage\n",
 ])
 def test_private_names_are_found(own_names, source):
     """The check above catches each kind of use even with every private name shardadopt defines taken as its own."""

@@ -5,9 +5,10 @@
 study created with another search-space version, and warn when too many workers share a small budget.
 
 ``trial_checkpoint_dir(trial, root)`` is this trial's own directory (``durability.checkpoint_name``: trial number
-and start time), recorded on the trial, so no other live trial writes there, whatever its parameters;
-``resume_checkpoint(trial, root)`` is the latest complete checkpoint to continue from: the trial's own, or for a
-retry enqueued by ``requeue`` the dead trial's (``shardadopt.checkpoint.latest`` skips interrupted saves).
+and start time, the same on every rank), recorded on the trial, so no other live trial writes there, whatever its
+parameters; no collective, so any ranks may ask. ``resume_checkpoint(trial, root)`` is the latest complete
+checkpoint to continue from: the trial's own, or for a retry enqueued by ``requeue`` the dead trial's
+(``shardadopt.checkpoint.latest`` skips interrupted saves).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from shardadopt.hpo.durability import ATTR_RESUME_FROM, checkpoint_name, record_checkpoint_dir
+from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, ATTR_RESUME_FROM, checkpoint_name
 from shardadopt.hpo.provenance import check_space_version
 from shardadopt.hpo.storage import default_sampler, resolve_storage
 
@@ -69,18 +70,23 @@ def attach_study(storage: Any = None, *, study_name: str | None = None, load_if_
 def trial_checkpoint_dir(trial: optuna.trial.BaseTrial, root: str | os.PathLike) -> str:
     """``root/trial-<number>-<start time>``: where this trial checkpoints; no other live trial writes there.
 
-    Records the directory on the trial (``checkpoint_dir``), so ``requeue`` can point a retry at it: call it on
-    every rank (collective on a ``DistributedTrial``). Not created here.
+    No collective: any subset of ranks may call it (``if trial.rank == 0: ...`` included). The name is recorded on
+    the trial as ``checkpoint_dir``, so ``requeue`` can point a retry at it: by ``optimize`` when the trial starts,
+    or here for a plain Optuna trial (in a hand-written ``DistributedTrial`` loop, call it once with rank 0's
+    Optuna trial). Not created here.
     """
+    from shardadopt.hpo.trial import DistributedTrial
+
     name = checkpoint_name(trial)
-    record_checkpoint_dir(trial, name)
+    if not isinstance(trial, DistributedTrial) and trial.user_attrs.get(ATTR_CHECKPOINT_DIR) != name:
+        trial.set_user_attr(ATTR_CHECKPOINT_DIR, name)
     return os.path.join(os.fspath(root), name)
 
 
 def resume_checkpoint(trial: optuna.trial.BaseTrial, root: str | os.PathLike) -> str | None:
     """The latest complete ``shardadopt.checkpoint`` this trial continues from, or None: its own under
     ``trial_checkpoint_dir(trial, root)``, else, for a retry, the dead trial's (``resume_from``, set by
-    ``requeue``). Call it on every rank, like ``trial_checkpoint_dir``."""
+    ``requeue``). No collective, like ``trial_checkpoint_dir``."""
     from shardadopt import checkpoint
 
     own = checkpoint.latest(trial_checkpoint_dir(trial, root))

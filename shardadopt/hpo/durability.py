@@ -26,6 +26,7 @@ import optuna
 from optuna.storages import BaseStorage, RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from shardadopt import upstream
 from shardadopt.hpo.failures import ATTR_KIND, ATTR_MESSAGE, ATTR_RETRY_OF, PREEMPTED, TRANSIENT
 from shardadopt.hpo.provenance import ATTR_PARAMS_HASH, params_hash
 
@@ -40,7 +41,7 @@ DEFAULT_GRACE_PERIOD = 180.0
 class TrialHeartbeat:
     """Refresh a running trial's heartbeat every ``interval`` seconds from a daemon thread.
 
-    >>> with TrialHeartbeat(study._storage, trial._trial_id, interval=30):
+    >>> with TrialHeartbeat(upstream.study_storage(study), upstream.trial_id(trial), interval=30):
     ...     train()
     """
 
@@ -112,8 +113,8 @@ def stale_trials(study: optuna.Study, grace_period: float = DEFAULT_GRACE_PERIOD
 
 def record_failure(study: optuna.Study, trial: FrozenTrial | int, kind: str, message: str) -> None:
     """Attach the failure kind and message to a trial and set it to FAIL (if it is still running)."""
-    trial_id = trial._trial_id if isinstance(trial, FrozenTrial) else trial
-    storage = study._storage
+    trial_id = upstream.trial_id(trial) if isinstance(trial, FrozenTrial) else trial
+    storage = upstream.study_storage(study)
     storage.set_trial_user_attr(trial_id, ATTR_KIND, kind)
     storage.set_trial_user_attr(trial_id, ATTR_MESSAGE, message[:2000])
     if storage.get_trial(trial_id).state == TrialState.RUNNING:
@@ -144,7 +145,8 @@ def requeue(study: optuna.Study, grace_period: float = DEFAULT_GRACE_PERIOD, now
                        f"no heartbeat for {age:.0f}s (grace period {grace_period:.0f}s); last seen on "
                        f"{trial.user_attrs.get(ATTR_HOST, '?')} pid {trial.user_attrs.get(ATTR_PID, '?')}")
         report.failed_stale.append(trial.number)
-    if isinstance(study._storage, RDBStorage) and study._storage.get_heartbeat_interval() is not None:
+    storage = upstream.study_storage(study)
+    if isinstance(storage, RDBStorage) and storage.get_heartbeat_interval() is not None:
         before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
         optuna.storages.fail_stale_trials(study)
         for trial in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):

@@ -41,10 +41,11 @@ from typing import Any
 import optuna
 from optuna.storages import InMemoryStorage
 
+from shardadopt import upstream
 from shardadopt.hpo import errors, failures, preempt
 from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
-from shardadopt.hpo.durability import TrialHeartbeat
+from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, TrialHeartbeat, checkpoint_name
 from shardadopt.hpo.errors import PeerLostError
 from shardadopt.hpo.provenance import (
     ATTR_PARAMS_HASH,
@@ -233,6 +234,8 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
             try:
                 for key, value in attrs.items():
                     trial.set_user_attr(key, value)
+                # recorded here, so trial_checkpoint_dir is no collective: any subset of ranks may call it
+                trial.set_user_attr(ATTR_CHECKPOINT_DIR, checkpoint_name(trial))
                 info = TrialInfo.of(trial)
                 with _heartbeat(trial, heartbeat_interval):
                     if channel.world > 1:
@@ -281,10 +284,10 @@ def _preempted_outcome() -> Outcome:
 
 
 def _heartbeat(trial: optuna.Trial, interval: float | None) -> Any:
-    storage = trial.study._storage
+    storage = upstream.study_storage(trial.study)
     if interval is None or isinstance(storage, InMemoryStorage):
         return contextlib.nullcontext()
-    return TrialHeartbeat(storage, trial._trial_id, interval=interval)
+    return TrialHeartbeat(storage, upstream.trial_id(trial), interval=interval)
 
 
 def _worker_loop(channel: Channel, objective: Objective, gc_after_trial: bool) -> None:

@@ -18,6 +18,8 @@ import optuna
 from optuna.storages import BaseStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend, JournalStorage
 
+from shardadopt import upstream
+
 DEFAULT_JOURNAL_NAME = "optuna-journal.log"
 DEFAULT_HEARTBEAT_INTERVAL = 60
 _RDB_SCHEMES = ("postgresql", "postgres", "mysql", "sqlite", "mariadb")
@@ -84,8 +86,9 @@ def mark_preempted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None
     from shardadopt.hpo.failures import ATTR_KIND, ATTR_MESSAGE, PREEMPTED
 
     if ATTR_KIND not in trial.user_attrs:
-        study._storage.set_trial_user_attr(trial._trial_id, ATTR_KIND, PREEMPTED)
-        study._storage.set_trial_user_attr(trial._trial_id, ATTR_MESSAGE, "Optuna heartbeat went stale")
+        storage, trial_id = upstream.study_storage(study), upstream.trial_id(trial)
+        storage.set_trial_user_attr(trial_id, ATTR_KIND, PREEMPTED)
+        storage.set_trial_user_attr(trial_id, ATTR_MESSAGE, "Optuna heartbeat went stale")
 
 
 def _with_available_driver(url: str) -> str:
