@@ -7,7 +7,8 @@ reference loss), then a save at step 2 in which one rank fails, in user shape: t
 ``state_dict`` raises on rank 0 (while rank 1 waits at the publication barrier), ``save_full`` into a path that is
 a file on rank 0 (while rank 1 sends its shards), ``Accelerator.save_state`` with a registered object whose
 ``state_dict`` raises on rank 1 (automatic naming with ``total_limit=1``, after one complete save: that one must
-survive the failed save). Each asserts: every rank raised within ``BOUND`` seconds (the process group
+survive the failed save), Trainer's ``save_total_limit`` rotation raising on rank 0 after checkpoint-2 was
+published (while rank 1 waits for it). Each asserts: every rank raised within ``BOUND`` seconds (the process group
 timeout is 30 minutes), the failing rank its own error and the other ``PeerFailedError`` naming it; no new
 checkpoint directory; after ``shardadopt.fence.rebuild_world()`` a fresh model loading the latest complete
 checkpoint trains the next step exactly as the uninterrupted run did.
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.multiproc
 
 BOUND = 30.0
 FSDP = {"fsdp_size": 2}
-CASES = [("optimizer_state_dict", 1), ("scheduler_state_dict", 0), ("save_full", 0), ("accelerate_custom", 1)]
+CASES = [("optimizer_state_dict", 1), ("scheduler_state_dict", 0), ("save_full", 0), ("accelerate_custom", 1),
+         ("trainer_rotation", 0)]
 
 
 class InjectedFault(RuntimeError):
@@ -78,6 +80,26 @@ def _save_with_fault(path: str, root: str, case: str, failing: int) -> dict:
                 open(blocker, "w").close()
             marks["fault_at"] = time.time()  # rank 0 fails creating the staging directory, at once
             checkpoint.save_full(model, f"{blocker}/final")
+        elif case == "trainer_rotation":
+            from transformers import Trainer, TrainingArguments, trainer_utils
+
+            from shardadopt.testing.models import token_dataset
+
+            rotate = trainer_utils.rotate_checkpoints
+
+            def rotate_or_fail(output_dir, **kwargs):  # rank 0 alone rotates: it fails removing checkpoint-1
+                if len(os.listdir(output_dir)) > 1:
+                    fail("rotate_checkpoints")
+                rotate(output_dir, **kwargs)
+
+            trainer_utils.rotate_checkpoints = rotate_or_fail
+            try:
+                Trainer(model=model, args=TrainingArguments(
+                    output_dir=f"{root}/.trainer", max_steps=2, save_steps=1, save_total_limit=1,
+                    per_device_train_batch_size=2, use_cpu=True, report_to=[], disable_tqdm=True),
+                    train_dataset=token_dataset(16)).train()
+            finally:
+                trainer_utils.rotate_checkpoints = rotate
         else:
             from accelerate.utils import ProjectConfiguration
 
@@ -99,13 +121,15 @@ def _save_with_fault(path: str, root: str, case: str, failing: int) -> dict:
     published = sorted(name for name in os.listdir(root) if not name.startswith("."))
     accelerate_root = f"{root}/.accelerate/checkpoints"
     accelerate_kept = sorted(os.listdir(accelerate_root)) if os.path.isdir(accelerate_root) else None
+    trainer_kept = sorted(n for n in os.listdir(f"{root}/.trainer") if checkpoint.is_complete(f"{root}/.trainer/{n}")
+                          ) if os.path.isdir(f"{root}/.trainer") else None
     latest = checkpoint.latest(root)
     torch.manual_seed(1)  # the checkpoint's RNG state must win
     model, optimizer, scheduler = scenario.build(path, FSDP)
     checkpoint.load(latest, model, optimizer, scheduler)
     resumed = scenario.train_steps(model, optimizer, scheduler, FSDP, 1)
     return {"error": error, "fault_at": marks.get("fault_at"), "published": published,
-            "accelerate_kept": accelerate_kept,
+            "accelerate_kept": accelerate_kept, "trainer_kept": trainer_kept,
             "latest": os.path.basename(latest), "expected": expected, "resumed": resumed}
 
 
@@ -126,4 +150,6 @@ def test_one_rank_raising_in_a_save_makes_every_rank_raise(pool2, tiny_models, t
         assert result["latest"] == "step-1"
         if case == "accelerate_custom":
             assert [n for n in result["accelerate_kept"] if not n.startswith(".")] == ["checkpoint_0"], result
+        if case == "trainer_rotation":  # the fault came after publication: both complete checkpoints remain
+            assert result["trainer_kept"] == ["checkpoint-1", "checkpoint-2"], result
         assert result["resumed"] == result["expected"], "the last complete checkpoint resumes exactly"

@@ -176,11 +176,23 @@ def trainer_run(path: str, distributed: dict, out: str, stop: int | None = None,
             return result
 
         filesystem.FileSystemWriter.write_data = write_then_die
-    trainer.train(resume_from_checkpoint=resume)
+    import torch.distributed.checkpoint as dcp
+
+    read, load = [], dcp.load  # what each DCP read of the resume asks for: the weights once, then the optimizer
+
+    def recording_load(state_dict, *args, **kwargs):
+        read.append(sorted(state_dict))
+        return load(state_dict, *args, **kwargs)
+
+    dcp.load = recording_load
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        dcp.load = load
     if export:
         trainer.save_model(export)
     return {"losses": losses(trainer), "params": scenario.full_params(trainer.model),
-            "best": trainer.state.best_model_checkpoint,
+            "best": trainer.state.best_model_checkpoint, "dcp_reads": read,
             "checkpoints": sorted(n for n in os.listdir(out) if n.startswith("checkpoint-"))}
 
 
@@ -314,6 +326,68 @@ def accelerate_load_error(path: str, distributed: dict, directory: str) -> str:
     return "loaded"
 
 
+ACCELERATE_STEPS = 3  # accumulate() calls before the save: accelerator.step at the save
+
+
+def accelerate_hand_sharded(seed: int = 0):
+    """An FSDP MLP sharded by hand over the whole world, its AdamW and scheduler, prepared by an Accelerator."""
+    from shardadopt.testing.models import hand_sharded_mlp
+
+    accelerator = fresh_accelerator()
+    torch.manual_seed(seed)
+    model = hand_sharded_mlp("fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def accelerate_save_hand_sharded(directory: str) -> dict:
+    import shardadopt
+
+    shardadopt.enable()
+    accelerator, model, optimizer, scheduler = accelerate_hand_sharded()
+    for _ in range(ACCELERATE_STEPS):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.ones(2, 4)).square().mean())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    accelerator.save_state(directory)
+    return {"step": accelerator.step, "params": scenario.full_params(model)}
+
+
+def accelerate_load_hand_sharded(directory: str) -> dict:
+    import warnings
+
+    import shardadopt
+
+    shardadopt.enable()
+    accelerator, model, optimizer, scheduler = accelerate_hand_sharded(seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator.load_state(directory)
+    return {"step": accelerator.step, "params": scenario.full_params(model),
+            "warnings": [str(w.message) for w in caught if "resharded" in str(w.message)]}
+
+
+def test_accelerate_load_state_into_a_larger_world_restores_step_on_every_process(tmp_path, second):
+    """A checkpoint save_state wrote from one process, loaded by two (resharded): every process gets the saved
+    step (process 1 has no RNG file to read it from), the weights, and a warning that says which RNG states were
+    restored."""
+    directory = str(tmp_path / "one-process")
+    with RankPool(1) as pool:
+        (saved,) = pool.run(accelerate_save_hand_sharded, directory, timeout=120)
+    assert saved["step"] == ACCELERATE_STEPS
+    results = second.run(accelerate_load_hand_sharded, directory, timeout=120)
+    assert [r["step"] for r in results] == [ACCELERATE_STEPS, ACCELERATE_STEPS]
+    for result in results:
+        assert_params_equal(result["params"], saved["params"])
+    (warning0,), (warning1,) = results[0]["warnings"], results[1]["warnings"]
+    assert "RNG states were restored (from process 0" in warning0, warning0
+    assert "RNG states were not restored (the saved run had no process 1)" in warning1, warning1
+
+
 # -- Trainer tests -------------------------------------------------------------------------------------------------
 
 def test_trainer_upstream_refuses_or_cannot_resume(first):
@@ -338,6 +412,7 @@ def test_trainer_resume_from_checkpoint_4_in_fresh_processes(tiny_models, root, 
     result = second.run(trainer_run, tiny_models["qwen3"], scenario.LAYOUTS["fsdp"][1], os.path.join(root, "t-stop"),
                         resume=os.path.join(root, "t-stop", "checkpoint-4"), timeout=180)[0]
     full = first["trainer"]
+    assert result["dcp_reads"] == [["model"], ["optimizer"]], "the weights are read once, the optimizer alone"
     assert {s: result["losses"][s] for s in (5, 6)} == {s: full["losses"][s] for s in (5, 6)}
     assert_params_equal(result["params"], full["params"])
 

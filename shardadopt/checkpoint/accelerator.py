@@ -88,7 +88,14 @@ def save_state(accelerator: Any, output_dir: str | None = None, safe_serializati
     os.makedirs(os.path.dirname(output_dir), exist_ok=True)
     prepared = upstream.accelerator_models(accelerator)
     models = [_unwrapped(m) for m in prepared]
-    with staged(output_dir, step=accelerator.step, models=models,
+
+    def rotate() -> None:  # once the new one is published, under the save's fence
+        if root is not None and config.total_limit is not None and accelerator.is_main_process:
+            folders = _complete_folders(root)
+            for folder in folders[: max(0, len(folders) - config.total_limit)]:
+                shutil.rmtree(folder)
+
+    with staged(output_dir, step=accelerator.step, models=models, after_publish=rotate,
                 metadata={"writer": "accelerate", "save_iteration": accelerator.save_iteration}) as stage:
         save_sharded_state(stage, models, _torch_optimizers(accelerator))
         # The state dicts are already written; hooks see no weights to edit, as with accelerate's FSDP path.
@@ -100,10 +107,6 @@ def save_state(accelerator: Any, output_dir: str | None = None, safe_serializati
                                safe_serialization=safe_serialization)
         for i, obj in enumerate(upstream.accelerator_custom_objects(accelerator)):
             save_custom_state(obj, stage, i, save_on_each_node=config.save_on_each_node)
-    if root is not None and config.total_limit is not None and accelerator.is_main_process:
-        folders = _complete_folders(root)
-        for folder in folders[: max(0, len(folders) - config.total_limit)]:
-            shutil.rmtree(folder)
     config.iteration += 1
     return output_dir
 
@@ -117,6 +120,7 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
     ``save_state`` wrote.
     """
     from accelerate.checkpointing import load_accelerator_state, load_custom_state
+    from accelerate.utils import RNG_STATE_NAME
 
     from shardadopt.adopt import adoption_kwargs
 
@@ -144,11 +148,17 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
                                       upstream.accelerator_dataloaders(accelerator), accelerator.state.process_index,
                                       accelerator.scaler, "cpu", load_kwargs)
     if resharded:
+        process = accelerator.state.process_index
+        rng = (f"this process's RNG states were restored (from process {process} of the saved run)"
+               if os.path.isfile(os.path.join(input_dir, f"{RNG_STATE_NAME}_{process}.pkl")) else
+               f"this process's RNG states were not restored (the saved run had no process {process})")
         warnings.warn(f"{input_dir} was saved with world size {info.world_size} and layouts {info.layouts}; the "
-                      f"weights and optimizer state were resharded, per-process RNG states were not restored",
-                      stacklevel=3)
-    if "step" in override:
-        accelerator.step = override["step"]
+                      f"weights and optimizer state were resharded, {rng}", stacklevel=3)
+    # The marker's step, on every process: accelerate reads it from the RNG file, which a process beyond the saved
+    # world does not have.
+    step = info.step if info.step is not None else override.get("step")
+    if step is not None:
+        accelerator.step = step
     custom_objects = upstream.accelerator_custom_objects(accelerator)
     custom = [f for f in os.listdir(input_dir) if re.search(r"^custom_checkpoint_\d+\.pkl$", f)]
     if len(custom) != len(custom_objects):

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,12 +102,15 @@ def _fsync_dir(path: str) -> None:
 
 @contextlib.contextmanager
 def staged(directory: str | os.PathLike, *, step: int | None = None, models: Sequence[torch.nn.Module] = (),
-           metadata: dict[str, Any] | None = None) -> Iterator[str]:
+           metadata: dict[str, Any] | None = None,
+           after_publish: Callable[[], None] | None = None) -> Iterator[str]:
     """Yield a staging directory to write a checkpoint into; publish it as ``directory`` once every rank is done.
 
     Every rank must enter and leave the block. On normal exit: a barrier (all ranks finished writing), then rank 0
     writes the completion marker and renames the staging directory to ``directory`` (replacing an older one of the
     same name), then a barrier so no rank reads before publication. If the block raises, nothing is published.
+    ``after_publish`` (every rank calls it, e.g. rotating older checkpoints on rank 0) runs after publication,
+    still under the fence, followed by a barrier: one rank raising there makes every rank raise at once.
     """
     directory = os.path.abspath(os.fspath(directory))
     with fenced(f"the checkpoint save into {directory}"):  # a rank raising anywhere in here: every rank raises
@@ -123,6 +126,9 @@ def staged(directory: str | os.PathLike, *, step: int | None = None, models: Seq
         if rank == 0:
             _publish(staging, directory, step, world_size, models, metadata)
         _barrier()
+        if after_publish is not None:
+            after_publish()
+            _barrier()  # no rank reads what it removes
 
 
 def _publish(staging: str, directory: str, step: int | None, world_size: int, models: Sequence[torch.nn.Module],

@@ -90,13 +90,18 @@ def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, tuple[int
 
 
 def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch.nn.Module,
-                       optimizers: Sequence[Any] | Any = None) -> None:
-    """Read models' and optimizers' state written by ``save_sharded_state`` into them, resharding as needed."""
+                       optimizers: Sequence[Any] | Any = None, *, weights: bool = True) -> None:
+    """Read models' and optimizers' state written by ``save_sharded_state`` into them, resharding as needed.
+
+    ``weights=False`` reads the optimizers' state only (the models' weights were loaded already: the Trainer loads
+    the model, then the optimizer)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
     models, optimizers = _as_list(models), _as_list(optimizers)
     state = _state_dicts(models, optimizers)
+    if not weights:
+        state = {key: value for key, value in state.items() if not key.startswith("model")}
     saved = _saved_shapes(directory)
     wanted = {k: v for k, v in _flat_shapes(state).items() if ".param_groups." not in k}
     missing = sorted(k for k in wanted if k not in saved)
@@ -111,8 +116,11 @@ def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
             f"model or optimizer (or a different set of trainable parameters); load it into the same architecture.")
     dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
-        set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],
-                       optim_state_dict=state.get(_key("optimizer", i, model), {}))
+        if weights:
+            set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],
+                           optim_state_dict=state.get(_key("optimizer", i, model), {}))
+        elif opts:
+            set_optimizer_state_dict(model, opts, optim_state_dict=state[_key("optimizer", i, model)])
 
 
 

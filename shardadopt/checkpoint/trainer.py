@@ -99,10 +99,10 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
 
     Model and optimizer with ``torch.distributed.checkpoint`` (each rank its shards), scheduler, scaler, per-rank
     RNG (Trainer's own files), ``trainer_state.json`` and the config, published once every rank has finished, with
-    a completion marker. Best-model tracking and ``save_total_limit`` rotation as upstream. Returns the folder.
+    a completion marker. Best-model tracking and ``save_total_limit`` rotation as upstream; the Hub push and the
+    rotation run after publication inside the save's fence. Returns the folder.
     """
     import torch
-    import torch.distributed as dist
     from transformers import trainer as trainer_module
     from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
@@ -119,9 +119,16 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
         if state.best_global_step == state.global_step or os.path.exists(best):
             state.best_model_checkpoint = best
 
+    def after_publish() -> None:  # under the save's fence: rank 0 raising here makes every rank raise at once
+        if targs.push_to_hub:
+            upstream.trainer_push_from_checkpoint(trainer, output_dir)
+        if targs.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=targs.save_total_limit,
+                               best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
+
     optimizers = [] if targs.save_only_model else [trainer.optimizer]
     with staged(output_dir, step=state.global_step, models=[trainer.model],
-                metadata={"writer": "transformers.Trainer"}) as stage:
+                metadata={"writer": "transformers.Trainer"}, after_publish=after_publish) as stage:
         save_sharded_state(stage, trainer.model, [getattr(o, "optimizer", o) for o in optimizers])
         if not targs.save_only_model:
             if targs.should_save and trainer.lr_scheduler is not None:
@@ -140,13 +147,6 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
                 else:
                     state.stateful_callbacks[name] = cb.state()
             state.save_to_json(os.path.join(stage, trainer_module.TRAINER_STATE_NAME))
-    if targs.push_to_hub:
-        upstream.trainer_push_from_checkpoint(trainer, output_dir)
-    if targs.should_save:
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=targs.save_total_limit,
-                           best_model_checkpoint=state.best_model_checkpoint, use_mtime=True)
-    if dist.is_initialized():
-        dist.barrier()  # no rank may read a rotated-away checkpoint
     return output_dir
 
 
@@ -162,12 +162,14 @@ def load_model(trainer: Any, directory: str) -> None:
 
 
 def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
-    """The optimizer (through DCP, with the model) and the scheduler from a checkpoint ``save_checkpoint`` wrote."""
+    """The optimizer (through DCP; ``load_model`` read the weights already) and the scheduler from a checkpoint
+    ``save_checkpoint`` wrote."""
     import torch
     from transformers import trainer as trainer_module
 
     read_info(directory)
-    load_sharded_state(directory, trainer.model, [getattr(trainer.optimizer, "optimizer", trainer.optimizer)])
+    load_sharded_state(directory, trainer.model, [getattr(trainer.optimizer, "optimizer", trainer.optimizer)],
+                       weights=False)
     scheduler_file = os.path.join(directory, trainer_module.SCHEDULER_NAME)
     if os.path.isfile(scheduler_file):
         with warnings.catch_warnings(record=True):
