@@ -9,7 +9,10 @@ Nothing here imports upstream.
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 import inspect
+import os
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -102,3 +105,32 @@ def in_order(node: ast.AST) -> list[ast.AST]:
     """The nodes under ``node`` sorted by source position (``ast.walk`` is breadth-first)."""
     located = [n for n in ast.walk(node) if hasattr(n, "lineno")]
     return sorted(located, key=lambda n: (n.lineno, n.col_offset))
+
+
+def enclosing_tests(tree: ast.AST, node: ast.AST) -> list[ast.expr]:
+    """The tests of the ``if`` statements (and ``elif`` branches) ``node`` sits inside, outermost first; for a node
+    in an ``else``/``elif`` branch that includes the tests it follows (a condition on the way there)."""
+    parents = {id(child): parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    tests, current = [], node
+    while id(current) in parents:
+        parent = parents[id(current)]
+        if isinstance(parent, ast.If) and current is not parent.test:
+            tests.append(parent.test)
+        current = parent
+    return tests[::-1]
+
+
+@functools.cache
+def _package_roots(package: str) -> tuple[str, ...]:
+    spec = importlib.util.find_spec(package)
+    return tuple(spec.submodule_search_locations or ()) if spec is not None else ()
+
+
+def package_file(package: str, *parts: str) -> str | None:
+    """The path of the installed ``package``'s file ``parts`` (``"distributed", "tensor_parallel.py"``), found without
+    importing the package (the location is looked up once per process); None where that release has no such file."""
+    for root in _package_roots(package):
+        path = os.path.join(root, *parts)
+        if os.path.exists(path):
+            return path
+    return None

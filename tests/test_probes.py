@@ -247,3 +247,54 @@ def test_state_changes_are_logged_once_on_rank_zero(caplog, monkeypatch):
 def test_the_package_adds_only_a_null_handler():
     handlers = logging.getLogger("shardadopt").handlers
     assert handlers and all(isinstance(h, logging.NullHandler) for h in handlers), handlers
+
+
+# -- probes answer from the shape they know, not from the absence of another -----------------------------------------
+
+def test_accelerate_adopt_probe_refuses_an_adoption_path_it_does_not_know(tmp_path, monkeypatch):
+    """An upstream ``prepare_model`` that returns a model transformers sharded while loading, before the MULTI_CPU
+    DDP wrap the probe reads: that wrap no longer says the patch is needed."""
+    from accelerate.accelerator import Accelerator
+
+    adopts = {"if device_placement is None:": "if getattr(model.config, 'distributed_config', None) is not None:\n"
+                                              "        return model\n    if device_placement is None:"}
+    monkeypatch.setattr(Accelerator, "prepare_model", renamed(Accelerator, "prepare_model", adopts, tmp_path))
+    state, reason = state_of("accelerate-adopt-sharded-model")
+    assert state == UNSUPPORTED and "distributed_config" in reason and "found neither" in reason, reason
+
+
+def test_trainer_adopt_probe_refuses_a_reshard_it_does_not_know(monkeypatch):
+    """A ``.reshard()`` before the optimizer that is not the fix's (every module, no FSDPModule test, no test of
+    load-time sharding): neither the broken shape nor the fix."""
+    from transformers.trainer import Trainer
+
+    def prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        for module in self.model.modules():
+            module.reshard()
+        self.create_optimizer()
+
+    # upstream-private: the method the probe reads, replaced
+    monkeypatch.setattr(Trainer, "_prepare_for_training", prepare_for_training)
+    state, reason = state_of("trainer-adopt-sharded-model")
+    assert state == UNSUPPORTED and "reshard of load-time-sharded FSDPModules" in reason, reason
+
+
+def test_fsdp_tp_probe_refuses_fsdp_or_tp_without_2d_loading(monkeypatch):
+    """FSDP in an ``if`` of its own is not 2-D loading when TP does not come before it in the same block (here one
+    excludes the other): the probe must not call that fixed."""
+    from transformers.distributed import DistributedConfig, mixin
+
+    try:
+        DistributedConfig(fsdp_size=2, tp_size=2)
+    except ValueError:
+        pytest.skip("this transformers refuses fsdp_size with tp_size in DistributedConfig: the probe reads no source")
+
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        if distributed_config.fsdp_size > 1:
+            model = mixin.apply_fully_sharded_data_parallelism(model, mesh_manager)
+            return model
+        return mixin.apply_tensor_parallelism(model, mesh_manager.get_mesh("tp"))
+
+    monkeypatch.setattr(mixin.DistributedMixin, "maybe_distribute_model", classmethod(maybe_distribute_model))
+    state, reason = state_of("transformers-fsdp-tp-refused")
+    assert state == UNSUPPORTED and "TP then FSDP in separate ifs" in reason, reason

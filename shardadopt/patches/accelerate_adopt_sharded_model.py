@@ -21,6 +21,7 @@ handler class it does not know).
 
 from __future__ import annotations
 
+import ast
 import inspect
 from typing import Any
 
@@ -126,6 +127,15 @@ def probe() -> Probe:
     tree = source_tree(upstream_function(Accelerator, "prepare_model", "accelerate-adopt probe"))
     for chain in if_chains(tree):
         for test, body in chain:
+            # A test of already-sharded models that does not refuse them (1.13-1.15 only raise for DTensor models on
+            # GPU processes) may be upstream's own adoption path: this probe does not know it.
+            if (test is not None and names(test) & _SHARDED_MODEL_MARKERS
+                    and not any(isinstance(s, ast.Raise) for s in body)):
+                raise undecided("Accelerator.prepare_model", "only refusals among its tests of already-sharded models "
+                                f"(this patch's broken shape; it tests {sorted(names(test) & _SHARDED_MODEL_MARKERS)} "
+                                "and goes on) nor a known adoption path")
+    for chain in if_chains(tree):
+        for test, body in chain:
             # Known broken shape (every supported release): `elif self.distributed_type ==
             # DistributedType.MULTI_CPU:` and nothing else decides, then
             # `model = torch.nn.parallel.DistributedDataParallel(model, **kwargs)`.
@@ -138,6 +148,10 @@ def probe() -> Probe:
 
 
 _CPU_TEST = {"self", "distributed_type", "DistributedType", "MULTI_CPU"}
+# Names a test of an already-sharded model would read: accelerate's DTensor check, the mesh and config transformers
+# leaves on a model sharded while loading, FSDP2's module type.
+_SHARDED_MODEL_MARKERS = {"model_has_dtensor", "DTensor", "device_mesh", upstream.MODEL_DEVICE_MESH_ATTRIBUTE,
+                          "distributed_config", "is_distributed_loading_by_transformers", "FSDPModule"}
 
 
 def _target(name: str) -> Target:

@@ -91,17 +91,26 @@ def _keeps_sharded_model_in_place(init) -> bool:
 
 
 def _reshards_before_optimizer(prepare) -> bool:
-    """From ``Trainer._prepare_for_training``: whether a ``.reshard()`` comes before ``self.create_optimizer()`` (the
-    call without arguments; ``create_optimizer(model)`` is the FSDP-plugin path that creates it after ``prepare``)."""
-    from shardadopt.probing import callee, in_order, undecided
+    """From ``Trainer._prepare_for_training``: whether load-time-sharded FSDP2 modules are resharded before
+    ``self.create_optimizer()`` (the call without arguments; ``create_optimizer(model)`` is the FSDP-plugin path that
+    creates it after ``prepare``). The fix's shape (5.24): a ``.reshard()`` under ``isinstance(.., FSDPModule)``
+    guarded by a test naming load-time sharding; a ``.reshard()`` before the optimizer in any other shape is one this
+    probe does not know."""
+    from shardadopt.probing import callee, enclosing_tests, in_order, names, undecided
 
-    seen_reshard = False
+    where = upstream.TRAINER_PREPARE_FOR_TRAINING.qualname
+    reshards = []
     for node in in_order(prepare):
         if isinstance(node, ast.Call) and callee(node) == "reshard":
-            seen_reshard = True
+            reshards.append(node)
         if isinstance(node, ast.Call) and callee(node) == "create_optimizer" and not node.args:
-            return seen_reshard
-    raise undecided(upstream.TRAINER_PREPARE_FOR_TRAINING.qualname, "the self.create_optimizer() call")
+            for reshard in reshards:
+                guards = set().union(*map(names, enclosing_tests(prepare, reshard)))
+                if "FSDPModule" not in guards or not guards & _IN_PLACE_MARKERS:
+                    raise undecided(where, "no reshard before self.create_optimizer() (this patch's broken shape) "
+                                    "nor the reshard of load-time-sharded FSDPModules (the fix)")
+            return bool(reshards)
+    raise undecided(where, "the self.create_optimizer() call")
 
 
 def probe() -> Probe:

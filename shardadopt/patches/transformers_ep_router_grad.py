@@ -25,11 +25,9 @@ layout it does not target.
 from __future__ import annotations
 
 import ast
-import importlib.util
-import os
 from types import SimpleNamespace
 
-from shardadopt.probing import undecided
+from shardadopt.probing import package_file, undecided
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -75,15 +73,12 @@ _NO_ROUTER = ("upstream no longer masks router scores per rank: expert paralleli
 def _dispatches_tokens() -> bool:
     """Whether ``transformers/distributed/expert_parallel.py`` defines ``EPImplementation`` and no router class (the
     5.23+ design), read from its syntax tree: importing it from a post-import hook could catch it half-initialised."""
-    spec = importlib.util.find_spec("transformers")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    for root in roots:
-        path = os.path.join(root, "distributed", "expert_parallel.py")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                classes = {n.name for n in ast.walk(ast.parse(handle.read())) if isinstance(n, ast.ClassDef)}
-            return "EPImplementation" in classes and not {"EpRouterParallel", "RouterParallel"} & classes
-    return False
+    path = package_file("transformers", "distributed", "expert_parallel.py")
+    if path is None:
+        return False
+    with open(path, encoding="utf-8") as handle:
+        classes = {n.name for n in ast.walk(ast.parse(handle.read())) if isinstance(n, ast.ClassDef)}
+    return "EPImplementation" in classes and not {"EpRouterParallel", "RouterParallel"} & classes
 
 
 def _probe_hook(hook) -> Probe:

@@ -16,12 +16,10 @@ target. Upstream: transformers#48205 (released in 5.17).
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 import warnings
 
 from shardadopt.patches.transformers_ep_router_grad import _NO_ROUTER, MODULE, _dispatches_tokens, _probe_hook
-from shardadopt.probing import undecided
+from shardadopt.probing import package_file, undecided
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -30,9 +28,7 @@ def _post_forward_module() -> str:
     """Where EpRouterParallel lives, found without importing transformers: 5.16+ define it in
     ``transformers/distributed/tensor_parallel.py``, and loading a model imports only that module (never the
     ``integrations.tensor_parallel`` shim), so the patch must wait for it there. 5.15 has no such file."""
-    spec = importlib.util.find_spec("transformers")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if any(os.path.exists(os.path.join(root, "distributed", "tensor_parallel.py")) for root in roots):
+    if package_file("transformers", "distributed", "tensor_parallel.py"):
         return "transformers.distributed.tensor_parallel"
     return MODULE
 
@@ -44,9 +40,7 @@ def _expert_parallel_module() -> tuple[str, ...]:
     """5.22+ define the EP router layer in ``transformers/distributed/expert_parallel.py``, which imports
     ``tensor_parallel`` first: 5.22 re-exports ``EpRouterParallel`` from there lazily, so the probe must wait until
     ``expert_parallel`` has finished importing (half-initialised, it has no router class yet)."""
-    spec = importlib.util.find_spec("transformers")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if any(os.path.exists(os.path.join(root, "distributed", "expert_parallel.py")) for root in roots):
+    if package_file("transformers", "distributed", "expert_parallel.py"):
         return ("transformers.distributed.expert_parallel",)
     return ()
 

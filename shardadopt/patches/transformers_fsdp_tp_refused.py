@@ -19,7 +19,10 @@ so every rank raises the same error naming the fix.
 
 from __future__ import annotations
 
-from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided, upstream_function
+import ast
+
+from shardadopt import upstream
+from shardadopt.probing import body_calls, if_chain, if_chains, source_tree, undecided
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -29,35 +32,47 @@ TP_APPLY = "apply_tensor_parallelism"
 
 
 def fsdp_with_tp(function) -> bool | None:
-    """Whether ``function`` can apply FSDP and TP together: True when ``apply_fully_sharded_data_parallelism`` sits in
-    an ``if`` chain without ``apply_tensor_parallelism`` (5.18+), False when both are branches of one chain (5.16 /
-    5.17: ``if tp_size > 1: .. elif fsdp_size > 1: ..``), None when it finds neither."""
-    tree = source_tree(function)
-    tp_anywhere = bool(calls(tree, TP_APPLY))
+    """Whether ``function`` can apply FSDP and TP together: False when both are branches of one ``if`` chain (5.16 /
+    5.17: ``if tp_size > 1: .. elif fsdp_size > 1: ..``), True when a statement list holds an ``if`` applying TP and,
+    after it, one applying FSDP, neither chain applying the other (5.18+: "Both may apply"), None otherwise."""
+    return _fsdp_with_tp(source_tree(function))
+
+
+def _fsdp_with_tp(tree) -> bool | None:
     for chain in if_chains(tree):
         fsdp = [i for i, (_, body) in enumerate(chain) if body_calls(body, FSDP_APPLY)]
         tp = [i for i, (_, body) in enumerate(chain) if body_calls(body, TP_APPLY)]
         if fsdp and tp and not set(fsdp) & set(tp):
             return False
-        if fsdp and not tp and tp_anywhere:
-            return True
+    for node in ast.walk(tree):
+        for block in (getattr(node, field, None) for field in ("body", "orelse", "finalbody")):
+            tp_applied = False
+            for statement in block if isinstance(block, list) else ():
+                if not isinstance(statement, ast.If):
+                    continue
+                bodies = [body for _, body in if_chain(statement)]
+                applies_tp = any(body_calls(body, TP_APPLY) for body in bodies)
+                applies_fsdp = any(body_calls(body, FSDP_APPLY) for body in bodies)
+                if applies_fsdp and not applies_tp and tp_applied:
+                    return True
+                tp_applied = tp_applied or (applies_tp and not applies_fsdp)
     return None
 
 
 def probe() -> Probe:
     """Build the 2-D ``DistributedConfig`` (5.15 refuses it), then parse ``maybe_distribute_model``."""
-    from transformers.distributed import DistributedConfig, mixin
+    from transformers.distributed import DistributedConfig
 
     try:
         DistributedConfig(fsdp_size=2, tp_size=2)
     except ValueError:
         return Probe(False, "DistributedConfig itself refuses fsdp_size with tp_size")
     where = "transformers-fsdp-tp-refused probe"
-    both = fsdp_with_tp(upstream_function(upstream_function(mixin, "DistributedMixin", where),
-                                          "maybe_distribute_model", where))
+    both = fsdp_with_tp(upstream.upstream_method(Target(MODULE, "DistributedMixin.maybe_distribute_model"), where))
     if both is None:
         raise undecided("DistributedMixin.maybe_distribute_model", f"{FSDP_APPLY} and {TP_APPLY} as branches of one "
-                        "if/elif (this patch's broken shape) nor in separate ifs (2-D loading)")
+                        "if/elif (this patch's broken shape) nor TP then FSDP in separate ifs of one block "
+                        "(2-D loading)")
     if both:
         return Probe(False, "maybe_distribute_model applies FSDP and TP together (2-D loading)")
     return Probe(True, "DistributedConfig accepts fsdp_size with tp_size, but maybe_distribute_model applies TP "

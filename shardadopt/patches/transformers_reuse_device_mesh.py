@@ -21,7 +21,8 @@ to reuse (``not-needed``).
 
 from __future__ import annotations
 
-from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided, upstream_function
+from shardadopt import upstream
+from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -37,8 +38,8 @@ def probe() -> Probe:
     from transformers.distributed import mixin
 
     where = "transformers-reuse-device-mesh probe"
-    prepare = source_tree(upstream_function(upstream_function(mixin, "DistributedMixin", where),
-                                            "prepare_distribute_model", where))
+    prepare = source_tree(upstream.upstream_method(Target(MODULE, "DistributedMixin.prepare_distribute_model"),
+                                                   where))
     builder = getattr(mixin, BUILDER, None)
     if builder is not None and calls(prepare, BUILDER) and calls(source_tree(builder), "init_device_mesh"):
         return Probe(True, f"{BUILDER} builds new device meshes (a process group per dimension) on every sharded "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.probing import source_tree, undecided, upstream_function
+from shardadopt.probing import source_tree, undecided
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -39,11 +39,9 @@ def _assigned_attributes(function) -> set[str]:
 def probe() -> Probe:
     """Parse ``DistributedMixin.maybe_distribute_model``: which attributes it sets on the model next to the mesh."""
     # Only the mixin is inspected: this runs while transformers.modeling_utils is still importing it.
-    from transformers.distributed import mixin
-
     where = "transformers-sharding-sizes probe"
-    assigned = _assigned_attributes(upstream_function(upstream_function(mixin, "DistributedMixin", where),
-                                                      "maybe_distribute_model", where))
+    assigned = _assigned_attributes(upstream.upstream_method(Target(MODULE, "DistributedMixin.maybe_distribute_model"),
+                                                             where))
     if upstream.MODEL_DEVICE_MESH_ATTRIBUTE not in assigned:
         raise undecided("DistributedMixin.maybe_distribute_model", "where it records the model's _device_mesh")
     missing = sorted(set(upstream.MODEL_SHARDING_SIZE_ATTRIBUTES) - assigned)

@@ -26,10 +26,9 @@ Models without tensor parallelism never reach this style.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 import threading
 
+from shardadopt.probing import package_file
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -40,9 +39,8 @@ def _layout() -> tuple[str, str]:
     """(module, method) through which the installed transformers hooks the style, found without importing it:
     5.16 moved TP into ``transformers/distributed/tensor_parallel.py`` (``integrations.tensor_parallel`` only
     re-exports it, and loading no longer imports that) and renamed ``prepare_module_tp`` to ``install_forward``."""
-    spec = importlib.util.find_spec("transformers")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if roots and not any(os.path.exists(os.path.join(root, "distributed", "tensor_parallel.py")) for root in roots):
+    if package_file("transformers", "__init__.py") and not package_file("transformers", "distributed",
+                                                                         "tensor_parallel.py"):
         return "transformers.integrations.tensor_parallel", "prepare_module_tp"
     return "transformers.distributed.tensor_parallel", "install_forward"
 
