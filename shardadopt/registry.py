@@ -221,14 +221,16 @@ class Registry:
             for pid, reason in off.items():
                 self._revert(self._entries[pid], OFF, reason)
             for pid in selected:
-                entry = self._entries[pid]
-                if entry.state == OFF or entry.blocked:
-                    gate = version_gate(entry.patch.requires)
-                    if gate is not None:
-                        self._set(entry, UNSUPPORTED, gate)
-                    else:
-                        self._set(entry, PENDING, "waiting for " + ", ".join(
-                            m for m in entry.patch.modules if m not in sys.modules))
+                if self._entries[pid].state == OFF:
+                    self._restart(self._entries[pid])
+            unblocked = True
+            while unblocked:  # a blocked patch starts again once its dependencies may apply (not while still blocked)
+                unblocked = False
+                for pid in selected:
+                    entry = self._entries[pid]
+                    if entry.blocked and not self._blocked_by(entry):
+                        self._restart(entry)
+                        unblocked = True
             for entry in self._entries.values():  # a dependency switched off takes its dependents with it
                 blocked = self._blocked_by(entry)
                 if entry.state == APPLIED and blocked:
@@ -305,6 +307,14 @@ class Registry:
                     else:
                         self._apply(entry)
                     progress = True
+
+    def _restart(self, entry: _Entry) -> None:
+        gate = version_gate(entry.patch.requires)
+        if gate is not None:
+            self._set(entry, UNSUPPORTED, gate)
+        else:
+            self._set(entry, PENDING, "waiting for " + ", ".join(
+                m for m in entry.patch.modules if m not in sys.modules))
 
     def _blocked_by(self, entry: _Entry) -> str | None:
         """Why ``entry`` cannot apply because of a dependency, or None."""

@@ -51,12 +51,17 @@ def _attribute(obj: Any, name: str, accessor: str, distribution: str) -> Any:
     return value
 
 
+_IMPORTED: dict[str, ModuleType] = {}  # accessors run per training step: import each module once
+
+
 def _module_attribute(module: str, name: str, accessor: str, distribution: str) -> Any:
-    try:
-        owner = importlib.import_module(module)
-    except ImportError as exc:
-        raise _changed(accessor, f"module {module}", distribution) from exc
-    return _attribute(owner, name, accessor, distribution)
+    owner = _IMPORTED.get(module)
+    if owner is None:
+        try:
+            owner = _IMPORTED[module] = importlib.import_module(module)
+        except ImportError as exc:
+            raise _changed(accessor, f"module {module}", distribution) from exc
+    return _attribute(owner, name, accessor, distribution)  # looked up each call: a replaced kernel is used
 
 
 def upstream_method(target: Target, where: str) -> Callable[..., Any]:

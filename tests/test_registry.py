@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import subprocess
 import sys
 import textwrap
@@ -171,6 +172,20 @@ def test_a_dependency_not_needed_suffices_an_unsupported_one_blocks(upstream, de
     if state == UNSUPPORTED:
         assert "needs fix-compute, which is unsupported (probe failed: ZeroDivisionError" in status["on-top"].reason
         assert module.compute(1) == 2
+    registry.disable()
+
+
+def test_enabling_again_leaves_a_blocked_patch_as_it_is(upstream, caplog):
+    """A second ``enable()`` with the dependency still unsupported: the dependent stays unsupported, and no state
+    change is logged (it used to go unsupported -> pending -> unsupported)."""
+    importlib.import_module(upstream)
+    registry = Registry([make_patch(upstream, probe=lambda: 1 / 0), dependent(upstream)])
+    first = {s.id: (s.state, s.reason) for s in registry.enable()}
+    assert first["on-top"][0] == UNSUPPORTED
+    with caplog.at_level(logging.INFO, logger="shardadopt"):
+        again = {s.id: (s.state, s.reason) for s in registry.enable()}
+    assert again == first
+    assert not [r for r in caplog.records if "on-top" in r.getMessage()], caplog.text
     registry.disable()
 
 

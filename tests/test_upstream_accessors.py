@@ -359,6 +359,18 @@ def test_compiled_original():
     assert upstream.compiled_original(module) is None
 
 
+def test_per_step_accessors_import_their_module_once(monkeypatch):
+    """gradnorm and moe call these on every step: the module is imported once, the attribute read each call."""
+    tensors = [torch.ones(2)]
+    upstream.has_foreach_support(tensors, torch.device("cpu"))
+    imports = []
+    monkeypatch.setattr(importlib, "import_module", lambda name, *a: imports.append(name) or sys.modules[name])
+    for _ in range(3):
+        upstream.has_foreach_support(tensors, torch.device("cpu"))
+        upstream.group_tensors_by_device_and_dtype([tensors])
+    assert imports == []
+
+
 def test_module_initializing(tmp_path, monkeypatch):
     (tmp_path / "half_imported.py").write_text(
         "import sys\nfrom shardadopt import upstream\nDURING = upstream.module_initializing(sys.modules[__name__])\n")
