@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from shardadopt import upstream
 from shardadopt.checkpoint.publish import CheckpointError, _publish_files, _staging_path
-from shardadopt.checkpoint.sharding import _barrier, _is_dtensor, _world, rank_local
+from shardadopt.checkpoint.sharding import _barrier, _is_dtensor, rank_local
 from shardadopt.fence import fenced
+from shardadopt.topology import _world
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from shardadopt.checkpoint.sharding import _barrier, _world, layout
+from shardadopt.checkpoint.sharding import _barrier, layout
 from shardadopt.fence import fenced
+from shardadopt.topology import _world
 
 MARKER = "shardadopt_checkpoint.json"
 FORMAT = 1

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from shardadopt.checkpoint.sharding import _world
+from shardadopt.topology import _world
 
 
 def _rng_file(directory: str, rank: int) -> str:

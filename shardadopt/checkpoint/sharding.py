@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardadopt.topology import _world
+
 
 def _is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
@@ -32,12 +34,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
     return (any(_is_dtensor(p) for p in model.parameters()) or any(isinstance(m, FSDPModule) for m in model.modules())
             or rank_local(model))
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
 
 
 def layout(model: torch.nn.Module) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import torch
 
 from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, CheckpointMismatchError, read_info, staged
 from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
-from shardadopt.checkpoint.sharding import _world, layout, rank_local
+from shardadopt.checkpoint.sharding import layout, rank_local
+from shardadopt.topology import _world
 
 _SCHEDULERS = "schedulers.pt"
 _EXTRA = "extra.pt"
