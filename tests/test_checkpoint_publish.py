@@ -92,14 +92,17 @@ def test_resave_killed_between_its_renames_keeps_the_previous_checkpoint(tiny_mo
     assert sorted(os.listdir(root)) == ["latest", "latest.params.pt"]
 
 
-def test_latest_puts_back_a_checkpoint_moved_aside_by_a_killed_resave(tmp_path):
-    """What the kill leaves (the previous checkpoint only at its aside name), found by a resume's ``latest``."""
+def test_readers_find_a_checkpoint_moved_aside_by_a_killed_resave_and_leave_it_there(tmp_path):
+    """What the kill leaves (the previous checkpoint only at its aside name), found by a resume's ``latest`` and
+    ``read_info`` of its name, without renaming anything (a reader must not race a save)."""
     root = tmp_path / "run"
     aside = root / ".latest.partial.old"
     aside.mkdir(parents=True)
     (aside / checkpoint.MARKER).write_text('{"format": 1, "complete": true, "step": 3, "world_size": 1}')
-    assert checkpoint.latest(root) == str(root / "latest")
-    assert checkpoint.read_info(root / "latest").step == 3 and not aside.exists()
+    assert checkpoint.latest(root) == str(aside)
+    info = checkpoint.read_info(root / "latest")
+    assert (info.step, info.directory) == (3, str(aside))
+    assert sorted(os.listdir(root)) == [".latest.partial.old"]
 
 
 @pytest.mark.parametrize("first, second", [("5GB", "20KB"), ("20KB", "5GB"), ("20KB", "40KB")])

@@ -80,16 +80,15 @@ def _aside_path(directory: str) -> str:
 
 
 def _recover_aside(directory: str) -> None:
-    """Put back the previous checkpoint a same-name re-save moved aside and was killed before replacing.
+    """Put back the previous checkpoint a same-name re-save moved aside and was killed before replacing (rank 0 of
+    the next save of that name, before it writes anything).
 
     Between its two renames ``_publish`` leaves ``directory`` absent and its previous content at the aside path:
-    a crash there must not lose it (nor let the next save delete it). Race-safe: ranks that call this together
-    rename once between them.
+    a crash there must not lose it, nor let the next save delete it. Readers only look there (``read_info``,
+    ``latest``): they never rename, so a job reading a run's checkpoints cannot break that run's save.
     """
     aside = _aside_path(directory)
-    if os.path.exists(directory) or not os.path.isdir(aside):
-        return
-    with contextlib.suppress(FileNotFoundError):  # another rank put it back first
+    if not os.path.exists(directory) and os.path.isdir(aside):
         os.rename(aside, directory)
 
 
@@ -161,9 +160,13 @@ def is_complete(directory: str | os.PathLike) -> bool:
 
 
 def read_info(directory: str | os.PathLike) -> CheckpointInfo:
-    """The completion marker of ``directory``; ``IncompleteCheckpointError`` when it is missing."""
+    """The completion marker of ``directory``; ``IncompleteCheckpointError`` when it is missing.
+
+    Where a re-save of ``directory`` was killed between its two renames, the previous checkpoint is read where that
+    save moved it (``info.directory``) until the next save of that name puts it back."""
     directory = os.path.abspath(os.fspath(directory))
-    _recover_aside(directory)
+    if not os.path.isdir(directory) and is_complete(_aside_path(directory)):
+        directory = _aside_path(directory)
     if not os.path.isdir(directory):
         raise IncompleteCheckpointError(f"checkpoint directory {directory} does not exist")
     path = os.path.join(directory, MARKER)
@@ -194,19 +197,18 @@ def latest(root: str | os.PathLike) -> str | None:
     """The complete checkpoint directly under ``root`` with the highest step (then the newest); None if none.
 
     Staging directories of interrupted saves and directories without a completion marker are skipped; a checkpoint
-    that a same-name re-save moved aside and was killed before replacing is put back first.
+    that a same-name re-save moved aside and was killed before replacing counts, at the path it was moved to.
     """
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
     aside_suffix = f"{_STAGING_SUFFIX}.old"
-    for name in os.listdir(root):
-        if name.startswith(".") and name.endswith(aside_suffix):
-            _recover_aside(os.path.join(root, name[1:-len(aside_suffix)]))
     found = []
     for name in os.listdir(root):
         path = os.path.join(root, name)
-        if name.startswith(".") or not is_complete(path):
+        moved_aside = name.startswith(".") and name.endswith(aside_suffix) and not os.path.exists(
+            os.path.join(root, name[1:-len(aside_suffix)]))
+        if (name.startswith(".") and not moved_aside) or not is_complete(path):
             continue
         info = read_info(path)
         found.append((info.step if info.step is not None else -1, os.path.getmtime(os.path.join(path, MARKER)),
