@@ -17,7 +17,15 @@ from optuna.trial import TrialState
 from shardadopt.cli import main
 from shardadopt.hpo import DurabilityOptions, StudySpec, optimize
 from shardadopt.hpo.pruning_check import ATTR_UNPRUNED, kendall, spearman
-from shardadopt.hpo.reseed import ATTR_RESEED_OF, ATTR_SEED, companion_name, configurations, fresh_seeds, load_companion, reseed
+from shardadopt.hpo.reseed import (
+    ATTR_RESEED_OF,
+    ATTR_SEED,
+    companion_name,
+    configurations,
+    fresh_seeds,
+    load_companion,
+    reseed,
+)
 from shardadopt.hpo.storage import resolve_storage
 from shardadopt.hpo.warmstart import ATTR_WARM_START_OF
 from shardadopt.testing.services import POSTGRES_URL, postgres_available
@@ -88,7 +96,8 @@ def searched(request, tmp_path_factory):
 
 
 def run_reruns(url, name):
-    """Reseed the top 3 twice each (``shardadopt.hpo.reseed.reseed``, idempotent) and run the companion as a job would: ``optimize`` on it."""
+    """Reseed the top 3 twice each (``shardadopt.hpo.reseed.reseed``, idempotent) and run the companion as a job
+    would: ``optimize`` on it."""
     reseed(resolve_storage(url, heartbeat_interval=None), name, top=3, seeds=2)
     return optimize(StudySpec(storage=url, study_name=companion_name(name), direction="minimize"), objective,
                     durability=DurabilityOptions(hp_space=space_v1, heartbeat_interval=None))
@@ -267,3 +276,86 @@ def test_plot_without_matplotlib_names_the_extra(searched, tmp_path, capsys, mon
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an install without the extra sees
     assert main(["hpo", "plot", "--storage", url, "--study", name, "--out", str(tmp_path)]) == 2
     assert "pip install 'shardadopt[plot]'" in capsys.readouterr().err
+
+
+# -- a Trainer re-run trains with its seed ---------------------------------------------------------------------------
+
+def test_trainer_rerun_trains_with_its_seed_like_a_fresh_run(searched, tiny_models, tmp_path):
+    """A re-run of ``hyperparameter_search`` logs the losses of a fresh ``Trainer`` with ``seed=`` its seed (model
+    initialisation and data order), not those of the search's own seed."""
+    import shardadopt
+
+    url, name = searched
+    study = f"{name}-trainer"
+    shardadopt.enable()
+    try:
+        losses = trainer_search(tiny_models["qwen3"], str(tmp_path / "search"), url, study, n_trials=2)
+        reseed(resolve_storage(url, heartbeat_interval=None), study, top=1, seeds=1)
+        reruns = trainer_search(tiny_models["qwen3"], str(tmp_path / "reruns"), url, companion_name(study),
+                                n_trials=10)  # capped at the one waiting re-run
+        companion = optuna.load_study(study_name=companion_name(study), storage=resolve_storage(url))
+        (rerun,) = companion.trials
+        seed, original = rerun.user_attrs[ATTR_SEED], rerun.user_attrs[ATTR_RESEED_OF]
+        fresh = fresh_trainer_losses(tiny_models["qwen3"], str(tmp_path / "fresh"), rerun.params, seed)
+    finally:
+        shardadopt.disable()
+    assert len(reruns) == 1 and reruns[0] == fresh
+    assert losses[original] != fresh, "the search's own run (seed 0) trained differently"
+
+
+def _loss_trainer(model_path, out, seed, recorder=None):
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from shardadopt.testing.models import token_dataset
+
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=seed)
+    return Trainer(model_init=lambda trial=None: AutoModelForCausalLM.from_pretrained(model_path), args=args,
+                   train_dataset=token_dataset(16), eval_dataset=token_dataset(4, 1000),
+                   callbacks=[recorder] if recorder else [])
+
+
+def trainer_search(model_path, out, url, study, n_trials):
+    """Losses logged by each trial of a search (by trial number)."""
+    from transformers import TrainerCallback
+
+    losses: list[list[float]] = []  # one job runs the trials in order: index = trial number
+
+    class Losses(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            losses.append([])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}):
+                losses[-1].append(logs["loss"])
+
+    def space(trial):
+        return {"learning_rate": trial.suggest_float("learning_rate", 1e-3, 1e-1, log=True)}
+
+    trainer = _loss_trainer(model_path, out, seed=0, recorder=Losses())
+    trainer.hyperparameter_search(backend="optuna", hp_space=space, n_trials=n_trials, direction="minimize",
+                                  storage=url, study_name=study, sampler=optuna.samplers.RandomSampler(seed=3),
+                                  heartbeat_interval=None)
+    return losses
+
+
+def fresh_trainer_losses(model_path, out, params, seed):
+    from transformers import TrainerCallback
+
+    logged = []
+
+    class Losses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if "loss" in (logs or {}):
+                logged.append(logs["loss"])
+
+    trainer = _loss_trainer(model_path, out, seed, Losses())
+    trainer.args.learning_rate = params["learning_rate"]
+    trainer.train()
+    return logged
+
+
+def test_unpruned_trials_refuse_hyperband_which_samplers_recognise_by_type():
+    with pytest.raises(ValueError, match="HyperbandPruner"):
+        optimize(optuna.create_study(pruner=optuna.pruners.HyperbandPruner()), objective, n_trials=1,
+                 durability=DurabilityOptions(unpruned_trials=2))

@@ -46,7 +46,6 @@ from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpo
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
 from shardadopt.hpo.durability import TrialHeartbeat
 from shardadopt.hpo.errors import PeerLostError
-from shardadopt.hpo.pruning_check import KeepUnpruned, mark_unpruned
 from shardadopt.hpo.provenance import (
     ATTR_PARAMS_HASH,
     check_space_version,
@@ -54,6 +53,7 @@ from shardadopt.hpo.provenance import (
     reproducibility_attrs,
     space_version,
 )
+from shardadopt.hpo.pruning_check import keep_unpruned, mark_unpruned
 from shardadopt.hpo.trial import COMPLETE, FAIL, PRUNED, DistributedTrial, Outcome, TrialInfo
 
 Objective = Callable[[DistributedTrial], Any]
@@ -285,10 +285,13 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
         if not isinstance(study, optuna.Study):
             raise TypeError(f"optimize() needs an optuna.Study (or a function creating one) on rank 0, "
                             f"got {type(study).__name__}")
-        if reseed.is_companion(study):  # re-runs only: never let its sampler propose a new point
+        pruner = study.pruner
+        if reseed.is_companion(study):  # re-runs only, to the end: never let its sampler propose a new point
             waiting = reseed.waiting_reruns(study)
             n_trials = waiting if n_trials is None else min(n_trials, waiting)
-        pruner, study.pruner = study.pruner, KeepUnpruned(study.pruner)  # unpruned trials and re-runs run to the end
+            study.pruner = optuna.pruners.NopPruner()
+        elif unpruned_trials:
+            study.pruner = keep_unpruned(pruner)
         try:
             study.optimize(run_trial, n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, catch=catch,
                            callbacks=callbacks, gc_after_trial=gc_after_trial, show_progress_bar=show_progress_bar)

@@ -1,13 +1,15 @@
 """Check, once per problem, that early values predict final ones before trusting a pruner with the budget.
 
 ``DurabilityOptions(unpruned_trials=N)`` (``hyperparameter_search(unpruned_trials=N)``) runs the first ``N``
-sampled trials of a study to the end whatever the pruner says (they carry the ``unpruned`` user attribute; re-runs
-from ``shardadopt hpo reseed`` are never pruned either). ``check_pruning(study, rung)`` then compares, over the
-trials that ran to the end, the value each reported at the rung (default: the first step all of them reported)
-with its final value: Spearman and Kendall rank correlation, and whether the top third at the rung contains the
-trial that ended best. The verdict is ``trust`` (both hold: rho >= 0.5 and the best is in the top third),
-``distrust`` or ``insufficient`` (fewer than 5 trials). Trials the pruner let through are a biased sample (the
-ones it already liked), so the check uses the ``unpruned`` trials when there are at least 5 of them.
+sampled trials of a study to the end whatever the pruner says (they carry the ``unpruned`` user attribute;
+re-runs from ``shardadopt hpo reseed`` run in a companion study that is never pruned).
+
+``check_pruning(study, rung)`` then compares, over the trials that ran to the end, the value each reported at the
+rung (default: the first step all of them reported) with its final value: Spearman and Kendall rank correlation,
+and whether the top third at the rung contains the trial that ended best. The verdict is ``trust`` (both hold:
+rho >= 0.5 and the best is in the top third), ``distrust`` or ``insufficient`` (fewer than 5 trials). Trials the
+pruner let through are a biased sample (the ones it already liked), so the check uses the ``unpruned`` trials
+when there are at least 5 of them.
 """
 
 from __future__ import annotations
@@ -30,15 +32,25 @@ MIN_SPEARMAN = 0.5
 
 
 class KeepUnpruned(BasePruner):
-    """The study's pruner, except that trials marked ``unpruned`` and seed re-runs always run to the end."""
+    """The study's pruner, except that trials marked ``unpruned`` always run to the end."""
 
     def __init__(self, pruner: BasePruner) -> None:
         self.pruner = pruner
 
     def prune(self, study: optuna.Study, trial: FrozenTrial) -> bool:
-        if trial.user_attrs.get(ATTR_UNPRUNED) or ATTR_SEED in trial.user_attrs:
+        if trial.user_attrs.get(ATTR_UNPRUNED):
             return False
         return self.pruner.prune(study, trial)
+
+
+def keep_unpruned(pruner: BasePruner) -> KeepUnpruned:
+    """``pruner`` wrapped so ``unpruned`` trials run to the end; HyperbandPruner is refused, since Optuna's samplers
+    recognise it by type (its brackets would be lost)."""
+    if isinstance(pruner, optuna.pruners.HyperbandPruner):
+        raise ValueError("unpruned_trials with HyperbandPruner: Optuna's samplers recognise Hyperband by its type, "
+                         "so it cannot be wrapped; run the unpruned trials in a study with MedianPruner or "
+                         "SuccessiveHalvingPruner, or with NopPruner, and check them there")
+    return KeepUnpruned(pruner)
 
 
 def mark_unpruned(trial: optuna.Trial, limit: int) -> bool:
@@ -166,5 +178,5 @@ def check_pruning(study: optuna.Study, rung: int | None = None) -> PruningCheck:
                         verdict, reason)
 
 
-__all__ = ["check_pruning", "PruningCheck", "KeepUnpruned", "mark_unpruned", "spearman", "kendall",
+__all__ = ["check_pruning", "PruningCheck", "KeepUnpruned", "keep_unpruned", "mark_unpruned", "spearman", "kendall",
            "ATTR_UNPRUNED"]
