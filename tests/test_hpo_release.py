@@ -183,7 +183,7 @@ def test_reseed_is_idempotent_reruns_follow_their_seed_and_best_ranks_by_the_mea
         assert row["std"] == pytest.approx(statistics.stdev(values))
     assert [r["mean"] for r in with_reruns] == sorted(r["mean"] for r in with_reruns)
     status = hpo(capsys, "status", "--storage", url, "--study", name)
-    assert status["best_configuration"] == ranked[0]
+    assert status["best_configuration"] == ranked[0] and status["reseeded_configurations"] == with_reruns
 
 
 # -- warm start --------------------------------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def keep_unpruned(pruner: BasePruner) -> KeepUnpruned:
 
 def mark_unpruned(trial: optuna.Trial, limit: int) -> bool:
     """Mark ``trial`` ``unpruned`` while the study has fewer than ``limit`` such trials; only trials the sampler
-    proposed count (not retries, warm starts or re-runs, which repeat known configurations)."""
+    proposed count (not retries, warm starts or re-runs, which repeat known configurations). Jobs starting trials
+    at the same moment may each mark one beyond ``limit``: more unpruned trials, never fewer."""
     if limit <= 0 or any(key in trial.user_attrs for key in (ATTR_RETRY_OF, ATTR_WARM_START_OF, ATTR_SEED)):
         return False
     marked = sum(1 for t in trial.study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_UNPRUNED))

@@ -111,8 +111,9 @@ def add_commands(sub: Any) -> None:
     commands.add_commands(verbs)
 
 
-def reseeded(storage: str, study: optuna.Study, top: int) -> list[dict[str, Any]] | None:
-    """The ``top`` configurations ranked by their mean over seeds, or None while none has a finished re-run."""
+def reseeded(storage: str, study: optuna.Study, top: int | None = None) -> list[dict[str, Any]] | None:
+    """The ``top`` (default: all) configurations ranked by their mean over seeds, or None while none has a
+    finished re-run."""
     from shardadopt.hpo.reseed import configurations, load_companion
 
     if len(study.directions) > 1:
@@ -135,8 +136,9 @@ def run(args: Any) -> int:
     study = load_study(args.storage, args.study)
     if args.hpo_command == "status":
         report = status(study, now=time.time())
-        if (ranked := reseeded(args.storage, study, 1)) is not None:
+        if (ranked := reseeded(args.storage, study)) is not None:
             report["best_configuration"] = ranked[0]
+            report["reseeded_configurations"] = [row for row in ranked if row["reruns"]]
         if args.json:
             print(json.dumps(report, indent=2, default=str))
             return 0
@@ -148,6 +150,8 @@ def run(args: Any) -> int:
             print(f"  running #{r['number']} on {r['host']} pid {r['pid']}, heartbeat {r['heartbeat_age_s']} s ago")
         for r in report["best"]:
             print(f"best #{r['number']}: {r['values']} {r['params']}")
+        for row in report.get("reseeded_configurations", []):
+            print("re-run " + _config_line(row))
         if "best_configuration" in report:
             print("best configuration over seeds " + _config_line(report["best_configuration"]))
         return 0

@@ -36,7 +36,12 @@ OUT_OF_RANGE = ("clip", "skip")
 def space_distributions(hp_space: Callable[[optuna.Trial], Any]) -> dict[str, BaseDistribution]:
     """The distributions ``hp_space`` suggests from, read by running it once on a scratch in-memory trial
     (a conditional space yields the branch that trial took)."""
-    scratch = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created in memory" in the job's log
+    try:
+        scratch = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
+    finally:
+        optuna.logging.set_verbosity(verbosity)
     hp_space(scratch)
     return dict(scratch.distributions)
 
