@@ -210,8 +210,15 @@ def test_warm_start_maps_onto_the_new_space_and_is_idempotent(searched, capsys):
     skipping = hpo(capsys, "warm-start", "--storage", url, "--from", name, "--to", f"{name}-v2skip", "--top", "4",
                    "--space", f"{__name__}:space_v2", "--out-of-range", "skip")
     outside = [n for n in ranked if not 0.0 <= old.trials[n].params["x"] <= 0.5]
+    assert 0 < len(outside) < len(ranked), "the search's best straddle the new range: both cases are exercised"
     assert sorted(int(n) for n in skipping["skipped"]) == sorted(outside)
     assert all("outside the new range [0.0, 0.5]" in why for why in skipping["skipped"].values())
+    assert main(["hpo", "warm-start", "--storage", url, "--from", name, "--to", f"{name}-v2skip", "--top", "4",
+                 "--space", f"{__name__}:space_v2", "--out-of-range", "skip"]) == 0  # as people read it: each once
+    said = capsys.readouterr().out.splitlines()
+    inside = [n for n in ranked if n not in outside]
+    assert said == [f"#{n} of {name} skipped: {skipping['skipped'][str(n)]}" for n in outside] + \
+        [f"already warm-started into {name}-v2skip: " + ", ".join(f"#{n}" for n in inside)] * bool(inside)
 
     # the new study's job runs the warm-started trials first, with the sampler filling in z
     new = optimize(StudySpec(storage=url, study_name=target, sampler=optuna.samplers.RandomSampler(seed=2)),
