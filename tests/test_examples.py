@@ -34,7 +34,8 @@ BLOCK_TIMEOUT = 900  # seconds: a hang fails the test instead of stalling CI
 # - accelerate_loop fsdp/tp: test_accelerate_adopt (each layout against one process), test_checkpoint_integrations
 #   (save_state resumes exactly, full state dict and save_model per layout);
 # - hpo_search: test_hpo_trainer (a sharding model_init, a SIGKILLed search requeued by the CLI and resumed from its
-#   last complete checkpoint), test_hpo_multijob (two jobs on one study);
+#   last complete checkpoint), test_hpo_multijob (two jobs on one study), test_hpo_release (reseed and a seeded
+#   Trainer re-run, check-pruning, plot, warm-start);
 # - trainer_finetune: test_checkpoint_integrations (Trainer checkpoints, save_total_limit, resume, save_model);
 # - custom_loop_hpo: test_hpo_loop (optimize with pruning), test_hpo_multijob (trial_checkpoint_dir,
 #   resume_checkpoint).
