@@ -5,7 +5,8 @@
 Each layout trains the tiny checkpoint with Trainer (fp32, AdamW lr 1e-3, clipping at 1.0, sequential sampling)
 on 2 or 4 gloo ranks; the control trains the same model in one process on the same global batches. Prints a table
 of the per-layout max |relative difference| of the loss and grad_norm over all steps (target <= 1e-4 for the loss)
-and writes ``<out>.md`` plus ``<out>.png`` (loss curves and relative differences; skipped without matplotlib).
+and writes ``<out>.md`` plus ``<out>.png`` (loss curves and relative differences; needs the ``shardadopt[plot]``
+extra, matplotlib, and is skipped with a message naming it otherwise).
 Layouts the installed transformers cannot load (HSDP and 2-D before 5.21) are reported as such.
 """
 
@@ -89,7 +90,9 @@ def _plot(curves: dict[str, tuple[list, list]], path: str, steps: int) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+        from shardadopt.hpo.plot import MISSING
+
+        print(f"{MISSING}; no plot written", file=sys.stderr)
         return
     if not curves:
         return

@@ -11,6 +11,14 @@ trial runs from the dead trial's last complete checkpoint. ``shardadopt hpo stat
 
 ``--kill-after-checkpoint`` simulates a job lost mid-trial: rank 0 SIGKILLs itself right after its first
 checkpoint (torchrun then stops the other ranks).
+
+Before promoting a winner: ``shardadopt hpo reseed --top 3`` enqueues the best configurations again with fresh
+seeds into the companion study ``hpo-search-reseed``, which this same script runs (``--study hpo-search-reseed``:
+each re-run trains with ``TrainingArguments.seed`` set to its seed); ``best`` then ranks by the mean over seeds.
+The first ``--unpruned-trials`` trials run to the end whatever the pruner says, so ``shardadopt hpo check-pruning``
+can tell whether the first rung predicts the final value; ``shardadopt hpo plot`` draws the study. A new search
+space (``--space v2``) gets a new study, warm-started with the best configurations of the old one
+(``--warm-start-from hpo-search``).
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=3, help="optimizer steps per trial")
     parser.add_argument("--kill-after-checkpoint", action="store_true",
                         help="simulate a lost job: SIGKILL rank 0 after the first checkpoint of its first trial")
+    parser.add_argument("--space", choices=sorted(SPACES), default="v1", help="search-space version")
+    parser.add_argument("--unpruned-trials", type=int, default=4,
+                        help="the study's first N sampled trials run to the end (for shardadopt hpo check-pruning)")
+    parser.add_argument("--warm-start-from", help="a study of an older space version: enqueue its best 3 first")
     return parser.parse_args()
 
 
@@ -76,6 +88,15 @@ def hp_space(trial: optuna.Trial) -> dict:
             "weight_decay": trial.suggest_float("weight_decay", 0.0, 0.1)}
 
 
+def hp_space_v2(trial: optuna.Trial) -> dict:
+    """Version 2: a narrower learning rate, weight decay fixed, gradient clipping tuned."""
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-4, 1e-2, log=True),
+            "max_grad_norm": trial.suggest_float("max_grad_norm", 0.5, 2.0)}
+
+
+SPACES = {"v1": hp_space, "v2": hp_space_v2}
+
+
 def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
@@ -106,10 +127,12 @@ def main() -> None:
                       callbacks=[KillAfterFirstCheckpoint()] if args.kill_after_checkpoint else [])
 
     best = trainer.hyperparameter_search(
-        backend="optuna", hp_space=hp_space, n_trials=args.n_trials, direction="minimize",
+        backend="optuna", hp_space=SPACES[args.space], n_trials=args.n_trials, direction="minimize",
         # intermediate values are at training examples seen (4 per step on 2 ranks): none pruned before step 2
         pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=8),
         storage=args.storage, study_name=args.study,  # shared by every job started with these
+        unpruned_trials=args.unpruned_trials,  # the pruning check's fair sample
+        warm_start_from=args.warm_start_from, warm_start_top=3,  # idempotent: every job may pass it
     )
     if trainer.is_world_process_zero():
         print(f"best so far: trial {best.run_id} eval_loss {best.objective:.4f} {best.hyperparameters}")

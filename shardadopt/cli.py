@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return run(args)
-        except (StorageError, ValueError) as exc:
+        except (StorageError, ValueError, ImportError) as exc:  # ImportError: an optional extra is missing
             print(f"shardadopt hpo: {exc}", file=sys.stderr)
             return 2
     try:

@@ -34,7 +34,8 @@ BLOCK_TIMEOUT = 900  # seconds: a hang fails the test instead of stalling CI
 # - accelerate_loop fsdp/tp: test_accelerate_adopt (each layout against one process), test_checkpoint_integrations
 #   (save_state resumes exactly, full state dict and save_model per layout);
 # - hpo_search: test_hpo_trainer (a sharding model_init, a SIGKILLed search requeued by the CLI and resumed from its
-#   last complete checkpoint), test_hpo_multijob (two jobs on one study);
+#   last complete checkpoint), test_hpo_multijob (two jobs on one study), test_hpo_release (reseed and a seeded
+#   Trainer re-run, check-pruning, plot, warm-start);
 # - trainer_finetune: test_checkpoint_integrations (Trainer checkpoints, save_total_limit, resume, save_model);
 # - custom_loop_hpo: test_hpo_loop (optimize with pruning), test_hpo_multijob (trial_checkpoint_dir,
 #   resume_checkpoint).
@@ -248,6 +249,40 @@ def check_hpo_search(block: str, work: Path, out: str, tiny_models: dict[str, st
     assert f"study {option(block, '--study')}: 6 trials" in out, out[-3000:]
     best = min((t for t in trials if t.state.name == "COMPLETE"), key=lambda t: t.value)  # n_startup_trials=2
     assert f"best #{best.number}:" in out
+    check_hpo_release_story(storage.replace("journal://", f"journal://{work}/"), study, work, out)
+
+
+def check_hpo_release_story(storage: str, study, work: Path, out: str) -> None:
+    """The block's second half: re-runs with fresh seeds, the pruning check, the plots, a warm-started v2 study."""
+    from shardadopt.hpo.plot import figures
+    from shardadopt.hpo.pruning_check import ATTR_UNPRUNED, check_pruning
+    from shardadopt.hpo.reseed import ATTR_RESEED_OF, ATTR_SEED, configurations
+    from shardadopt.hpo.warmstart import ATTR_WARM_START_OF
+
+    complete = sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.value)
+    assert [t.number for t in study.trials if t.user_attrs.get(ATTR_UNPRUNED)] == [0, 1, 2, 3]
+    reruns = load_study(storage, f"{study.study_name}-reseed").trials
+    assert sorted(t.user_attrs[ATTR_RESEED_OF] for t in reruns) == sorted(t.number for t in complete[:3])
+    assert all(t.state.name == "COMPLETE" and ATTR_SEED in t.user_attrs for t in reruns), reruns
+    companion = load_study(storage, f"{study.study_name}-reseed")
+    ranked = configurations(study, companion)
+    assert f"#{ranked[0].trial}: mean {ranked[0].mean:.6g}" in out and "over 2 seed(s)" in out
+    check = check_pruning(study)  # 4 unpruned trials are too few: it uses every completed one, and says so
+    assert f"verdict: {check.verdict.upper()}: {check.reason}" in out and not check.unpruned_only
+    drawn, skipped = figures(study, companion)
+    assert skipped == {}, skipped
+    lines = drawn["intermediate"].axes[0].get_lines()
+    assert len(lines) == sum(bool(t.intermediate_values) for t in study.trials)  # one line per trial
+    assert drawn["intermediate"].axes[0].get_xlabel() == "step"
+    assert len(drawn["seed_spread"].axes[0].get_xticks()) == 3
+    for name in drawn:
+        png = work / "runs" / "hpo-search" / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    v2 = load_study(storage, f"{study.study_name}-v2").trials
+    warm = [t for t in v2 if ATTR_WARM_START_OF in t.user_attrs]
+    assert [t.user_attrs[ATTR_WARM_START_OF]["number"] for t in warm] == [c.trial for c in ranked[:3]]
+    assert all(set(t.params) == {"learning_rate", "max_grad_norm"} and 1e-4 <= t.params["learning_rate"] <= 1e-2
+               for t in warm)
 
 
 def check_custom_loop_hpo(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:

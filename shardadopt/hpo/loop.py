@@ -42,7 +42,7 @@ import optuna
 from optuna.storages import InMemoryStorage
 
 from shardadopt import upstream
-from shardadopt.hpo import errors, failures, preempt
+from shardadopt.hpo import errors, failures, preempt, reseed
 from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
 from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, TrialHeartbeat, checkpoint_name
@@ -54,6 +54,7 @@ from shardadopt.hpo.provenance import (
     reproducibility_attrs,
     space_version,
 )
+from shardadopt.hpo.pruning_check import keep_unpruned, mark_unpruned
 from shardadopt.hpo.trial import COMPLETE, FAIL, PRUNED, DistributedTrial, Outcome, TrialInfo
 
 Objective = Callable[[DistributedTrial], Any]
@@ -93,6 +94,10 @@ class DurabilityOptions:
     study created with another version raises ``SpaceVersionMismatch`` unless ``allow_space_mismatch``.
     ``data_snapshot`` and ``topology`` (default from ``$LOCAL_WORLD_SIZE``) are recorded on every trial.
     ``heartbeat_interval`` (seconds; None: off) paces the heartbeat of a running trial on persistent storages.
+    ``unpruned_trials``: the first N sampled trials of the study run to the end whatever the pruner says, for
+    ``shardadopt hpo check-pruning`` (``shardadopt.hpo.pruning_check``). ``warm_start_from``: with a ``StudySpec``,
+    enqueue the ``warm_start_top`` best configurations of that study (an older space version, same storage) into
+    this one on attach, mapped onto ``hp_space`` (``shardadopt.hpo.warmstart``; idempotent).
     """
 
     hp_space: Callable[..., Any] | None = None
@@ -101,6 +106,9 @@ class DurabilityOptions:
     data_snapshot: str | None = None
     topology: str | None = None
     heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL
+    unpruned_trials: int = 0
+    warm_start_from: str | None = None
+    warm_start_top: int = 5
 
 
 @dataclass(frozen=True)
@@ -162,10 +170,16 @@ def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None
         spec = study
 
         def study() -> optuna.Study:  # rank 0 only: every rank raises its errors (StorageError, mismatch)
-            return attach_study(spec.storage, study_name=spec.study_name, load_if_exists=spec.load_if_exists,
-                                direction=spec.direction, directions=spec.directions, sampler=spec.sampler,
-                                pruner=spec.pruner, output_dir=spec.output_dir, space=_space(durability),
-                                allow_space_mismatch=durability.allow_space_mismatch, n_trials=n_trials)
+            attached = attach_study(spec.storage, study_name=spec.study_name, load_if_exists=spec.load_if_exists,
+                                    direction=spec.direction, directions=spec.directions, sampler=spec.sampler,
+                                    pruner=spec.pruner, output_dir=spec.output_dir, space=_space(durability),
+                                    allow_space_mismatch=durability.allow_space_mismatch, n_trials=n_trials)
+            if durability.warm_start_from:
+                _warm_start(spec, attached, durability)
+            return attached
+    elif durability.warm_start_from:
+        raise ValueError("DurabilityOptions(warm_start_from=...) needs the study as a StudySpec (storage and name), "
+                         "so the old study can be read from the same storage")
     elif isinstance(study, optuna.Study) and (durability.hp_space is not None or durability.space_version):
         given = study
 
@@ -180,7 +194,8 @@ def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None
         attrs = _attrs(channel, durability)
         with preempt.sigterm_preempts():
             return _root_loop(channel, study, objective, n_trials, timeout, n_jobs, catch, callbacks,
-                              gc_after_trial, show_progress_bar, attrs, durability.heartbeat_interval)
+                              gc_after_trial, show_progress_bar, attrs, durability.heartbeat_interval,
+                              durability.unpruned_trials)
     _worker_loop(channel, objective, gc_after_trial)
     return None
 
@@ -190,6 +205,15 @@ def _space(durability: DurabilityOptions) -> str | None:
     if durability.hp_space is None and not durability.space_version:
         return None
     return space_version(durability.hp_space, durability.space_version)
+
+
+def _warm_start(spec: StudySpec, study: optuna.Study, durability: DurabilityOptions) -> None:
+    from shardadopt.hpo.storage import resolve_storage
+    from shardadopt.hpo.warmstart import space_distributions, warm_start
+
+    storage = resolve_storage(spec.storage, output_dir=spec.output_dir, heartbeat_interval=None)
+    space = space_distributions(durability.hp_space) if durability.hp_space is not None else None
+    warm_start(storage, durability.warm_start_from, study.study_name, durability.warm_start_top, space=space)
 
 
 def _attrs(channel: Channel, durability: DurabilityOptions) -> dict[str, Any]:
@@ -224,7 +248,8 @@ def run_on_root(channel: Channel, fn: Callable[[], Any]) -> Any:
 
 def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int | None, timeout: float | None,
                n_jobs: int, catch: tuple, callbacks: Any, gc_after_trial: bool,
-               show_progress_bar: bool, attrs: dict[str, Any], heartbeat_interval: float | None) -> optuna.Study:
+               show_progress_bar: bool, attrs: dict[str, Any], heartbeat_interval: float | None,
+               unpruned_trials: int = 0) -> optuna.Study:
     fatal: list[BaseException] = []  # a lost peer or SIGTERM: the study stops even when `catch` covers the error
 
     def run_trial(trial: optuna.Trial) -> Any:
@@ -236,6 +261,7 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
                     trial.set_user_attr(key, value)
                 # recorded here, so trial_checkpoint_dir is no collective: any subset of ranks may call it
                 trial.set_user_attr(ATTR_CHECKPOINT_DIR, checkpoint_name(trial))
+                mark_unpruned(trial, unpruned_trials)
                 info = TrialInfo.of(trial)
                 with _heartbeat(trial, heartbeat_interval):
                     if channel.world > 1:
@@ -262,8 +288,18 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
         if not isinstance(study, optuna.Study):
             raise TypeError(f"optimize() needs an optuna.Study (or a function creating one) on rank 0, "
                             f"got {type(study).__name__}")
-        study.optimize(run_trial, n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, catch=catch,
-                       callbacks=callbacks, gc_after_trial=gc_after_trial, show_progress_bar=show_progress_bar)
+        pruner = study.pruner
+        if reseed.is_companion(study):  # re-runs only, to the end: never let its sampler propose a new point
+            waiting = reseed.waiting_reruns(study)
+            n_trials = waiting if n_trials is None else min(n_trials, waiting)
+            study.pruner = optuna.pruners.NopPruner()
+        elif unpruned_trials:
+            study.pruner = keep_unpruned(pruner)
+        try:
+            study.optimize(run_trial, n_trials=n_trials, timeout=timeout, n_jobs=n_jobs, catch=catch,
+                           callbacks=callbacks, gc_after_trial=gc_after_trial, show_progress_bar=show_progress_bar)
+        finally:
+            study.pruner = pruner
         if fatal:
             raise fatal[0]
     except BaseException as exc:
@@ -309,6 +345,8 @@ def _worker_loop(channel: Channel, objective: Objective, gc_after_trial: bool) -
 def _run_objective(trial: DistributedTrial, objective: Objective) -> Outcome:
     """Run the objective on this rank and agree with the other ranks on how the trial ended."""
     try:
+        if (seed := trial.user_attrs.get(reseed.ATTR_SEED)) is not None:  # a re-run: every rank seeds alike
+            reseed.seed_everything(int(seed))
         value = objective(trial)
         if trial.rank == 0:
             _check_finite(value)

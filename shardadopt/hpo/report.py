@@ -1,4 +1,8 @@
-"""``shardadopt hpo status|requeue|best|export``: look after a study from outside the training jobs."""
+"""``shardadopt hpo status|requeue|best|export``: look after a study from outside the training jobs.
+
+Once the study's best configurations were re-run with fresh seeds (``shardadopt hpo reseed``), ``status`` and
+``best`` rank configurations by their mean over seeds and show the spread and number of seeds.
+"""
 
 from __future__ import annotations
 
@@ -102,12 +106,39 @@ def add_commands(sub: Any) -> None:
         if name == "export":
             verb.add_argument("--format", choices=["json", "csv"], default="json")
             verb.add_argument("--output", help="file to write (default: standard output)")
+    from shardadopt.hpo import commands
+
+    commands.add_commands(verbs)
+
+
+def reseeded(storage: str, study: optuna.Study, top: int | None = None) -> list[dict[str, Any]] | None:
+    """The ``top`` (default: all) configurations ranked by their mean over seeds, or None while none has a
+    finished re-run."""
+    from shardadopt.hpo.reseed import configurations, load_companion
+
+    if len(study.directions) > 1:
+        return None
+    ranked = configurations(study, load_companion(resolve_storage(storage, heartbeat_interval=None),
+                                                  study.study_name))
+    return [c.as_dict() for c in ranked[:top]] if any(c.reruns for c in ranked) else None
+
+
+def _config_line(row: dict[str, Any]) -> str:
+    return (f"#{row['trial']}: mean {row['mean']:.6g} ± {row['std']:.2g} over {row['n_seeds']} seed(s) "
+            f"{row['params']}")
 
 
 def run(args: Any) -> int:
+    from shardadopt.hpo import commands
+
+    if args.hpo_command in commands.VERBS:
+        return commands.run(args)
     study = load_study(args.storage, args.study)
     if args.hpo_command == "status":
         report = status(study, now=time.time())
+        if (ranked := reseeded(args.storage, study)) is not None:
+            report["best_configuration"] = ranked[0]
+            report["reseeded_configurations"] = [row for row in ranked if row["reruns"]]
         if args.json:
             print(json.dumps(report, indent=2, default=str))
             return 0
@@ -119,6 +150,10 @@ def run(args: Any) -> int:
             print(f"  running #{r['number']} on {r['host']} pid {r['pid']}, heartbeat {r['heartbeat_age_s']} s ago")
         for r in report["best"]:
             print(f"best #{r['number']}: {r['values']} {r['params']}")
+        for row in report.get("reseeded_configurations", []):
+            print("re-run " + _config_line(row))
+        if "best_configuration" in report:
+            print("best configuration over seeds " + _config_line(report["best_configuration"]))
         return 0
     if args.hpo_command == "requeue":
         result = requeue(study, grace_period=args.grace_period)
@@ -129,6 +164,9 @@ def run(args: Any) -> int:
                   + (", ".join(f"#{old} as #{new}" for old, new in result.retried.items()) or "none"))
         return 0
     if args.hpo_command == "best":
+        if (ranked := reseeded(args.storage, study, args.top)) is not None:
+            print(json.dumps(ranked, indent=2, default=str) if args.json else "\n".join(map(_config_line, ranked)))
+            return 0
         rows = [_trial_row(t) for t in best(study, args.top)]
         print(json.dumps(rows, indent=2, default=str) if args.json else
               "\n".join(f"#{r['number']} {r['values']} {r['params']}" for r in rows) or "no completed trials")

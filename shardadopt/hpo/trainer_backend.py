@@ -13,7 +13,10 @@ rank 0, as upstream): ``timeout``, ``n_jobs``, ``gc_after_trial``, ``catch`` (as
 Durable, multi-job searches (see ``shardadopt.hpo.optimize``): ``storage`` (URL or Optuna storage; default a
 journal file under ``args.output_dir``), ``study_name``, ``load_if_exists`` (default True: every torchrun job with
 the same study name attaches as a worker), ``sampler`` (default ``default_sampler()``), ``space_version`` (default:
-a hash of ``hp_space``'s source), ``allow_space_mismatch``, ``data_snapshot``, ``heartbeat_interval``. Each trial
+a hash of ``hp_space``'s source), ``allow_space_mismatch``, ``data_snapshot``, ``heartbeat_interval``,
+``unpruned_trials``, ``warm_start_from``, ``warm_start_top`` (see ``DurabilityOptions``). A re-run enqueued by
+``shardadopt hpo reseed`` (``seed`` user attribute) trains with ``TrainingArguments.seed`` (and ``data_seed``, when
+set) replaced by its seed, so model initialisation and data order follow it. Each trial
 writes its checkpoints into a directory of its own, ``output_dir/trial-<number>-<start time>`` (or ``hp_name``'s),
 recorded on the trial as ``checkpoint_dir``; a retry enqueued by ``shardadopt hpo requeue`` resumes from the dead
 trial's last complete checkpoint there and writes into its own directory. A non-finite logged loss or objective fails
@@ -37,6 +40,7 @@ from typing import Any
 from shardadopt import upstream
 from shardadopt.hpo import failures
 from shardadopt.hpo.durability import ATTR_RESUME_FROM, checkpoint_name, record_checkpoint_dir
+from shardadopt.hpo.reseed import ATTR_SEED
 from shardadopt.hpo.trial import DistributedTrial
 
 REPORT_UNITS = ("examples", "epochs", "steps")
@@ -44,7 +48,8 @@ _UNIT_ATTRIBUTE = "_shardadopt_hpo_report_unit"
 _WATCH_ATTRIBUTE = "_shardadopt_hpo_watch"
 # hyperparameter_search's flat keyword arguments that go into optimize's StudySpec / DurabilityOptions
 _STUDY_KWARGS = ("storage", "study_name", "load_if_exists", "sampler", "pruner")
-_DURABILITY_KWARGS = ("space_version", "allow_space_mismatch", "data_snapshot", "heartbeat_interval")
+_DURABILITY_KWARGS = ("space_version", "allow_space_mismatch", "data_snapshot", "heartbeat_interval", "unpruned_trials",
+                      "warm_start_from", "warm_start_top")
 _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -152,7 +157,12 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
     trainer.objective = None
     watch = getattr(trainer, _WATCH_ATTRIBUTE)
     watch.started = False
+    seeds = (trainer.args.seed, trainer.args.data_seed)
     try:
+        if (seed := trial.user_attrs.get(ATTR_SEED)) is not None:  # a re-run: model init and data order follow it
+            trainer.args.seed = int(seed)
+            if trainer.args.data_seed is not None:
+                trainer.args.data_seed = int(seed)
         # Sample the space first, as upstream does, so a model_init(trial) can read trial.params.
         trainer.hp_space(trial)
         output_dir = trainer.args.output_dir
@@ -172,6 +182,7 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
             failures.mark(exc, failures.CONFIG_ERROR)
         raise
     finally:
+        trainer.args.seed, trainer.args.data_seed = seeds
         # Free accelerator memory on every exit, pruned and failed trials included.
         trainer.model_wrapped, trainer.model = release_memory(trainer.model_wrapped, trainer.model)
         trainer.accelerator.clear()
