@@ -150,6 +150,15 @@ def _tp_style(weight: Any, topo: Topology) -> str:
     return f"placement {placement} on the tp mesh"
 
 
+def dtensor_tensor_parallel() -> bool:
+    """Whether the installed transformers shards TP layers as DTensors (5.17+), which adapters are laid out on."""
+    from packaging.version import Version
+
+    from shardadopt.registry import installed_version
+
+    return installed_version("transformers") >= Version("5.17")
+
+
 def _placement_name(param: Any) -> str:
     from torch.distributed.tensor import DTensor, Shard
 
@@ -194,6 +203,9 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, config: An
         raise _refusal(name, f"init_lora_weights={init!r} (computed from the whole base weight)",
                        "Use init_lora_weights=True or \"gaussian\", or initialise in one process and load the adapter "
                        "with PeftModel.from_pretrained.")
+    if topo.tp_size > 1 and not dtensor_tensor_parallel():
+        raise _refusal(name, "tensor parallelism on transformers before 5.17 (TP shards are plain tensors there)",
+                       "Upgrade transformers to 5.17 or newer, or load with fsdp_size instead of tp_size.")
     weight = base.weight
     names = tuple(getattr(getattr(weight, "device_mesh", None), "mesh_dim_names", None) or ())
     if {"ep", "efsdp"} & set(names):
@@ -206,14 +218,6 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, config: An
                        "or load with fsdp_size instead of tp_size.")
     if style == "rowwise" and layer.lora_bias.get(adapter, False):
         raise _refusal(name, "lora_bias=True on a rowwise base", "Use lora_bias=False.")
-    if style != "none":
-        from packaging.version import Version
-
-        from shardadopt.registry import installed_version
-
-        if installed_version("transformers") < Version("5.17"):
-            raise _refusal(name, "tensor parallelism on transformers < 5.17 (no DTensor TP for adapters)",
-                           "Upgrade transformers to 5.17 or newer, or load with fsdp_size instead of tp_size.")
     found = (_placement_name(layer.lora_A[adapter].weight), _placement_name(layer.lora_B[adapter].weight))
     if found != _expected(style):
         raise _refusal(name, f"a {style} base layer whose factors peft laid out as lora_A {found[0]}, lora_B "

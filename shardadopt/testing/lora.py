@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 SEED = 1234
-TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+ATTENTION = ("q_proj", "v_proj", "o_proj")  # Qwen3-MoE: every down_proj is an expert tensor
 PER_DP_BATCH = 2
 STEPS = 3
 ACCUM = 2
@@ -23,7 +24,7 @@ MAX_NORM = 0.05  # below every step's adapter grad norm here: clipping is always
 def lora_config(**overrides: Any):
     from peft import LoraConfig
 
-    return LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": TARGETS, **overrides})
+    return LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": list(TARGETS), **overrides})
 
 
 def _rows(dp_size: int, steps: int, accum: int):
@@ -62,14 +63,15 @@ def probe_batch():
     return token_batch(SEED + 1, 2)
 
 
-def train_lora_reference(path: str, dp_size: int, steps: int = STEPS, accum: int = ACCUM) -> dict[str, Any]:
+def train_lora_reference(path: str, dp_size: int, targets: tuple[str, ...] = TARGETS, steps: int = STEPS,
+                         accum: int = ACCUM) -> dict[str, Any]:
     """One process, the same global batches: each step sees ``accum`` micro-batches of dp_size * PER_DP_BATCH."""
     import torch
     from peft import get_peft_model
 
     base = _load(path, None)
     torch.manual_seed(SEED)
-    model = get_peft_model(base, lora_config())
+    model = get_peft_model(base, lora_config(target_modules=list(targets)))
     init = _adapter_params(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     rows = _rows(dp_size, steps, accum)
@@ -93,14 +95,15 @@ def train_lora_reference(path: str, dp_size: int, steps: int = STEPS, accum: int
             "logits": logits}
 
 
-def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: str, steps: int = STEPS,
-                    accum: int = ACCUM) -> dict[str, Any]:
+def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: str,
+                    targets: tuple[str, ...] = TARGETS, steps: int = STEPS, accum: int = ACCUM) -> dict[str, Any]:
     """The user's accelerate loop with LoRA on a sharded load, then ``save_pretrained`` and a sharded reload."""
     import torch
     import torch.distributed as dist
     from peft import PeftModel, get_peft_model
 
     import shardadopt
+    from shardadopt.adapters import AdapterLayoutError
     from shardadopt.selftest.accelerate import _local, fresh_accelerator
 
     shardadopt.enable()
@@ -108,7 +111,10 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
         accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=accum)
         base = _load(path, sizes)
         torch.manual_seed(SEED)
-        model = get_peft_model(base, lora_config())
+        try:
+            model = get_peft_model(base, lora_config(target_modules=list(targets)))
+        except AdapterLayoutError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
         init = _adapter_params(model)
         frozen = {n: _local(p) for n, p in model.named_parameters() if "lora_" not in n}
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -143,3 +149,81 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
                 "reloaded_logits": reloaded_logits, "rank": dist.get_rank()}
     finally:
         shardadopt.disable()
+
+
+# Adam normalises each element's step: a gradient that nearly cancels can move one element by a fraction of LR
+# (see shardadopt.selftest.accelerate); whole-tensor errors (wrong data, gradient, clip) move by ~LR per step.
+PARAM_MAX_DIFF = 0.5 * LR
+PARAM_RMS = 1e-3 * LR
+
+
+def _close(got, want) -> bool:
+    diff = (got - want).abs()
+    return got.shape == want.shape and float(diff.max()) < PARAM_MAX_DIFF and float(diff.pow(2).mean().sqrt()) \
+        <= PARAM_RMS
+
+
+def reference_cache(tiny_models: dict[str, str]):
+    """``get(model, dp, targets)``: :func:`train_lora_reference`, computed once per argument set."""
+    cache: dict[tuple, dict[str, Any]] = {}
+
+    def get(model: str, dp: int, targets: tuple[str, ...]) -> dict[str, Any]:
+        if (model, dp, targets) not in cache:
+            cache[model, dp, targets] = train_lora_reference(tiny_models[model], dp, targets)
+        return cache[model, dp, targets]
+
+    return get
+
+
+def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: int, references, workdir: str) -> None:
+    """Run :func:`train_lora_rank` on ``pool`` and assert it equals the one-process run (test helper): losses, grad
+    norms, last-step adapter gradients, initial and final adapters, identical on every rank, base unchanged; the
+    export loads in this process with equal outputs and back onto a sharded base with equal outputs."""
+    import json
+    import os
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardadopt.adapters import dtensor_tensor_parallel
+
+    targets = ATTENTION if model == "qwen3moe" else TARGETS
+    export = os.path.join(workdir, "adapter")
+    results = pool.run(train_lora_rank, path, sizes, dp, export, targets, timeout=600)
+    if sizes.get("tp_size", 1) > 1 and not dtensor_tensor_parallel():
+        for result in results:  # refused at get_peft_model, naming the fix
+            assert "tensor parallelism on transformers before 5.17" in result["error"], result
+            assert "Upgrade transformers to 5.17" in result["error"]
+        return
+    assert "error" not in results[0], results[0]["error"]
+    expected = references(model, dp, targets)
+    assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
+    first = results[0]
+    for rank, result in enumerate(results):
+        assert result["base_unchanged"], f"rank {rank}: a base weight changed"
+        assert result["trainable"] and all("lora_" in n for n in result["trainable"]), result["trainable"]
+        for key in ("init", "params", "grads"):
+            for name, value in result[key].items():
+                assert torch.equal(value, first[key][name]), f"{key} {name} differs between rank 0 and {rank}"
+        assert result["losses"] == first["losses"] and result["norms"] == first["norms"]
+    assert sorted(first["init"]) == sorted(expected["init"])
+    for name, value in expected["init"].items():
+        assert torch.equal(first["init"][name], value), f"initial {name} differs from one process"
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
+    for name, value in expected["grads"].items():
+        torch.testing.assert_close(first["grads"][name], value, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+    bad = [n for n, v in expected["params"].items() if not _close(first["params"][n], v)]
+    assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
+
+    # the export: an ordinary PEFT adapter, full tensors, that one process loads with equal outputs
+    assert sorted(os.listdir(export)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    with open(os.path.join(export, "adapter_config.json")) as file:
+        assert sorted(json.load(file)["target_modules"]) == sorted(targets)
+    one = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), export)
+    with torch.no_grad():
+        logits = one(input_ids=probe_batch()).logits
+    for result in results:
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=1e-6, atol=1e-6)
