@@ -51,6 +51,7 @@ Public API (collectives: call on every rank):
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -170,60 +171,84 @@ def _placement_name(param: Any) -> str:
     return "colwise" if param.placements[0].dim == 0 else "rowwise"
 
 
-def _expected(style: str) -> tuple[str, str]:
-    """(lora_A, lora_B) placements for a base layer's TP style."""
-    return {"none": ("replicated", "replicated"), "colwise": ("replicated", "colwise"),
-            "rowwise": ("rowwise", "replicated")}[style]
+def _refusal(name: str | None, what: str, fix: str) -> AdapterLayoutError:
+    """``name``: the LoRA layer, or None for a ``LoraConfig`` refused before peft injects anything."""
+    subject = f"LoRA adapter on {name}" if name else "LoraConfig"
+    return AdapterLayoutError(f"{subject}: {what} on a model sharded at load time is not supported by shardadopt "
+                              f"(it would train wrong or crash). {fix}")
 
 
-def _refusal(name: str, what: str, fix: str) -> AdapterLayoutError:
-    return AdapterLayoutError(f"LoRA adapter on {name}: {what} on a model sharded at load time is not supported "
-                              f"by shardadopt (it would train wrong or crash). {fix}")
+def check_config(config: Any) -> None:
+    """Refuse, before peft injects anything, a ``LoraConfig`` whose options cannot be laid out on a sharded model
+    (peft would run them on shards: DoRA's weight norm and weight-based initialisations read the base weight)."""
+    if getattr(config, "use_dora", False):
+        raise _refusal(None, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
+                       "Use plain LoRA (use_dora=False) on the sharded model.")
+    init = getattr(config, "init_lora_weights", True)
+    if init not in _WEIGHT_FREE_INITS:
+        raise _refusal(None, f"init_lora_weights={init!r} (computed from the whole base weight)",
+                       "Use init_lora_weights=True or \"gaussian\", or initialise in one process, save it, and load "
+                       "it onto the sharded model with PeftModel.from_pretrained.")
+    if getattr(config, "modules_to_save", None):
+        raise _refusal(None, f"modules_to_save={config.modules_to_save!r} (trainable copies of sharded "
+                       "modules)", "Leave modules_to_save out and target their Linear layers with LoRA instead.")
+    if getattr(config, "target_parameters", None):
+        raise _refusal(None, f"target_parameters={config.target_parameters!r} (parameters such as fused "
+                       "expert tensors)", "Target projection modules (target_modules) only.")
 
 
-def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, config: Any) -> str:
-    """The base layer's TP style, after refusing what cannot be laid out."""
+def _plan(base_model: nn.Module, name: str) -> str | None:
+    """The model's TP plan entry for module ``name`` (layer numbers as ``*``), as transformers applied it."""
+    plan = getattr(base_model, "tp_plan", None) or {}
+    return plan.get(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name))
+
+
+def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model: nn.Module) -> str:
+    """The base layer's TP style ("none", "colwise", "rowwise"), after refusing what cannot be laid out."""
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora.layer import ParamWrapper
 
     if isinstance(layer, ParamWrapper):
-        raise _refusal(name, "adapters on parameters (target_parameters, e.g. fused expert tensors)",
-                       "Target the projection modules (target_modules) and leave expert parameters out.")
+        raise _refusal(name, "adapters on parameters (fused expert tensors: target_modules matched a parameter "
+                       "of an experts module)", "Leave expert projections out of target_modules (e.g. target "
+                       "attention only: [\"q_proj\", \"v_proj\", \"o_proj\"]).")
     base = layer.get_base_layer()
-    if not isinstance(layer, LoraLinear):
-        if topo.tp_size == 1 and not any(getattr(p, "device_mesh", None) is not None for p in base.parameters()):
-            return "none"
-        raise _refusal(name, f"LoRA on a {type(base).__name__} (only nn.Linear bases are laid out)",
-                       "Target Linear projections only (target_modules=[\"q_proj\", ...]).")
     if layer.use_dora.get(adapter, False) or adapter in layer.lora_magnitude_vector:
         raise _refusal(name, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
                        "Use plain LoRA (use_dora=False) on the sharded model.")
-    init = getattr(config, "init_lora_weights", True)
-    if init not in _WEIGHT_FREE_INITS:
-        raise _refusal(name, f"init_lora_weights={init!r} (computed from the whole base weight)",
-                       "Use init_lora_weights=True or \"gaussian\", or initialise in one process and load the adapter "
-                       "with PeftModel.from_pretrained.")
     if topo.tp_size > 1 and not dtensor_tensor_parallel():
         raise _refusal(name, "tensor parallelism on transformers before 5.17 (TP shards are plain tensors there)",
                        "Upgrade transformers to 5.17 or newer, or load with fsdp_size instead of tp_size.")
-    weight = base.weight
-    names = tuple(getattr(getattr(weight, "device_mesh", None), "mesh_dim_names", None) or ())
+    names = tuple(getattr(getattr(getattr(base, "weight", None), "device_mesh", None), "mesh_dim_names", None) or ())
     if {"ep", "efsdp"} & set(names):
         raise _refusal(name, f"a base layer held by the expert mesh {names}", "Leave expert modules out of "
                        "target_modules.")
-    style = _tp_style(weight, topo)
-    if style not in ("none", "colwise", "rowwise"):
-        raise _refusal(name, f"a tensor-parallel base layer laid out as {style}",
+    if not isinstance(layer, LoraLinear):
+        if topo.tp_size == 1 and not any(getattr(p, "device_mesh", None) is not None for p in base.parameters()):
+            return "none"
+        raise _refusal(name, f"LoRA on a sharded {type(base).__name__} (only nn.Linear bases are laid out)",
+                       "Target Linear projections only (target_modules=[\"q_proj\", ...]).")
+    style = _tp_style(base.weight, topo)
+    plan = _plan(base_model, name) if topo.tp_size > 1 else None
+    if plan is not None and plan not in ("colwise", "rowwise"):
+        raise _refusal(name, f"a base layer with tensor-parallel plan {plan!r}", "Only \"colwise\" and "
+                       "\"rowwise\" plans are supported: leave this module out of target_modules, or load with "
+                       "fsdp_size instead of tp_size.")
+    if style not in ("none", "colwise", "rowwise") or (plan or "none") != style:
+        raise _refusal(name, f"a tensor-parallel base layer laid out as {style} (plan {plan!r})",
                        "Only colwise and rowwise TP plans are supported: leave this module out of target_modules, "
                        "or load with fsdp_size instead of tp_size.")
     if style == "rowwise" and layer.lora_bias.get(adapter, False):
         raise _refusal(name, "lora_bias=True on a rowwise base", "Use lora_bias=False.")
     found = (_placement_name(layer.lora_A[adapter].weight), _placement_name(layer.lora_B[adapter].weight))
-    if found != _expected(style):
-        raise _refusal(name, f"a {style} base layer whose factors peft laid out as lora_A {found[0]}, lora_B "
-                       f"{found[1]} (expected {_expected(style)[0]}, {_expected(style)[1]})",
-                       "Add adapters after shardadopt.enable() (or inside shardadopt.adapters.global_adapter_shapes()"
-                       " followed by lay_out_adapters).")
+    whole = (layer.lora_A[adapter].weight.shape == (layer.r[adapter], layer.in_features)
+             and layer.lora_B[adapter].weight.shape == (layer.out_features, layer.r[adapter])
+             and (layer.in_features, layer.out_features) == (base.weight.shape[1], base.weight.shape[0]))
+    if found != ("replicated", "replicated") or not whole:
+        raise _refusal(name, f"factors peft already laid out (lora_A {found[0]}, lora_B {found[1]}, sized "
+                       f"{layer.in_features}x{layer.out_features} for a {tuple(base.weight.shape)} base)",
+                       "Add adapters after shardadopt.enable(), or inside shardadopt.adapters.global_adapter_shapes() "
+                       "followed by lay_out_adapters(model).")
     return style
 
 
@@ -259,17 +284,25 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 def _set_from_rank0(param: nn.Parameter) -> None:
-    """Make ``param`` global rank 0's value on every rank (each rank keeps its shard of it)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
+    """Make the whole (not yet sharded) ``param`` global rank 0's value on every rank."""
     with torch.no_grad():
-        full = _full(param).contiguous().clone()
-        dist.broadcast(full, src=0)
-        if isinstance(param, DTensor):
-            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            upstream.dtensor_local(param).copy_(upstream.dtensor_local(local))
-        else:
-            param.copy_(full)
+        dist.broadcast(param.data, src=0)
+
+
+def _tp_mesh(weight: Any) -> Any:
+    mesh = weight.device_mesh
+    return mesh["tp"] if mesh.ndim > 1 else mesh
+
+
+def _shard_factor(factor: nn.Module, style: str, mesh: Any) -> None:
+    """Shard the whole, identical-on-every-rank ``factor`` like its base layer and install transformers' own TP
+    forward for ``style`` on it (what peft's DTensor TP does, on the global shape: each rank keeps its slice)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    tp_style = ALL_PARALLEL_STYLES[style]
+    for name, _ in list(factor.named_parameters(recurse=False)):
+        tp_style.shard_param(factor, name, mesh)
+    tp_style.install_forward(factor, mesh)
 
 
 _groups: dict[tuple, Any] = {}
@@ -323,20 +356,24 @@ def lay_out_adapters(model: nn.Module) -> int:
     if not topo.is_sharded:
         return 0
     _refuse_modules_to_save(model)
-    configs = _peft_configs(model)
+    for config in _peft_configs(model).values():
+        check_config(config)
     group = _dp_group(topo) if topo.dp_size > 1 else None
     fsdp_modules = [m for m in base.modules() if isinstance(m, FSDPModule)][:1]
     done = 0
-    for name, layer in _lora_layers(model):
+    for name, layer in _lora_layers(base):
         laid_out = layer.__dict__.setdefault(_LAID_OUT, set())
         for adapter in [a for a in layer.lora_A if a not in laid_out]:
-            _check_layer(name, layer, adapter, topo, configs.get(adapter))
+            style = _check_layer(name, layer, adapter, topo, base)
             for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
                 for param in factor.parameters():
                     if param.is_meta:
                         raise _refusal(name, "adapters created on the meta device (low_cpu_mem_usage=True)",
                                        "Load the adapter with low_cpu_mem_usage=False.")
                     _set_from_rank0(param)
+            if style != "none":
+                _shard_factor(layer.lora_B[adapter] if style == "colwise" else layer.lora_A[adapter], style,
+                              _tp_mesh(layer.get_base_layer().weight))
             laid_out.add(adapter)
             done += 1
         if topo.dp_size > 1:
@@ -370,7 +407,7 @@ def check_adapters(model: nn.Module) -> None:
     if not topo.is_sharded:
         return
     _refuse_modules_to_save(model)
-    for name, layer in _lora_layers(model):
+    for name, layer in _lora_layers(base):
         missing = [a for a in layer.lora_A if a not in layer.__dict__.get(_LAID_OUT, ())]
         if missing:
             raise AdapterLayoutError(

@@ -16,7 +16,8 @@ patch wraps:
 - ``BaseTuner.inject_adapter`` (what ``get_peft_model``, ``PeftModel.from_pretrained``, ``add_adapter`` and
   ``load_adapter`` go through): factors are sized by the base layer's global shape while peft injects, then
   :func:`shardadopt.adapters.lay_out_adapters` lays them out and hooks their data-parallel averaging, or refuses;
-- ``LoraLayer._get_in_out_features``: the global shape, inside that injection only;
+- ``LoraLayer._get_in_out_features``: the global shape, inside that injection only; ``get_tp_plan_and_mesh``: no
+  plan there, so peft leaves the factors whole (each rank's own init) for shardadopt to broadcast and shard;
 - ``PeftModel.save_pretrained``: full tensors, written by global rank 0 only, every rank leaving after it wrote;
 - ``BaseTuner.merge_and_unload`` / ``merge_adapter``: refused on sharded models (:data:`adapters.MERGE_REFUSAL`).
 
@@ -36,11 +37,13 @@ _REDUCTIONS = {"all_reduce", "register_post_accumulate_grad_hook", "fully_shard"
 
 
 def _inject_adapter(wrapped, instance, args, kwargs):
-    from shardadopt.adapters import global_adapter_shapes, is_sharded_base, lay_out_adapters
+    from shardadopt.adapters import check_config, global_adapter_shapes, is_sharded_base, lay_out_adapters
 
     model = args[0] if args else kwargs.get("model")
     if not is_sharded_base(model):
         return wrapped(*args, **kwargs)
+    adapter_name = args[1] if len(args) > 1 else kwargs.get("adapter_name")
+    check_config(instance.peft_config.get(adapter_name))  # before peft runs DoRA or a weight-based init on shards
     with global_adapter_shapes():
         result = wrapped(*args, **kwargs)
     lay_out_adapters(instance)
@@ -55,6 +58,13 @@ def _in_out_features(wrapped, instance, args, kwargs):
         if found is not None:
             return found
     return wrapped(*args, **kwargs)
+
+
+def _tp_plan_and_mesh(wrapped, instance, args, kwargs):
+    from shardadopt.adapters import global_shape_requested
+
+    # shardadopt.adapters lays the factors out itself, after rank 0's values are everywhere
+    return (None, None) if global_shape_requested() else wrapped(*args, **kwargs)
 
 
 def _save_pretrained(wrapped, instance, args, kwargs):
@@ -105,6 +115,7 @@ PATCH = Patch(
     requires={"peft": ">=0.21,<0.22", "transformers": SUPPORTED["transformers"], "torch": SUPPORTED["torch"]},
     wrappers={Target(_TUNERS, "BaseTuner.inject_adapter"): _inject_adapter,
               upstream.PEFT_LORA_IN_OUT_FEATURES: _in_out_features,
+              Target("peft.tuners.lora.model", "get_tp_plan_and_mesh"): _tp_plan_and_mesh,
               Target(_PEFT_MODEL, "PeftModel.save_pretrained"): _save_pretrained,
               Target(_TUNERS, "BaseTuner.merge_and_unload"): _refuse_merge,
               Target(_TUNERS, "BaseTuner.merge_adapter"): _refuse_merge},

@@ -227,3 +227,108 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
     for result in results:
         torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=1e-6, atol=1e-6)
+
+
+def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: str, steps: int = 4,
+                     save_after: int = 2) -> dict[str, Any]:
+    """``steps`` optimizer steps with ``save_state(directory)`` after ``save_after``; then a fresh load, adapters
+    initialised from another seed, ``load_state(directory)`` and the remaining steps: both runs' losses."""
+    import torch
+
+    import shardadopt
+    from shardadopt.selftest.accelerate import fresh_accelerator
+
+    shardadopt.enable()
+    try:
+        def run(seed: int, resume: bool) -> list[float]:
+            from peft import get_peft_model
+
+            accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+            torch.manual_seed(seed)
+            model = get_peft_model(_load(path, sizes), lora_config())
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, ACCUM)), batch_size=PER_DP_BATCH)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            if resume:
+                accelerator.load_state(directory)
+            losses, done = [], 0
+            for index, batch in enumerate(loader):
+                if resume and index < save_after * ACCUM:
+                    continue  # the batches the saved run consumed
+                with accelerator.accumulate(model):
+                    loss = model(input_ids=batch, labels=batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    done += 1
+                    if not resume and done == save_after:
+                        accelerator.save_state(directory)
+            return losses
+
+        return {"straight": run(SEED, False), "resumed": run(SEED + 99, True)}
+    finally:
+        shardadopt.disable()
+
+
+REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the adapter to a sharded model
+    "expert-tensors": {},  # Qwen3-MoE: down_proj matches the experts' fused tensors
+    "dora": {"use_dora": True},
+    "pissa": {"init_lora_weights": "pissa"},
+    "modules-to-save": {"modules_to_save": ["lm_head"]},
+    "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
+}
+
+
+def adapter_case(path: str, sizes: dict[str, Any], case: str) -> dict[str, Any]:
+    """One adapter scenario on a sharded load: a refusal (``REFUSALS``, ``added-before-enable``, ``merge``) as the
+    error text, or ``seeds-differ``: adapters added with every rank seeded differently (rank 0 with ``SEED``), a
+    second one through ``add_adapter``: their initial values on this rank."""
+    import torch
+    import torch.distributed as dist
+    from peft import get_peft_model
+
+    import shardadopt
+    from shardadopt.selftest.accelerate import fresh_accelerator
+
+    shardadopt.enable()
+    try:
+        accelerator = fresh_accelerator(cpu=True)
+        base = _load(path, sizes)
+        torch.manual_seed(SEED)
+        try:
+            if case in REFUSALS:
+                get_peft_model(base, lora_config(**REFUSALS[case]))
+            elif case == "added-before-enable":
+                shardadopt.disable()
+                model = get_peft_model(base, lora_config())
+                shardadopt.enable()
+                accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+            elif case == "merge":
+                get_peft_model(base, lora_config()).merge_and_unload()
+            elif case == "seeds-differ":
+                torch.manual_seed(SEED + 1000 * dist.get_rank())
+                model = get_peft_model(base, lora_config(init_lora_weights="gaussian"))
+                model.add_adapter("second", lora_config(r=4, init_lora_weights="gaussian"))
+                return {"init": _adapter_params(model)}
+            else:
+                raise ValueError(f"unknown case {case!r}")
+        except ValueError as exc:  # AdapterLayoutError, AdoptionError
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": None}
+    finally:
+        shardadopt.disable()
+
+
+def initial_adapters(path: str) -> dict[str, Any]:
+    """What one process initialises for ``adapter_case(..., "seeds-differ")`` from ``SEED``."""
+    import torch
+    from peft import get_peft_model
+
+    torch.manual_seed(SEED)
+    model = get_peft_model(_load(path, None), lora_config(init_lora_weights="gaussian"))
+    model.add_adapter("second", lora_config(r=4, init_lora_weights="gaussian"))
+    return _adapter_params(model)
