@@ -1,51 +1,56 @@
 """PEFT LoRA adapters on models sharded at load time: laid out like their base layers, trained like one process.
 
-peft adds LoRA factors as plain tensors (and, on tensor-parallel loads, shards some of them with a fan taken from
-the local shard); nothing reduces their gradients over the data-parallel ranks, so each rank trains its own adapter
-(FSDP), or the first forward crashes (TP, fsdp x tp, EP). :func:`lay_out_adapters` fixes an injected adapter so that
-the sharded model trains exactly like one process on the same global batch:
+peft adds LoRA factors as plain tensors (and, on tensor-parallel loads, sizes them by the local shard); nothing
+reduces their gradients over the data-parallel ranks, so each rank trains its own adapter (FSDP), or the first
+forward crashes (TP, fsdp x tp, EP). :func:`lay_out_adapters` fixes an injected adapter so that the sharded model
+trains exactly like one process on the same global batch:
 
-- **shapes and placements**: every factor is built on its base layer's *global* shape (peft's own initialiser, so
-  the init scale does not depend on the TP size), then laid out by its base layer's tensor-parallel plan, the
-  rules of peft's DTensor TP (peft #3079) and torchtitan's ``components/lora.py``: colwise base (weight
+- **shapes**: peft builds every factor on its base layer's *global* shape inside :func:`global_adapter_shapes`
+  (peft's own initialiser, so the init scale does not depend on the TP size), and whole: the patch hides the TP
+  plan from peft while it injects;
+- **values**: each whole factor is broadcast from global rank 0, so the ranks agree whatever their RNG holds, and
+  with rank 0 seeded like the one-process run the adapter equals the one-process adapter;
+- **placements**: then the factor facing the sharded dim is sharded like its base layer with transformers' own TP
+  style (what peft's DTensor TP, peft #3079, and torchtitan's ``components/lora.py`` do): colwise base (weight
   ``Shard(0)`` on the tp mesh) -> ``lora_A`` replicated, ``lora_B`` colwise; rowwise base (``Shard(1)``) ->
-  ``lora_A`` rowwise, ``lora_B`` replicated (its input is the all-reduced partial output of ``lora_A``). Bases
-  that are not tensor parallel (FSDP only, HSDP, EP's attention) keep both factors whole;
-- **values**: every factor equals global rank 0's initialisation (broadcast, then each rank keeps its shard), so the
-  ranks agree whatever their RNG holds, and with every rank seeded like the one-process run, the adapter equals the
-  one-process adapter;
+  ``lora_A`` rowwise (its partial output all-reduced), ``lora_B`` replicated. Bases that are not tensor parallel
+  (FSDP only, HSDP, EP's attention) keep both factors whole;
 - **gradients**: factors are replicated over the data-parallel ranks (they are small; DDP does the same) and their
-  gradients averaged over exactly that group after each backward (the ranks of one tp group are distinct members
-  of distinct dp groups). Averaging an accumulated gradient again is exact: the part every rank shares averages to
-  itself. Under FSDP2 ``no_sync`` (accelerate's ``accumulate()``) the reduction waits for the synchronised backward,
-  like FSDP's own. Tensor-parallel factors get their TP reductions from DTensor;
-- **refused**, naming the layer and the way out (:class:`AdapterLayoutError`): a base layer whose TP plan is not
-  colwise/rowwise, adapters on expert parameters (``target_parameters`` on fused expert tensors) or on modules
-  held by the expert mesh, DoRA, LoRA on embeddings/convolutions of a TP model, LoRA bias on a rowwise base,
-  ``modules_to_save`` of a sharded module, initialisations computed from the base weight (PiSSA, OLoRA, LoftQ,
-  EVA, CorDA, LoRA-GA), and tensor parallelism on transformers without DTensor TP (before 5.17).
+  gradients averaged over exactly that group (the ranks with this rank's tp coordinate) after each backward.
+  Averaging an accumulated gradient again would be exact too (the part every rank shares averages to itself), but
+  under FSDP2 ``no_sync`` (accelerate's ``accumulate()``) the reduction waits for the synchronised backward, like
+  FSDP's own. TP factors get their TP reductions from DTensor. Base weights stay frozen (peft's marking);
+- **refused**, naming the layer or option and the way out (:class:`AdapterLayoutError`), before peft touches a
+  shard where possible (:func:`check_config`): DoRA, initialisations computed from the base weight (PiSSA, OLoRA,
+  LoftQ, EVA, CorDA, LoRA-GA), ``modules_to_save``, ``target_parameters`` and target modules that match fused
+  expert tensors, base layers on the expert mesh or with a TP plan other than colwise/rowwise, LoRA on sharded
+  non-Linear layers, ``lora_bias`` on a rowwise base, adapters on the meta device, and tensor parallelism on
+  transformers without DTensor TP (before 5.17).
 
 Adapters are fixed when peft injects them (``get_peft_model``, ``PeftModel.from_pretrained``, ``add_adapter``,
-``load_adapter``: the ``peft-sharded-adapters`` patch calls :func:`lay_out_adapters` after peft's
-``BaseTuner.inject_adapter``), so an optimizer built from ``model.parameters()`` before ``accelerator.prepare``
-holds the final parameters. ``accelerator.prepare`` (``shardadopt.adopt.adopt_model``) calls
-:func:`check_adapters` and refuses a sharded model whose LoRA layers were not laid out (added before
-``shardadopt.enable()``, or by a path nothing hooked).
+``load_adapter``: the ``peft-sharded-adapters`` patch wraps peft's ``BaseTuner.inject_adapter``), so an optimizer
+built from ``model.parameters()`` before ``accelerator.prepare`` holds the final parameters. ``accelerator.prepare``
+(``shardadopt.adopt.adopt_model``) calls :func:`check_adapters`: a sharded model whose LoRA layers were not laid out
+(added before ``shardadopt.enable()``) is refused, and factors made trainable after injection get their hooks.
 
-Public API (collectives: call on every rank):
+Public API (``lay_out_adapters``, ``adapter_state_dict`` and ``full_adapter_tensors`` are collectives: call them on
+every rank):
 
-- ``lay_out_adapters(model) -> int``: lay out every LoRA adapter not laid out yet (returns how many layers changed);
-  for users who do not patch: ``with global_adapter_shapes(): model = get_peft_model(...)``, then
+- ``lay_out_adapters(model) -> int``: lay out every LoRA adapter not laid out yet (returns how many (layer,
+  adapter) pairs); without the patch: ``with global_adapter_shapes(): model = get_peft_model(...)``, then
   ``lay_out_adapters(model)`` (likewise around ``add_adapter`` / ``load_adapter``);
-- ``global_adapter_shapes()``: a context manager in which peft sizes LoRA factors by the base layer's global shape;
-- ``check_adapters(model)``: raise :class:`AdapterLayoutError` for LoRA layers that are not laid out or cannot be;
+- ``global_adapter_shapes()``: the context manager in which peft sizes LoRA factors by the global shape;
+- ``check_config(lora_config)`` / ``check_adapters(model)``: raise :class:`AdapterLayoutError` for what cannot be
+  laid out / for LoRA layers that are not laid out;
 - ``adapter_state_dict(peft_model, adapter_name="default") -> dict``: the adapter's full tensors in PEFT's format
-  (what ``save_pretrained`` writes), every rank getting all of them; ``full_adapter_tensors(peft_model)``: the
-  model's state dict with the LoRA factors whole;
-- ``AdapterLayoutError`` (a ``ValueError``).
+  (what ``save_pretrained`` writes), on every rank; ``full_adapter_tensors(peft_model)``: the model's state dict
+  with the LoRA factors whole;
+- ``is_sharded_base(model)``, ``dtensor_tensor_parallel()``, ``MERGE_REFUSAL``, ``AdapterLayoutError`` (a
+  ``ValueError``).
 
-``PeftModel.save_pretrained(dir)`` on a sharded model writes full tensors once (global rank 0, then a barrier);
-``merge_and_unload()``/``merge_adapter()`` on a sharded model are refused (merge in one process after exporting).
+With the patch, ``PeftModel.save_pretrained(dir)`` on a sharded model writes full tensors once (global rank 0, under
+a fence, then a barrier); ``merge_and_unload()``/``merge_adapter()`` on a sharded model are refused (export, then
+merge in one process).
 """
 
 from __future__ import annotations
@@ -63,8 +68,8 @@ from torch import nn
 from shardadopt import upstream
 from shardadopt.topology import Topology, topology
 
-__all__ = ["AdapterLayoutError", "lay_out_adapters", "check_adapters", "global_adapter_shapes", "adapter_state_dict",
-           "full_adapter_tensors", "is_sharded_base", "MERGE_REFUSAL"]
+__all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_adapters", "global_adapter_shapes",
+           "adapter_state_dict", "full_adapter_tensors", "is_sharded_base", "dtensor_tensor_parallel", "MERGE_REFUSAL"]
 
 _LAID_OUT = "_shardadopt_adapters"  # on a LoRA layer: the adapter names laid out
 _HOOKED = "_shardadopt_dp_average"  # on a factor parameter: the dp-averaging hook handle

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from shardadopt import upstream
 from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import SUPPORTED
+from shardadopt.versions import supported
 
 PATCH_ID = "peft-sharded-adapters"
 _TUNERS = "peft.tuners.tuners_utils"
@@ -112,7 +112,7 @@ PATCH = Patch(
     summary="PEFT LoRA on sharded models: adapters laid out like their base layers, dp-averaged, exported whole",
     upstream="anticipates huggingface/peft (DTensor TP since #3079 sizes by the local shard); "
              "huggingface/transformers#48792 / #48873 (FSDP adapters never reduced)",
-    requires={"peft": ">=0.21,<0.22", "transformers": SUPPORTED["transformers"], "torch": SUPPORTED["torch"]},
+    requires=supported("peft", "transformers", "torch"),
     wrappers={Target(_TUNERS, "BaseTuner.inject_adapter"): _inject_adapter,
               upstream.PEFT_LORA_IN_OUT_FEATURES: _in_out_features,
               Target("peft.tuners.lora.model", "get_tp_plan_and_mesh"): _tp_plan_and_mesh,
