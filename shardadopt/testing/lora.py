@@ -117,7 +117,8 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
             return {"error": f"{type(exc).__name__}: {exc}"}
         init = _adapter_params(model)
         frozen = {n: _local(p) for n, p in model.named_parameters() if "lora_" not in n}
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        # foreach: one kernel over plain and DTensor factors, which needs per-mesh groups (split at prepare)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, accum)), batch_size=PER_DP_BATCH)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         losses, norms, micro, grads = [], [], [], {}
