@@ -199,7 +199,9 @@ def check_config(config: Any) -> None:
                        "modules)", "Leave modules_to_save out and target their Linear layers with LoRA instead.")
     if getattr(config, "target_parameters", None):
         raise _refusal(None, f"target_parameters={config.target_parameters!r} (parameters such as fused "
-                       "expert tensors)", "Target projection modules (target_modules) only.")
+                       "expert tensors; peft also lands here when a target_modules name matches an experts "
+                       "module's parameter)", "Target projection modules only and leave the experts out, e.g. "
+                       "target_modules=[\"q_proj\", \"v_proj\", \"o_proj\"] on a MoE model.")
 
 
 def _plan(base_model: nn.Module, name: str) -> str | None:
