@@ -14,6 +14,8 @@ import pytest
 from shardadopt.selftest.trainer import distributed_sizes
 from shardadopt.testing.lora import check_lora_training, reference_cache
 
+pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
+
 pytestmark = pytest.mark.multiproc
 
 # EP: Qwen3-MoE with adapters on attention (its down_proj are expert tensors: refused, see the refusal tests)
