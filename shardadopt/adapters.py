@@ -157,12 +157,14 @@ def _tp_style(weight: Any, topo: Topology) -> str:
 
 
 def dtensor_tensor_parallel() -> bool:
-    """Whether the installed transformers shards TP layers as DTensors (5.17+), which adapters are laid out on."""
-    from packaging.version import Version
-
-    from shardadopt.registry import installed_version
-
-    return installed_version("transformers") >= Version("5.17")
+    """Whether the installed transformers shards TP layers as DTensors with per-style forwards (5.17+: the module
+    ``transformers.distributed.tensor_parallel``, its style registry and ``apply_tensor_parallelism``, what peft
+    checks too), which adapters are laid out with."""
+    try:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, apply_tensor_parallelism  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _placement_name(param: Any) -> str:
