@@ -17,11 +17,16 @@ SUPPORTED: dict[str, str] = {
     "wrapt": ">=2",
 }
 
+# Optional integrations: not dependencies, but the patches for them are written and tested against these ranges.
+OPTIONAL: dict[str, str] = {
+    "peft": ">=0.21,<0.22",
+}
+
 
 def supported(*distributions: str) -> dict[str, str]:
     """``SUPPORTED`` for these distributions: a patch's ``requires`` (its first one is the upstream its probe reads,
     whose releases the README's "needed on" column names)."""
-    return {name: SUPPORTED[name] for name in distributions}
+    return {name: SUPPORTED.get(name) or OPTIONAL[name] for name in distributions}
 
 
 def report() -> list[dict[str, str | bool | None]]:
