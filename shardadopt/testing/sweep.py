@@ -1,0 +1,306 @@
+"""The architecture sweep's check: the ordinary accelerate loop on a tiny model of one type, sharded at load time
+with one layout, against one process on the same global batches.
+
+Used by ``tools/arch_sweep.py`` (every type, every layout, recorded per transformers release), its CI sample
+(``tests/test_arch_sweep.py``) and ``shardadopt doctor --model ... --check``. All types of one layout run in one
+process group (:class:`~shardadopt.testing.pool.RankPool`); a type whose ranks raise apart or hang costs that
+pool (restarted for the next type), never the sweep.
+
+Verdicts: ``verified``; ``refused upstream`` (transformers' load raises: its message); ``refused by shardadopt``
+(shardadopt refuses the layout at load time, loudly); ``fails`` (what differs, or what raises after loading);
+``not testable here`` (why: no tiny config derives from the type's defaults, one process cannot train it here,
+the layout needs more ranks than the type has heads, ...).
+
+Tolerances (fp32 everywhere; the distributed run only reorders floating-point sums):
+
+- first-step gradients: a parameter's gradient matches when ``max|g - g_ref| <= GRAD_RTOL * scale``, where
+  ``scale`` is the parameter's largest reference gradient element, floored at ``GRAD_FLOOR`` times the model's
+  largest one (a gradient that nearly cancels is judged against the model's gradient scale, not its own noise).
+  fp32 sums over the ~10^3 terms of these tiny models reorder to ~1e-6 relative; 1e-4 leaves two orders of
+  margin while a missing or doubled reduction over 2 ranks is off by 0.5 or more.
+- per-step loss and clipped (total) grad norm: relative ``STEP_RTOL``; Adam normalises every update, so noise
+  in a near-zero gradient element moves that parameter by a sizeable fraction of a step, which later losses see.
+- final parameters: the selftest's rule (no element off by half a step, RMS within 1e-3 of the learning rate).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+VERIFIED = "verified"
+REFUSED_UPSTREAM = "refused upstream"
+REFUSED_SHARDADOPT = "refused by shardadopt"
+FAILS = "fails"
+NOT_TESTABLE = "not testable here"
+VERDICTS = (VERIFIED, REFUSED_UPSTREAM, REFUSED_SHARDADOPT, FAILS, NOT_TESTABLE)
+
+STEPS = 3
+ACCUM = 2
+PER_DP_BATCH = 2
+SEQ_LEN = 16
+LR = 1e-3
+MAX_NORM = 0.5
+SEED = 1234
+GRAD_RTOL = 1e-4
+GRAD_FLOOR = 1e-2
+STEP_RTOL = 1e-4
+
+# layout -> (ranks, plan the type needs)
+LAYOUTS: dict[str, tuple[int, str | None]] = {"fsdp": (2, None), "tp": (2, "tp"), "ep": (2, "ep"),
+                                              "hsdp": (4, None), "2d": (4, "tp")}
+
+
+@dataclass
+class Cell:
+    verdict: str
+    detail: str = ""
+    worst: dict[str, float] = field(default_factory=dict)  # measured error / tolerance, per quantity
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "detail": self.detail, "worst": self.worst, "seconds": self.seconds}
+
+
+def layout_sizes(layout: str) -> tuple[dict[str, Any], int] | str:
+    """(DistributedConfig kwargs, data-parallel size) for ``layout`` on the installed transformers, or why it
+    cannot be loaded there."""
+    from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes, unloadable_reason
+
+    try:
+        sizes, dp = distributed_sizes(layout, LAYOUTS[layout][0])
+    except LayoutUnsupported as exc:
+        return str(exc)
+    return unloadable_reason(sizes) or (sizes, dp)
+
+
+def candidates(layout: str) -> list[str]:
+    """The model types the sweep checks on ``layout``: every causal LM (FSDP, HSDP) or those with the plan the
+    layout shards by."""
+    from shardadopt.testing.archs import causal_lm_types
+
+    return causal_lm_types(LAYOUTS[layout][1])
+
+
+def _rows(dp: int):
+    import torch
+
+    count = STEPS * ACCUM * dp * PER_DP_BATCH
+    return torch.randint(0, 512, (count, SEQ_LEN), generator=torch.Generator().manual_seed(SEED))
+
+
+def reference(path: str, dp: int) -> dict[str, Any]:
+    """One process: the same optimizer steps on the same global batches (``dp * PER_DP_BATCH`` rows a micro-step)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    rows, micro_rows = _rows(dp), dp * PER_DP_BATCH
+    losses, norms, grads = [], [], None
+    for step in range(STEPS):
+        micro = []
+        for m in range(ACCUM):
+            batch = rows[(step * ACCUM + m) * micro_rows:(step * ACCUM + m + 1) * micro_rows]
+            loss = model(input_ids=batch, labels=batch).loss
+            (loss / ACCUM).backward()
+            micro.append(loss.detach())
+        if grads is None:
+            grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(torch.stack(micro).mean()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "grads": grads,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def check_rank(path: str, sizes: dict[str, Any], dp: int) -> dict[str, Any]:
+    """On every rank of a pool: the accelerate loop users write, after ``shardadopt.enable()``, on ``path`` loaded
+    with ``DistributedConfig(**sizes)``. Returns this rank's losses, norms, first-step gradients and final
+    parameters (DTensors whole, plain tensors as this rank holds them), or the stage that raised."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing import full
+
+    shardadopt.enable()
+    try:
+        accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                         distributed_config=DistributedConfig(**sizes))
+        except Exception as exc:
+            return {"stage": "load", "error": _error(exc), "shardadopt": _raised_by_shardadopt(exc)}
+        try:
+            model.train()
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+            loader = torch.utils.data.DataLoader(list(_rows(dp)), batch_size=PER_DP_BATCH)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            losses, norms, micro, grads = [], [], [], None
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    loss = model(input_ids=batch, labels=batch).loss
+                    micro.append(loss.detach())
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        if grads is None:
+                            grads = {n: None if p.grad is None else full(p.grad).detach().clone()
+                                     for n, p in accelerator.unwrap_model(model).named_parameters()}
+                        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+                        losses.append(float(accelerator.reduce(torch.stack(micro).mean(), "mean")))
+                        micro = []
+                    optimizer.step()
+                    optimizer.zero_grad()
+            params = {n: full(p).detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+        except Exception as exc:
+            return {"stage": "train", "error": _error(exc)}
+        return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+    finally:
+        shardadopt.disable()
+
+
+def _error(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 400 else text[:397] + "..."
+
+
+def _raised_by_shardadopt(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("shardadopt")
+
+
+def _whole(pieces: list, shape) -> list:
+    """The candidates for a parameter's full value from the ranks' copies: every rank's whole copy, or the ranks'
+    shards concatenated along the one dim where they are smaller."""
+    import torch
+
+    if all(p.shape == shape for p in pieces):
+        return pieces
+    dims = [d for d, (a, b) in enumerate(zip(pieces[0].shape, shape)) if a != b]
+    if len(dims) != 1:
+        return pieces[:1]
+    return [torch.cat(pieces, dim=dims[0])]
+
+
+def compare(results: list[dict[str, Any]], expected: dict[str, Any]) -> Cell:
+    """The verdict of one type and layout from every rank's :func:`check_rank` result."""
+    import torch
+
+    from shardadopt.selftest.accelerate import PARAM_MAX_DIFF, PARAM_RMS
+
+    failed = next((r for r in results if "error" in r), None)
+    if failed is not None:
+        if failed["stage"] == "load":
+            return Cell(REFUSED_SHARDADOPT if failed["shardadopt"] else REFUSED_UPSTREAM, failed["error"])
+        return Cell(FAILS, f"raises in the accelerate loop: {failed['error']}")
+    first, worst, problems = results[0], {}, []
+    for what in ("losses", "norms"):
+        got, want = torch.tensor(first[what]), torch.tensor(expected[what])
+        if got.shape != want.shape:
+            problems.append(f"{len(first[what])} {what}, one process {len(expected[what])}")
+            continue
+        ratio = float(((got - want).abs() / want.abs().clamp_min(1e-12)).max()) / STEP_RTOL
+        worst[what] = ratio
+        if ratio > 1:
+            step = int(((got - want).abs() / want.abs().clamp_min(1e-12)).argmax())
+            problems.append(f"{what[:-1]} at step {step}: {got[step]:.7g} vs one process {want[step]:.7g}")
+    scale = max((float(g.abs().max()) for g in expected["grads"].values() if g is not None), default=0.0)
+    bad_grads = []
+    for name, want in expected["grads"].items():
+        pieces = [r["grads"].get(name) for r in results]
+        if want is None or any(p is None for p in pieces):
+            if want is not None or any(p is not None for p in pieces):
+                bad_grads.append(f"{name} (gradient missing on some side)")
+            continue
+        tolerance = GRAD_RTOL * max(float(want.abs().max()), GRAD_FLOOR * scale, 1e-30)
+        errors = [float((c - want).abs().max()) if c.shape == want.shape else float("inf")
+                  for c in _whole(pieces, want.shape)]
+        ratio = max(errors) / tolerance
+        worst["grads"] = max(worst.get("grads", 0.0), ratio)
+        if ratio > 1:
+            bad_grads.append(f"{name} (max diff {max(errors):.3g}, {ratio:.3g}x the tolerance)")
+    if bad_grads:
+        problems.append(f"first-step gradients of {len(bad_grads)} parameters: {', '.join(bad_grads[:4])}")
+    bad_params = []
+    for name, want in expected["params"].items():
+        for got in _whole([r["params"][name] for r in results], want.shape):
+            diff = (got - want).abs() if got.shape == want.shape else None
+            ratio = float("inf") if diff is None else max(float(diff.max()) / PARAM_MAX_DIFF,
+                                                          float(diff.pow(2).mean().sqrt()) / PARAM_RMS)
+            worst["params"] = max(worst.get("params", 0.0), ratio)
+            if ratio > 1:
+                bad_params.append(name)
+                break
+    if bad_params:
+        problems.append(f"final parameters of {len(bad_params)}: {', '.join(bad_params[:4])}")
+    worst = {k: float(f"{v:.3g}") for k, v in worst.items()}
+    return Cell(FAILS, "; ".join(problems), worst) if problems else Cell(VERIFIED, "", worst)
+
+
+def sweep_layout(types: Iterable[str], layout: str, root: str | os.PathLike,
+                 on_cell: Callable[[str, Cell], None], timeout: float = 300.0, log: str | None = None,
+                 config_values: dict[str, Any] | None = None, pool: Any = None) -> None:
+    """Check every type of ``types`` on ``layout`` in one process group; ``on_cell(type, cell)`` after each.
+
+    Tiny checkpoints (shrunk from ``config_values``, a checkpoint's config, or each type's default config) and
+    one-process references are made in this process and cached under ``root``. ``pool``: a
+    :class:`~shardadopt.testing.pool.RankPool` of the layout's size to run on (default: one started here, and
+    started again after a type whose ranks raised apart or hung).
+    """
+    import torch
+
+    from shardadopt.testing.archs import write_tiny
+    from shardadopt.testing.pool import RankError, RankPool, RankTimeout
+
+    types = list(types)
+    sizes = layout_sizes(layout)
+    if isinstance(sizes, str):
+        for model_type in types:
+            on_cell(model_type, Cell(NOT_TESTABLE, f"{layout}: {sizes}"))
+        return
+    sizes, dp = sizes
+    nproc = LAYOUTS[layout][0]
+    owned = pool is None
+    try:
+        for model_type in types:
+            started = time.monotonic()
+            try:
+                path = write_tiny(model_type, root, values=config_values)
+            except Exception as exc:
+                on_cell(model_type, Cell(NOT_TESTABLE, f"no tiny config derives from the default config: "
+                                                       f"{_error(exc)}"))
+                continue
+            cached = os.path.join(path, f"reference-dp{dp}.pt")
+            try:
+                if os.path.exists(cached):
+                    expected = torch.load(cached)
+                else:
+                    with torch.random.fork_rng():
+                        expected = reference(path, dp)
+                    torch.save(expected, cached)
+            except Exception as exc:
+                on_cell(model_type, Cell(NOT_TESTABLE, f"one process cannot train the tiny model here: "
+                                                       f"{_error(exc)}"))
+                continue
+            if pool is None:
+                pool = RankPool(nproc, log=log)
+            try:
+                results = pool.run(check_rank, path, sizes, dp, timeout=timeout)
+                cell = compare(results, expected)
+            except (RankError, RankTimeout) as exc:  # ranks raised apart or hung: that pool is gone
+                if not owned:
+                    raise
+                pool = None
+                cell = Cell(FAILS, f"ranks raised apart or hung: {_error(exc)}")
+            cell.seconds = round(time.monotonic() - started, 1)
+            on_cell(model_type, cell)
+    finally:
+        if owned and pool is not None:
+            pool.close()
