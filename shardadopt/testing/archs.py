@@ -197,7 +197,7 @@ def tiny_config(model_type: str, values: dict[str, Any] | None = None):
     default config (raises what transformers raises when the shrunk values are inconsistent)."""
     config_class = model_class(model_type).config_class
     values = dict(values) if values is not None else config_class().to_dict()
-    for key in ("transformers_version", "architectures", "_name_or_path", "model_type"):
+    for key in ("transformers_version", "architectures", "model_type"):
         values.pop(key, None)
     config = config_class.from_dict(shrink(values))
     config.use_cache = False  # training: no KV cache
