@@ -18,9 +18,11 @@ Tolerances (fp32 everywhere; the distributed run only reorders floating-point su
   largest one (a gradient that nearly cancels is judged against the model's gradient scale, not its own noise).
   fp32 sums over the ~10^3 terms of these tiny models reorder to ~1e-6 relative; 1e-4 leaves two orders of
   margin while a missing or doubled reduction over 2 ranks is off by 0.5 or more.
-- per-step loss and clipped (total) grad norm: relative ``STEP_RTOL``; Adam normalises every update, so noise
-  in a near-zero gradient element moves that parameter by a sizeable fraction of a step, which later losses see.
-- final parameters: the selftest's rule (no element off by half a step, RMS within 1e-3 of the learning rate).
+- per-step loss and clipped (total) grad norm: relative ``STEP_RTOL``; final parameters: the selftest's rule (no
+  element off by half a step, RMS within 1e-3 of the learning rate). Adam normalises every update, so noise in a
+  gradient element near zero moves that parameter by a sizeable fraction of a step, which later steps see: these
+  three are also allowed ``NOISE_FACTOR`` times what the same one-process run with its micro-batches reordered
+  moves them (measured per model, see :func:`references`), whichever is larger.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ SEED = 1234
 GRAD_RTOL = 1e-4
 GRAD_FLOOR = 1e-2
 STEP_RTOL = 1e-4
+NOISE_FACTOR = 10
 
 # layout -> (ranks, plan the type needs)
 LAYOUTS: dict[str, tuple[int, str | None]] = {"fsdp": (2, None), "tp": (2, "tp"), "ep": (2, "ep"),
@@ -92,23 +95,40 @@ def _rows(dp: int):
     return torch.randint(0, 512, (count, SEQ_LEN), generator=torch.Generator().manual_seed(SEED))
 
 
-def reference(path: str, dp: int) -> dict[str, Any]:
-    """One process: the same optimizer steps on the same global batches (``dp * PER_DP_BATCH`` rows a micro-step)."""
+class RandomForward(RuntimeError):
+    """The model's training forward draws random numbers: one process and the sharded run cannot agree."""
+
+
+def reference(path: str, dp: int, split: int = 1) -> dict[str, Any]:
+    """One process: the same optimizer steps on the same global batches (``dp * PER_DP_BATCH`` rows a
+    micro-step). ``split``: each micro-batch's backward runs on that many equal chunks, the same sum in another
+    floating-point order (what a sharded run changes too), which measures how far fp32 noise alone moves later
+    steps of this model. Raises :class:`RandomForward` when two forwards of one batch differ."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     rows, micro_rows = _rows(dp), dp * PER_DP_BATCH
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(1)
+        first = model(input_ids=rows[:micro_rows], labels=rows[:micro_rows]).loss
+        torch.manual_seed(2)
+        if not torch.equal(first, model(input_ids=rows[:micro_rows], labels=rows[:micro_rows]).loss):
+            raise RandomForward("its training forward draws random numbers (two forwards of one batch differ), "
+                                "so one process and the sharded run cannot agree")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     losses, norms, grads = [], [], None
     for step in range(STEPS):
         micro = []
         for m in range(ACCUM):
             batch = rows[(step * ACCUM + m) * micro_rows:(step * ACCUM + m + 1) * micro_rows]
-            loss = model(input_ids=batch, labels=batch).loss
-            (loss / ACCUM).backward()
-            micro.append(loss.detach())
+            chunk_losses = []
+            for chunk in batch.chunk(split):
+                loss = model(input_ids=chunk, labels=chunk).loss
+                (loss / (ACCUM * split)).backward()
+                chunk_losses.append(loss.detach())
+            micro.append(torch.stack(chunk_losses).mean())
         if grads is None:
             grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
@@ -117,6 +137,17 @@ def reference(path: str, dp: int) -> dict[str, Any]:
         optimizer.zero_grad()
     return {"losses": losses, "norms": norms, "grads": grads,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def references(path: str, dp: int) -> dict[str, Any]:
+    """:func:`reference`, plus ``"noise"``: the same run with each micro-batch in two chunks when that is only a
+    reordering (its first-step gradients within the gradient tolerance), else None (batch-dependent math, e.g.
+    capacity-limited routing)."""
+    expected = reference(path, dp)
+    reordered = reference(path, dp, split=2)
+    ratio = _grad_ratio([reordered["grads"]], expected["grads"])[0]
+    expected["noise"] = reordered if ratio <= 1 else None
+    return expected
 
 
 def check_rank(path: str, sizes: dict[str, Any], dp: int) -> dict[str, Any]:
@@ -189,8 +220,35 @@ def _whole(pieces: list, shape) -> list:
     return [torch.cat(pieces, dim=dims[0])]
 
 
+def _grad_ratio(per_rank: list[dict[str, Any]], expected: dict[str, Any]) -> tuple[float, list[str]]:
+    """The worst first-step gradient error over its tolerance, and the parameters beyond it."""
+    scale = max((float(g.abs().max()) for g in expected.values() if g is not None), default=0.0)
+    worst, bad = 0.0, []
+    for name, want in expected.items():
+        pieces = [r.get(name) for r in per_rank]
+        if want is None or any(p is None for p in pieces):
+            if want is not None or any(p is not None for p in pieces):
+                bad.append(f"{name} (gradient missing on some side)")
+                worst = float("inf")
+            continue
+        tolerance = GRAD_RTOL * max(float(want.abs().max()), GRAD_FLOOR * scale, 1e-30)
+        errors = [float((c - want).abs().max()) if c.shape == want.shape else float("inf")
+                  for c in _whole(pieces, want.shape)]
+        ratio = max(errors) / tolerance
+        worst = max(worst, ratio)
+        if ratio > 1:
+            bad.append(f"{name} (max diff {max(errors):.3g}, {ratio:.3g}x the tolerance)")
+    return worst, bad
+
+
 def compare(results: list[dict[str, Any]], expected: dict[str, Any]) -> Cell:
-    """The verdict of one type and layout from every rank's :func:`check_rank` result."""
+    """The verdict of one type and layout from every rank's :func:`check_rank` result.
+
+    Later steps (losses, norms, final parameters) are held to the fixed tolerances or to ``NOISE_FACTOR`` times
+    how far the reordered one-process run (``expected["noise"]``) moved from the reference, whichever is larger:
+    Adam turns reduction-order noise in a gradient at fp32 noise level (a ``k_proj.bias``, whose gradient is zero
+    up to rounding because softmax ignores a shift) into updates of a sizeable fraction of a step.
+    """
     import torch
 
     from shardadopt.selftest.accelerate import PARAM_MAX_DIFF, PARAM_RMS
@@ -200,40 +258,35 @@ def compare(results: list[dict[str, Any]], expected: dict[str, Any]) -> Cell:
         if failed["stage"] == "load":
             return Cell(REFUSED_SHARDADOPT if failed["shardadopt"] else REFUSED_UPSTREAM, failed["error"])
         return Cell(FAILS, f"raises in the accelerate loop: {failed['error']}")
+    noise = expected.get("noise")
     first, worst, problems = results[0], {}, []
     for what in ("losses", "norms"):
         got, want = torch.tensor(first[what]), torch.tensor(expected[what])
         if got.shape != want.shape:
             problems.append(f"{len(first[what])} {what}, one process {len(expected[what])}")
             continue
-        ratio = float(((got - want).abs() / want.abs().clamp_min(1e-12)).max()) / STEP_RTOL
-        worst[what] = ratio
-        if ratio > 1:
-            step = int(((got - want).abs() / want.abs().clamp_min(1e-12)).argmax())
+        allowed = STEP_RTOL * want.abs()
+        if noise is not None:
+            allowed = torch.maximum(allowed, NOISE_FACTOR * (torch.tensor(noise[what]) - want).abs())
+        ratios = (got - want).abs() / allowed.clamp_min(1e-30)
+        worst[what] = float(ratios.max())
+        if worst[what] > 1:
+            step = int(ratios.argmax())
             problems.append(f"{what[:-1]} at step {step}: {got[step]:.7g} vs one process {want[step]:.7g}")
-    scale = max((float(g.abs().max()) for g in expected["grads"].values() if g is not None), default=0.0)
-    bad_grads = []
-    for name, want in expected["grads"].items():
-        pieces = [r["grads"].get(name) for r in results]
-        if want is None or any(p is None for p in pieces):
-            if want is not None or any(p is not None for p in pieces):
-                bad_grads.append(f"{name} (gradient missing on some side)")
-            continue
-        tolerance = GRAD_RTOL * max(float(want.abs().max()), GRAD_FLOOR * scale, 1e-30)
-        errors = [float((c - want).abs().max()) if c.shape == want.shape else float("inf")
-                  for c in _whole(pieces, want.shape)]
-        ratio = max(errors) / tolerance
-        worst["grads"] = max(worst.get("grads", 0.0), ratio)
-        if ratio > 1:
-            bad_grads.append(f"{name} (max diff {max(errors):.3g}, {ratio:.3g}x the tolerance)")
+    worst["grads"], bad_grads = _grad_ratio([r["grads"] for r in results], expected["grads"])
     if bad_grads:
         problems.append(f"first-step gradients of {len(bad_grads)} parameters: {', '.join(bad_grads[:4])}")
     bad_params = []
     for name, want in expected["params"].items():
+        max_allowed, rms_allowed = PARAM_MAX_DIFF, PARAM_RMS
+        if noise is not None:
+            moved = (noise["params"][name] - want).abs()
+            max_allowed = max(max_allowed, NOISE_FACTOR * float(moved.max()))
+            rms_allowed = max(rms_allowed, NOISE_FACTOR * float(moved.pow(2).mean().sqrt()))
         for got in _whole([r["params"][name] for r in results], want.shape):
             diff = (got - want).abs() if got.shape == want.shape else None
-            ratio = float("inf") if diff is None else max(float(diff.max()) / PARAM_MAX_DIFF,
-                                                          float(diff.pow(2).mean().sqrt()) / PARAM_RMS)
+            ratio = float("inf") if diff is None else max(float(diff.max()) / max_allowed,
+                                                          float(diff.pow(2).mean().sqrt()) / rms_allowed)
             worst["params"] = max(worst.get("params", 0.0), ratio)
             if ratio > 1:
                 bad_params.append(name)
@@ -277,14 +330,17 @@ def sweep_layout(types: Iterable[str], layout: str, root: str | os.PathLike,
                 on_cell(model_type, Cell(NOT_TESTABLE, f"no tiny config derives from the default config: "
                                                        f"{_error(exc)}"))
                 continue
-            cached = os.path.join(path, f"reference-dp{dp}.pt")
+            cached = os.path.join(path, f"references-dp{dp}.pt")
             try:
                 if os.path.exists(cached):
                     expected = torch.load(cached)
                 else:
                     with torch.random.fork_rng():
-                        expected = reference(path, dp)
+                        expected = references(path, dp)
                     torch.save(expected, cached)
+            except RandomForward as exc:
+                on_cell(model_type, Cell(NOT_TESTABLE, str(exc)))
+                continue
             except Exception as exc:
                 on_cell(model_type, Cell(NOT_TESTABLE, f"one process cannot train the tiny model here: "
                                                        f"{_error(exc)}"))
