@@ -103,13 +103,23 @@ def test_doctor_model_on_a_verified_architecture(capsys):
     assert "(installed): verified" in out and "transformers-tp-partial-grad (applied)" in out, out
 
 
+LAYOUT_FLAGS = {"fsdp": "fsdp=2", "tp": "tp=2", "ep": "ep=2,fsdp=2", "hsdp": "dp_replicate=2,fsdp=2",
+                "2d": "fsdp=2,tp=2"}
+
+
 def test_doctor_model_on_a_failing_architecture_exits_1(capsys, tmp_path):
+    from shardadopt.coverage import parse_layout
     from shardadopt.testing.archs import tiny_config
 
-    tiny_config("llama4_text").save_pretrained(tmp_path)  # a checkpoint directory's config.json
-    code, out = _doctor(capsys, "--model", str(tmp_path), "--layout", "tp=2")
+    cells = _installed_matrix()["cells"]
+    failing = sorted((t, layout) for t, c in cells.items() for layout, cell in c.items() if cell["verdict"] == "fails")
+    assert failing, "the installed release's matrix records no failing cell to report"
+    model_type, layout = ("llama4_text", "tp") if ("llama4_text", "tp") in failing else failing[0]
+    assert parse_layout(LAYOUT_FLAGS[layout]) == layout
+    tiny_config(model_type).save_pretrained(tmp_path)  # a checkpoint directory's config.json
+    code, out = _doctor(capsys, "--model", str(tmp_path), "--layout", LAYOUT_FLAGS[layout])
     assert code == 1, out
-    assert "model type 'llama4_text'" in out and "(installed): fails" in out, out
+    assert f"model type '{model_type}'" in out and "(installed): fails" in out, out
 
 
 def test_doctor_model_on_an_unknown_architecture(capsys, tmp_path):

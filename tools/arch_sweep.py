@@ -55,6 +55,16 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
 }
 
 
+def annotate(matrix: dict) -> None:
+    """Attach each cell's explanation (``EXPLANATIONS``) while its verdict is the explained one."""
+    for model_type, cells in matrix["cells"].items():
+        for layout, cell in cells.items():
+            cell.pop("note", None)
+            note = EXPLANATIONS.get((model_type, layout, cell["verdict"]))
+            if note:
+                cell["note"] = note
+
+
 def release_file(transformers_version: str) -> Path:
     return DATA / f"transformers-{'.'.join(transformers_version.split('.')[:2])}.json"
 
@@ -98,15 +108,10 @@ def run(layouts: list[str], only_types: list[str] | None, root: Path, timeout: f
 
     def write() -> None:
         DATA.mkdir(parents=True, exist_ok=True)
-        for model_type, cells in matrix["cells"].items():
-            for layout, cell in cells.items():
-                cell.pop("note", None)
-                note = EXPLANATIONS.get((model_type, layout, cell["verdict"]))
-                if note:
-                    cell["note"] = note
+        annotate(matrix)
         matrix["cells"] = {t: dict(sorted(c.items(), key=lambda kv: LAYOUT_ORDER.index(kv[0])))
                            for t, c in sorted(matrix["cells"].items())}
-        path.write_text(json.dumps(matrix, indent=1, sort_keys=False) + "\n")
+        path.write_text(json.dumps(matrix, indent=1) + "\n")
 
     for layout in layouts:
         types = [t for t in sweep.candidates(layout) if (not only_types or t in only_types)
@@ -183,6 +188,10 @@ def write_readme() -> None:
     text = README.read_text()
     if readme_block(text) is None:
         raise SystemExit(f"README.md has no {BEGIN} ... {END} block to rewrite")
+    for path in DATA.glob("transformers-*.json"):  # explanations added since a matrix was recorded
+        matrix = json.loads(path.read_text())
+        annotate(matrix)
+        path.write_text(json.dumps(matrix, indent=1) + "\n")
     before, rest = text.split(BEGIN, 1)
     after = rest.split(END, 1)[1]
     README.write_text(f"{before}{BEGIN}\n{readme_section(load_matrices())}\n{END}{after}")
