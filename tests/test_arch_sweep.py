@@ -142,3 +142,12 @@ def test_doctor_check_runs_the_sweep_check_here(capsys):
     code, out = _doctor(capsys, "--model", "gemma2", "--layout", "fsdp=2", "--check")
     assert code == 0, out
     assert "check fsdp here: verified" in out, out
+
+
+def test_layout_flags_name_the_sweep_layouts():
+    from shardadopt.coverage import LayoutError, parse_layout
+
+    assert {name: parse_layout(flags) for name, flags in LAYOUT_FLAGS.items()} == {n: n for n in LAYOUT_FLAGS}
+    assert parse_layout("ep=2") == "ep" and parse_layout("fsdp=4") == "fsdp"
+    with pytest.raises(LayoutError, match="the sweep records"):
+        parse_layout("ep=2,tp=2")
