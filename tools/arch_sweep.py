@@ -40,6 +40,8 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
         "loud, not silent: upstream's Llama4TextMoe.forward adds the routed experts' output in place "
         "(`out.add_(...)`) to the shared expert's output, which under TP is a view of a DTensor's local tensor "
         "(rowwise `to_local`), and autograd forbids modifying it in place; the fix is an out-of-place add upstream",
+    ("llama4", "tp", "fails"):
+        "loud, not silent: the text model of llama4_text (see there), loaded through the composite config",
     ("doge", "tp", "fails"):
         "loud, not silent: upstream's Doge plan makes `self_attn.dt_proj` rowwise, so its output (and the dynamic "
         "mask built from it with the replicated `A`) covers every key/value head while each rank's attention has "

@@ -270,7 +270,8 @@ def compare(results: list[dict[str, Any]], expected: dict[str, Any], noise: dict
         worst[what] = float(ratios.max())
         if worst[what] > 1:
             step = int(ratios.argmax())
-            problems.append(f"{what[:-1]} at step {step}: {got[step]:.7g} vs one process {want[step]:.7g}")
+            problems.append(f"{ {'losses': 'loss', 'norms': 'norm'}[what]} at step {step}: {got[step]:.7g} vs "
+                            f"one process {want[step]:.7g}")
     worst["grads"], bad_grads = _grad_ratio([r["grads"] for r in results], expected["grads"])
     if bad_grads:
         problems.append(f"first-step gradients of {len(bad_grads)} parameters: {', '.join(bad_grads[:4])}")
