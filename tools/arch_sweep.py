@@ -40,6 +40,11 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
         "loud, not silent: upstream's Llama4TextMoe.forward adds the routed experts' output in place "
         "(`out.add_(...)`) to the shared expert's output, which under TP is a view of a DTensor's local tensor "
         "(rowwise `to_local`), and autograd forbids modifying it in place; the fix is an out-of-place add upstream",
+    **{(t, "tp", "fails"): "tied word embeddings under transformers 5.15's tensor parallelism: every failing dense "
+       "type of this line ties `embed_tokens` and `lm_head` (default `tie_word_embeddings=True`), no verified one "
+       "does; the per-step norm is off by 20-40 % (a scalar, so not a reassembly artefact). Not fixed yet"
+       for t in ("gemma", "gemma2", "gemma3_text", "gemma4_unified_text", "cohere", "cohere2", "cohere2_moe",
+                 "ernie4_5", "ernie4_5_moe")},
     ("llama4", "tp", "fails"):
         "loud, not silent: the text model of llama4_text (see there), loaded through the composite config",
     ("doge", "tp", "fails"):

@@ -205,17 +205,31 @@ def _raised_by_shardadopt(exc: BaseException) -> bool:
     return type(exc).__module__.startswith("shardadopt")
 
 
-def _whole(pieces: list, shape) -> list:
-    """The candidates for a parameter's full value from the ranks' copies: every rank's whole copy, or the ranks'
-    shards concatenated along the one dim where they are smaller."""
+def _whole(pieces: list, shape) -> tuple[list, bool]:
+    """The candidates for a parameter's full value from the ranks' copies, and whether each must match: every
+    rank's whole copy (all must), or the ranks' shards put together along the one dim where they are smaller,
+    plainly or as packed halves (``gate_up_proj``: each rank holds its gate rows then its up rows); one layout
+    must match."""
     import torch
 
     if all(p.shape == shape for p in pieces):
-        return pieces
+        return pieces, True
     dims = [d for d, (a, b) in enumerate(zip(pieces[0].shape, shape)) if a != b]
     if len(dims) != 1:
-        return pieces[:1]
-    return [torch.cat(pieces, dim=dims[0])]
+        return [], False
+    dim = dims[0]
+    candidates = [torch.cat(pieces, dim=dim)]
+    if pieces[0].shape[dim] % 2 == 0:
+        halves = [p.chunk(2, dim=dim) for p in pieces]
+        candidates.append(torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim))
+    return [c for c in candidates if c.shape == shape], False
+
+
+def _worst(candidates: list, every: bool, error: Callable[[Any], float]) -> float:
+    if not candidates:
+        return float("inf")
+    errors = [error(c) for c in candidates]
+    return max(errors) if every else min(errors)
 
 
 def _grad_ratio(per_rank: list[dict[str, Any]], expected: dict[str, Any]) -> tuple[float, list[str]]:
@@ -230,12 +244,11 @@ def _grad_ratio(per_rank: list[dict[str, Any]], expected: dict[str, Any]) -> tup
                 worst = float("inf")
             continue
         tolerance = GRAD_RTOL * max(float(want.abs().max()), GRAD_FLOOR * scale, 1e-30)
-        errors = [float((c - want).abs().max()) if c.shape == want.shape else float("inf")
-                  for c in _whole(pieces, want.shape)]
-        ratio = max(errors) / tolerance
+        error = _worst(*_whole(pieces, want.shape), lambda c, want=want: float((c - want).abs().max()))
+        ratio = error / tolerance
         worst = max(worst, ratio)
         if ratio > 1:
-            bad.append(f"{name} (max diff {max(errors):.3g}, {ratio:.3g}x the tolerance)")
+            bad.append(f"{name} (max diff {error:.3g}, {ratio:.3g}x the tolerance)")
     return worst, bad
 
 
@@ -282,14 +295,19 @@ def compare(results: list[dict[str, Any]], expected: dict[str, Any], noise: dict
             moved = (noise["params"][name] - want).abs()
             max_allowed = max(max_allowed, NOISE_FACTOR * float(moved.max()))
             rms_allowed = max(rms_allowed, NOISE_FACTOR * float(moved.pow(2).mean().sqrt()))
-        for got in _whole([r["params"][name] for r in results], want.shape):
-            diff = (got - want).abs() if got.shape == want.shape else None
-            ratio = float("inf") if diff is None else max(float(diff.max()) / max_allowed,
-                                                          float(diff.pow(2).mean().sqrt()) / rms_allowed)
-            worst["params"] = max(worst.get("params", 0.0), ratio)
-            if ratio > 1:
-                bad_params.append(name)
-                break
+        pieces = [r["params"].get(name) for r in results]
+        if any(p is None for p in pieces):
+            bad_params.append(f"{name} (missing on some rank)")
+            continue
+
+        def error(got, want=want, max_allowed=max_allowed, rms_allowed=rms_allowed) -> float:
+            diff = (got - want).abs()
+            return max(float(diff.max()) / max_allowed, float(diff.pow(2).mean().sqrt()) / rms_allowed)
+
+        ratio = _worst(*_whole(pieces, want.shape), error)
+        worst["params"] = max(worst.get("params", 0.0), ratio)
+        if ratio > 1:
+            bad_params.append(name)
     if bad_params:
         problems.append(f"final parameters of {len(bad_params)}: {', '.join(bad_params[:4])}")
     worst = {k: float(f"{v:.3g}") for k, v in worst.items()}
