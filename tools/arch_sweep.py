@@ -44,7 +44,10 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
        "type of this line ties `embed_tokens` and `lm_head` (default `tie_word_embeddings=True`), no verified one "
        "does; the per-step norm is off by 20-40 % (a scalar, so not a reassembly artefact). Not fixed yet"
        for t in ("gemma", "gemma2", "gemma3_text", "gemma4_unified_text", "cohere", "cohere2", "cohere2_moe",
-                 "ernie4_5", "ernie4_5_moe")},
+                 "ernie4_5", "ernie4_5_moe", "granite_swa", "minicpm3", "starcoder2", "vaultgemma", "youtu")},
+    **{(t, "tp", "fails"): "transformers 5.15's TP leaves the rowwise projection's bias out of some rank's "
+       "parameters (its gradient is missing there): not investigated further, not fixed"
+       for t in ("gpt_neox", "jais2", "phi")},
     ("llama4", "tp", "fails"):
         "loud, not silent: the text model of llama4_text (see there), loaded through the composite config",
     ("doge", "tp", "fails"):
