@@ -176,7 +176,10 @@ def install_partial_gradient_sums(model: nn.Module, on_partial: Callable[[str], 
         group = layout.tp_group()
         not_whole = {n for n, p in root.named_parameters() if layout.plain_replication(p) < layout.world_size}
         for module_name, module in root.named_modules():
-            if getattr(module, _MARK, None) is not None or _upstream_hooked(module):
+            # modules the plan covers are the plan's: 5.15 records its mesh on them (their whole parameters, such
+            # as a tied embedding, are reduced by upstream), later releases make their parameters DTensors
+            if (getattr(module, _MARK, None) is not None or _upstream_hooked(module)
+                    or upstream.module_hf_device_mesh(module) is not None):
                 continue
             names = [f"{module_name}.{n}" if module_name else n for n, _ in module.named_parameters(recurse=False)]
             if names and not all(n in not_whole for n in names):
