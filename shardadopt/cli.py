@@ -114,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="versions, backends and the state of every patch")
     doc.add_argument("--json", action="store_true", help="machine-readable output")
+    doc.add_argument("--model", metavar="PATH_OR_TYPE",
+                     help="what the architecture matrix knows about this checkpoint or model type, and the patches "
+                          "acting on its layout")
+    doc.add_argument("--layout", metavar="SIZES", help="with --model: e.g. fsdp=2, tp=2, ep=2,fsdp=2, fsdp=2,tp=2 "
+                                                       "(default: every layout)")
+    doc.add_argument("--check", action="store_true",
+                     help="with --model: run the sweep's check here, on a tiny model of the same config")
     test = sub.add_parser("selftest", help="run every capability on worker processes against one process")
     test.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
     test.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -130,7 +137,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "doctor" and args.model:
+        from shardadopt.coverage import LayoutError, parse_layout, report
+
+        try:
+            return report(args.model, parse_layout(args.layout) if args.layout else None, check=args.check)
+        except (LayoutError, FileNotFoundError) as exc:
+            print(f"shardadopt doctor: {exc}", file=sys.stderr)
+            return 2
     if args.command == "doctor":
+        if args.layout or args.check:
+            print("shardadopt doctor: --layout and --check need --model", file=sys.stderr)
+            return 2
         return doctor(as_json=args.json)
     if args.command == "hpo":
         from shardadopt.hpo.report import run

@@ -87,6 +87,15 @@ class Topology:
         """How many ranks hold an identical copy of the plain parameter ``parameter``."""
         return self._plain_counts.get(id(parameter), self.world_size)
 
+    def tp_group(self) -> Any:
+        """The process group of this rank's tensor-parallel group (the model's mesh's ``tp`` dim, or its only dim
+        for a TP-only load); None without tensor parallelism."""
+        if self.tp_size == 1 or not self.meshes:
+            return None
+        mesh = self.meshes[0]
+        names = tuple(mesh.mesh_dim_names or ())
+        return mesh.get_group("tp") if "tp" in names else mesh.get_group(mesh.ndim - 1)
+
     def grad_replication(self, parameters: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], int]:
         """``plain_replication`` for the current gradients of ``parameters`` (what ``shardadopt.gradnorm`` asks
         about): gradients are new tensors every step, so the map is built per call."""

@@ -24,11 +24,16 @@ from torch import nn
 
 from shardadopt import upstream
 
-__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation"]
+__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "install_partial_gradient_sums"]
 
 # Upstream's installer lives on this class in every release since 5.15; its hooks are recognised by qualname.
 _UPSTREAM_STYLE = "ReplicatedWithGradAllReduce."
 _MARK = "_shardadopt_grad_allreduce"
+_PARTIAL_MARK = "_shardadopt_partial_gradient_sums"
+# A parameter's gradient copies on the TP ranks differ by more than this (relative to the largest element of their
+# mean): partial. Copies of a whole gradient differ by reduction-order noise (~1e-7) or not at all; partial ones
+# (each rank saw only its own heads or features) differ by order one.
+PARTIAL_THRESHOLD = 1e-4
 
 
 def _group(mesh: Any) -> Any:
@@ -132,3 +137,103 @@ def fix_tp_grad_accumulation(model: nn.Module) -> int:
         install_replicated_grad_allreduce(module, meshes[0])
         repaired += 1
     return repaired
+
+
+def _upstream_hooked(module: nn.Module) -> bool:
+    """Whether transformers' own replicated_with_grad_allreduce hooks (any release) sit on ``module``."""
+    return _is_upstream(module.__dict__.get("forward")) or any(
+        _is_upstream(hook) for hook in upstream.module_backward_hooks(module).values())
+
+
+def install_partial_gradient_sums(model: nn.Module, on_partial: Callable[[str], None] | None = None) -> nn.Module:
+    """Sum over the TP group the gradients of parameters that every TP rank holds whole but that see only this
+    rank's shard of the activations (a parameter inside a colwise -> rowwise region that the TP plan leaves out,
+    e.g. Apertus' xIELU ``mlp.act_fn.alpha_p``/``alpha_n``).
+
+    Which ones is found by comparing, not by name: at a parameter's first backward, its gradient copies on the TP
+    ranks (which see the same batch) are compared; copies that differ (by more than ``PARTIAL_THRESHOLD``
+    relative) are partial, and from then on each backward's gradient is summed over the group once (so gradient
+    accumulation stays right). Whole copies are left alone. The decision is the same on every rank (a MAX
+    all-reduce). DTensor parameters (TP shards and what a plan placed itself), plain shards of older releases and
+    modules hooked by ``replicated_with_grad_allreduce`` (transformers' or :func:`install_replicated_grad_allreduce`)
+    are not considered. ``on_partial(name)`` is called once per parameter found partial. Call on every rank before
+    the first forward; a model without tensor parallelism is left as it is. Idempotent.
+    """
+    if getattr(model, _PARTIAL_MARK, None) is not None:
+        return model
+    decisions: dict[str, bool] = {}  # qualified name -> partial?
+
+    def first_forward(root: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        getattr(root, _PARTIAL_MARK).remove()
+        setattr(root, _PARTIAL_MARK, False)
+        from shardadopt.topology import topology
+
+        layout = topology(root)
+        if layout.tp_size == 1:
+            return
+        group = layout.tp_group()
+        not_whole = {n for n, p in root.named_parameters() if layout.plain_replication(p) < layout.world_size}
+        for module_name, module in root.named_modules():
+            # modules the plan covers are the plan's: 5.15 records its mesh on them (their whole parameters, such
+            # as a tied embedding, are reduced by upstream), later releases make their parameters DTensors
+            if (getattr(module, _MARK, None) is not None or _upstream_hooked(module)
+                    or upstream.module_hf_device_mesh(module) is not None):
+                continue
+            names = [f"{module_name}.{n}" if module_name else n for n, _ in module.named_parameters(recurse=False)]
+            if names and not all(n in not_whole for n in names):
+                module.register_forward_pre_hook(_hook_whole_parameters(module_name, not_whole, group, decisions,
+                                                                        on_partial))
+
+    setattr(model, _PARTIAL_MARK, model.register_forward_pre_hook(first_forward))
+    return model
+
+
+def _is_dtensor(param: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+def _hook_whole_parameters(module_name: str, not_whole: set[str], group: Any, decisions: dict[str, bool],
+                           on_partial: Callable[[str], None] | None) -> Callable[[nn.Module, Any], None]:
+    hooked: dict[str, weakref.ref[torch.Tensor]] = {}
+
+    def sum_if_partial(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            if name not in decisions:
+                decisions[name] = _differs_across(grad, group)
+                if decisions[name] and on_partial is not None:
+                    on_partial(name)
+            if not decisions[name]:
+                return grad
+            grad = grad.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(grad, group=group)
+            return grad
+
+        return hook
+
+    def hook_parameters(module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for local_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{local_name}" if module_name else local_name
+            ref = hooked.get(local_name)
+            if (param.requires_grad and name not in not_whole and not _is_dtensor(param)
+                    and (ref is None or ref() is not param)):
+                param.register_hook(sum_if_partial(name))
+                hooked[local_name] = weakref.ref(param)
+
+    return hook_parameters
+
+
+def _differs_across(grad: torch.Tensor, group: Any) -> bool:
+    """Whether the TP ranks' copies of ``grad`` differ (collective on ``group``; the same answer everywhere)."""
+    local = grad.detach().float()
+    mean = local.clone()
+    dist.all_reduce(mean, group=group)
+    mean /= dist.get_world_size(group)
+    spread = torch.stack([(local - mean).abs().max(), mean.abs().max()]) if local.numel() else torch.zeros(2)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
+    return bool(spread[0] > PARTIAL_THRESHOLD * spread[1])

@@ -1,0 +1,162 @@
+"""``shardadopt doctor --model``: what the recorded architecture matrix knows about one model and layout.
+
+The matrix (``tests/data/arch_matrix/transformers-<minor>.json``, written by ``tools/arch_sweep.py``) holds one
+verdict per model type and layout for each recorded transformers release line. :func:`report` reads a model's
+config (a checkpoint directory or a model type), prints the cells for the installed release line (and the other
+recorded lines), the patches that act on that layout with their state on this installation, and with
+``check=True`` runs the sweep's check for that type and layout here, on a tiny model shrunk from the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MATRIX_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "arch_matrix"
+# DistributedConfig field -> the name --layout uses
+_SIZE_NAMES = {"fsdp": "fsdp", "tp": "tp", "ep": "ep", "dp_replicate": "dp_replicate"}
+_BAD = ("fails", "refused upstream", "refused by shardadopt")
+
+
+class LayoutError(ValueError):
+    """A ``--layout`` the sweep has no layout for."""
+
+
+def parse_layout(text: str) -> str:
+    """``fsdp=2,tp=2`` -> the sweep's layout name (``fsdp``, ``tp``, ``ep``, ``hsdp``, ``2d``)."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in _SIZE_NAMES or not value.isdigit():
+            raise LayoutError(f"--layout {text!r}: expected NAME=SIZE pairs with NAME one of {sorted(_SIZE_NAMES)}, "
+                              f"e.g. fsdp=2,tp=2")
+        sizes[name] = int(value)
+    used = frozenset(name for name, size in sizes.items() if size > 1)
+    layouts = {frozenset({"fsdp"}): "fsdp", frozenset({"tp"}): "tp", frozenset({"ep"}): "ep",
+               frozenset({"ep", "fsdp"}): "ep", frozenset({"fsdp", "tp"}): "2d",
+               frozenset({"dp_replicate", "fsdp"}): "hsdp"}
+    if used not in layouts:
+        raise LayoutError(f"--layout {text!r}: the sweep records fsdp, tp, ep (alone or with fsdp), "
+                          f"dp_replicate x fsdp (hsdp) and fsdp x tp (2d)")
+    return layouts[used]
+
+
+def matrices() -> dict[str, dict[str, Any]]:
+    """Release line (``5.24``) -> its recorded matrix; empty when this installation has none."""
+    if not MATRIX_DIR.is_dir():
+        return {}
+    found = {}
+    for path in MATRIX_DIR.glob("transformers-*.json"):
+        data = json.loads(path.read_text())
+        found[".".join(data["transformers"].split(".")[:2])] = data
+    return found
+
+
+def model_type_of(model: str) -> tuple[str, Any | None]:
+    """(model type, the checkpoint's config or None) for a checkpoint directory or a model type name."""
+    if os.path.isdir(model):
+        config_file = os.path.join(model, "config.json")
+        if not os.path.exists(config_file):
+            raise FileNotFoundError(f"{model} has no config.json: pass a checkpoint directory or a model type")
+        with open(config_file) as f:
+            values = json.load(f)
+        return values.get("model_type", ""), values
+    return model, None
+
+
+# the patches every sharded training loop goes through, whatever the layout
+_EVERY_LAYOUT = ("accelerate-adopt-sharded-model", "accelerate-cpu-parallelism-config", "transformers-sharding-sizes",
+                 "trainer-adopt-sharded-model")
+
+
+def relevant_patches(layout: str) -> list[dict[str, str]]:
+    """The patches acting on ``layout`` (by what their id names: ``-tp-``, ``-ep-``, ``fsdp-tp``) and those every
+    sharded training loop goes through, with their state here."""
+    import shardadopt
+
+    def concerns(pid: str) -> bool:
+        if "fsdp-tp" in pid:
+            return layout == "2d"
+        if "-tp-" in pid:
+            return layout in ("tp", "2d")
+        if "-ep-" in pid:
+            return layout == "ep"
+        return pid in _EVERY_LAYOUT
+
+    return [s.as_dict() for s in shardadopt.status() if concerns(s.id)]
+
+
+def report(model: str, layout: str | None = None, check: bool = False, timeout: float = 300.0) -> int:
+    """Print what is known about ``model`` (and run the check with ``check``); 1 when a selected combination is
+    known to fail on the installed release line (or fails the check), else 0."""
+    import importlib
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    import shardadopt
+    from shardadopt.testing import sweep
+
+    model_type, values = model_type_of(model)
+    line = ".".join(transformers.__version__.split(".")[:2])
+    known = model_type in CONFIG_MAPPING
+    recorded = matrices()
+    print(f"model type {model_type!r}" + (f" (from {model})" if values is not None else "")
+          + f"; transformers {transformers.__version__}")
+    if not known:
+        print(f"  unknown to transformers {transformers.__version__}: the matrix has nothing on it (it records the "
+              f"types of the installed releases' Auto mappings)")
+        return 0
+    if not recorded:
+        print(f"  no recorded matrix in this installation (looked in {MATRIX_DIR}; an editable install of the "
+              f"repository has it)")
+    layouts = [layout] if layout else list(sweep.LAYOUTS)
+    bad = False
+    for name in layouts:
+        cells = {release: data["cells"].get(model_type, {}).get(name) for release, data in sorted(recorded.items())}
+        print(f"layout {name}:")
+        for release, cell in cells.items():
+            marker = "installed" if release == line else "recorded"
+            if cell is None:
+                print(f"  transformers {release} ({marker}): not in the matrix (no {sweep.LAYOUTS[name][1] or ''} "
+                      f"plan, or not swept)")
+                continue
+            print(f"  transformers {release} ({marker}): {cell['verdict']}"
+                  + (f": {cell['detail']}" if cell["detail"] else "")
+                  + (f" ({cell['note']})" if cell.get("note") else ""))
+            bad |= release == line and cell["verdict"] in _BAD
+        if line not in cells:
+            print(f"  transformers {line} (installed): no recorded matrix for this release line")
+    shardadopt.enable()
+    try:
+        for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules}):
+            try:
+                importlib.import_module(module)
+            except Exception:  # `shardadopt doctor` reports import errors; here only the patch states matter
+                continue
+        for name in layouts:
+            states = ", ".join(f"{p['id']} ({p['state']})" for p in relevant_patches(name))
+            print(f"patches on {name}: {states}")
+    finally:
+        shardadopt.disable()
+    if check:
+        for name in layouts:
+            cell = check_here(model_type, name, values, timeout)
+            print(f"check {name} here: {cell.verdict}" + (f": {cell.detail}" if cell.detail else ""))
+            bad |= cell.verdict in _BAD
+    return 1 if bad else 0
+
+
+def check_here(model_type: str, layout: str, values: dict[str, Any] | None, timeout: float):
+    """The sweep's check of ``model_type`` on ``layout`` on this machine (its own ranks), on a tiny model shrunk
+    from ``values`` (a checkpoint's config) or from the type's default config."""
+    from shardadopt.testing import sweep
+
+    cells = []
+    with tempfile.TemporaryDirectory(prefix="shardadopt-check-") as root:
+        sweep.sweep_layout([model_type], layout, root, lambda _, cell: cells.append(cell), timeout=timeout,
+                           log=os.path.join(root, "ranks.log"), config_values=values)
+    return cells[0]

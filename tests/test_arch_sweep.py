@@ -1,0 +1,153 @@
+"""The architecture matrix: the README states what the recorded data says, a fixed sample of the sweep still holds
+on the installed release, and ``shardadopt doctor --model`` reports it.
+
+``tools/arch_sweep.py`` records one verdict per model type and layout for each release line
+(``tests/data/arch_matrix/transformers-<minor>.json``). Re-running the whole sweep takes far longer than CI has;
+the sample below (a few types per 2-rank layout, chosen for what they exercise) must give its recorded verdict on
+the installed release, so a recorded ``verified`` cell that stops holding fails CI.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# layout -> types: a dense baseline, a type with its own quirks per layout, and the cells fixed or refused here
+SAMPLE = {
+    "fsdp": ["gemma2", "apertus"],  # sliding/full layers and soft-capping; xIELU scalars under FSDP
+    "tp": ["apertus", "phi3", "llama4_text"],  # xIELU scalars (transformers-tp-partial-grad); fused qkv; fails
+    "ep": ["mixtral", "deepseek_v3"],  # plain top-k router; MLA attention with grouped routing and shared experts
+}
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("arch_sweep", REPO / "tools" / "arch_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _installed_matrix() -> dict:
+    import transformers
+
+    path = _tool().release_file(transformers.__version__)
+    assert path.exists(), f"no recorded matrix for transformers {transformers.__version__}: run tools/arch_sweep.py"
+    return json.loads(path.read_text())
+
+
+def test_readme_coverage_section_is_what_the_matrices_derive():
+    tool = _tool()
+    block = tool.readme_block((REPO / "README.md").read_text())
+    assert block is not None, f"README.md lacks the {tool.BEGIN} ... {tool.END} block"
+    assert block == tool.readme_section(tool.load_matrices()), (
+        "the README's architecture coverage differs from tests/data/arch_matrix; run "
+        "`python tools/arch_sweep.py --readme`")
+
+
+def test_every_recorded_cell_has_a_known_verdict_and_a_reason():
+    from shardadopt.testing.sweep import VERDICTS, VERIFIED
+
+    for matrix in _tool().load_matrices():
+        for model_type, cells in matrix["cells"].items():
+            for layout, cell in cells.items():
+                assert cell["verdict"] in VERDICTS, (matrix["transformers"], model_type, layout, cell)
+                assert (cell["verdict"] == VERIFIED) != bool(cell["detail"]), (
+                    f"transformers {matrix['transformers']} {model_type} {layout}: a verdict other than verified "
+                    f"states why, a verified one has nothing to say: {cell}")
+
+
+def test_the_matrix_covers_every_type_with_a_tp_or_ep_plan():
+    from shardadopt.testing.sweep import candidates
+
+    matrix = _installed_matrix()
+    for layout in ("tp", "ep"):
+        missing = [t for t in candidates(layout) if layout not in matrix["cells"].get(t, {})]
+        assert not missing, f"{layout}: no recorded cell for {missing}; run tools/arch_sweep.py --resume"
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layout", sorted(SAMPLE))
+def test_sample_of_the_sweep_gives_its_recorded_verdicts(pool2, tmp_path_factory, layout):
+    from shardadopt.testing.sweep import VERIFIED, sweep_layout
+
+    recorded = _installed_matrix()["cells"]
+    live = {}
+    sweep_layout(SAMPLE[layout], layout, tmp_path_factory.mktemp(f"sweep-{layout}"),
+                 lambda model_type, cell: live.__setitem__(model_type, cell), pool=pool2)
+    for model_type in SAMPLE[layout]:
+        cell = recorded.get(model_type, {}).get(layout)
+        assert cell is not None, f"{model_type} {layout}: not recorded; run tools/arch_sweep.py"
+        got = live[model_type]
+        if cell["verdict"] == VERIFIED:
+            assert got.verdict == VERIFIED, f"{model_type} {layout}: recorded verified, now {got.verdict}: {got.detail}"
+        else:  # a cell fixed since it was recorded must be recorded again
+            assert got.verdict == cell["verdict"], (f"{model_type} {layout}: recorded {cell['verdict']}, now "
+                                                    f"{got.verdict} ({got.detail}); rerun tools/arch_sweep.py")
+
+
+def _doctor(capsys, *argv: str) -> tuple[int, str]:
+    from shardadopt.cli import main
+
+    code = main(["doctor", *argv])
+    return code, capsys.readouterr().out
+
+
+def test_doctor_model_on_a_verified_architecture(capsys):
+    code, out = _doctor(capsys, "--model", "apertus", "--layout", "tp=2")
+    assert code == 0, out
+    assert "(installed): verified" in out and "transformers-tp-partial-grad (applied)" in out, out
+
+
+LAYOUT_FLAGS = {"fsdp": "fsdp=2", "tp": "tp=2", "ep": "ep=2,fsdp=2", "hsdp": "dp_replicate=2,fsdp=2",
+                "2d": "fsdp=2,tp=2"}
+
+
+def test_doctor_model_on_a_failing_architecture_exits_1(capsys, tmp_path):
+    from shardadopt.coverage import parse_layout
+    from shardadopt.testing.archs import tiny_config
+
+    cells = _installed_matrix()["cells"]
+    failing = sorted((t, layout) for t, c in cells.items() for layout, cell in c.items() if cell["verdict"] == "fails")
+    assert failing, "the installed release's matrix records no failing cell to report"
+    model_type, layout = ("llama4_text", "tp") if ("llama4_text", "tp") in failing else failing[0]
+    assert parse_layout(LAYOUT_FLAGS[layout]) == layout
+    tiny_config(model_type).save_pretrained(tmp_path)  # a checkpoint directory's config.json
+    code, out = _doctor(capsys, "--model", str(tmp_path), "--layout", LAYOUT_FLAGS[layout])
+    assert code == 1, out
+    assert f"model type '{model_type}'" in out and "(installed): fails" in out, out
+
+
+def test_doctor_model_on_an_unknown_architecture(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+    code, out = _doctor(capsys, "--model", str(tmp_path))
+    assert code == 0, out
+    assert "unknown to transformers" in out, out
+
+
+def test_doctor_layout_without_model_or_unknown_layout_is_refused(capsys):
+    from shardadopt.cli import main
+
+    assert main(["doctor", "--layout", "tp=2"]) == 2
+    assert main(["doctor", "--model", "llama", "--layout", "pp=2"]) == 2
+    assert "--layout 'pp=2'" in capsys.readouterr().err
+
+
+@pytest.mark.multiproc
+def test_doctor_check_runs_the_sweep_check_here(capsys):
+    code, out = _doctor(capsys, "--model", "gemma2", "--layout", "fsdp=2", "--check")
+    assert code == 0, out
+    assert "check fsdp here: verified" in out, out
+
+
+def test_layout_flags_name_the_sweep_layouts():
+    from shardadopt.coverage import LayoutError, parse_layout
+
+    assert {name: parse_layout(flags) for name, flags in LAYOUT_FLAGS.items()} == {n: n for n in LAYOUT_FLAGS}
+    assert parse_layout("ep=2") == "ep" and parse_layout("fsdp=4") == "fsdp"
+    with pytest.raises(LayoutError, match="the sweep records"):
+        parse_layout("ep=2,tp=2")
