@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-import tomllib
 
+import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
