@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -115,6 +116,10 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     """
     kwargs = adoption_kwargs(accelerator)
     topo = topology(model, kwargs.topology)
+    if "peft" in sys.modules:  # LoRA layers not laid out by shardadopt.adapters would train wrong: refuse them
+        from shardadopt.adapters import check_adapters
+
+        check_adapters(model)
     if accelerator.num_processes != topo.world_size:
         # accelerate on a machine without GPUs and without cpu=True treats each torchrun process as a job of its
         # own: every rank would see the whole dataset, write every checkpoint and log as rank 0.

@@ -19,6 +19,7 @@ def doctor(as_json: bool = False) -> int:
     """
     import shardadopt
     from shardadopt import versions
+    from shardadopt.registry import installed_version
 
     rows = versions.report()
     integrations = versions.integrations()
@@ -27,7 +28,9 @@ def doctor(as_json: bool = False) -> int:
     shardadopt.enable()
     import_errors = {}
     try:
-        for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules}):
+        absent = {name for name in versions.OPTIONAL if installed_version(name) is None}  # e.g. no peft: pending
+        for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules
+                              if m.split(".")[0] not in absent}):
             try:
                 importlib.import_module(module)  # lets every patch's probe look at the real upstream
             except Exception as exc:

@@ -261,6 +261,19 @@ def module_hf_device_mesh(module: torch.nn.Module) -> Any:
     return getattr(module, "_hf_device_mesh", None)
 
 
+# -- peft ------------------------------------------------------------------------------------------------------------
+
+# ``LoraLayer._get_in_out_features(base_layer)``: the (in, out) features peft sizes LoRA factors by, which
+# ``peft-sharded-adapters`` replaces (global shapes for DTensor bases). Checked on peft 0.21.2.
+PEFT_LORA_IN_OUT_FEATURES = Target("peft.tuners.lora.layer", "LoraLayer._get_in_out_features")
+
+
+def peft_in_out_features() -> Callable[..., Any]:
+    """``peft.tuners.tuners_utils._get_in_out_features``: the function peft's tuner layers size themselves with,
+    which the ``peft-sharded-adapters`` probe reads. Checked on peft 0.21.2."""
+    return _module_attribute("peft.tuners.tuners_utils", "_get_in_out_features", "peft_in_out_features", "peft")
+
+
 # -- torch -----------------------------------------------------------------------------------------------------------
 
 def default_store() -> dist.Store:

@@ -29,7 +29,7 @@ OPTIONAL: dict[str, str] = {
 def supported(*distributions: str) -> dict[str, str]:
     """``SUPPORTED`` for these distributions: a patch's ``requires`` (its first one is the upstream its probe reads,
     whose releases the README's "needed on" column names)."""
-    return {name: SUPPORTED[name] for name in distributions}
+    return {name: SUPPORTED.get(name) or OPTIONAL[name] for name in distributions}
 
 
 def report() -> list[dict[str, str | bool | None]]:

@@ -119,6 +119,23 @@ def test_missing_name_raises_upstream_changed():
         upstream.accelerator_models(object())
 
 
+# -- peft ------------------------------------------------------------------------------------------------------------
+
+def test_peft_lora_in_out_features():
+    from peft import LoraConfig, get_peft_model
+
+    method = upstream.upstream_method(upstream.PEFT_LORA_IN_OUT_FEATURES, "test")
+    assert method.__qualname__ == upstream.PEFT_LORA_IN_OUT_FEATURES.qualname
+    layer = get_peft_model(torch.nn.Sequential(torch.nn.Linear(3, 5)), LoraConfig(r=2, target_modules=["0"]))
+    lora = layer.base_model.model[0]
+    assert method(lora, lora.get_base_layer()) == (3, 5) == (lora.in_features, lora.out_features)
+
+
+def test_peft_in_out_features():
+    function = upstream.peft_in_out_features()
+    assert function(torch.nn.Linear(3, 5)) == (3, 5)
+
+
 # -- transformers ----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("target", upstream.TRAINER_TARGETS, ids=lambda t: t.qualname)
@@ -501,7 +518,7 @@ SCANNED = ("shardadopt", "benchmarks", "tools", "tests")
 TEST_EXCUSE = "# upstream-private:"
 # Where shardadopt's own private names are defined (benchmarks call helpers of test modules).
 OWN_DEFINITIONS = SCANNED + ("examples",)
-UPSTREAM_PACKAGES = {"torch", "transformers", "accelerate", "optuna"}
+UPSTREAM_PACKAGES = {"torch", "transformers", "accelerate", "optuna", "peft"}
 ACCESSOR_MODULE = "shardadopt/upstream.py"
 _AFFIX_METHODS = {"startswith", "endswith", "removeprefix", "removesuffix"}
 

@@ -37,6 +37,10 @@ RELEASES: list[tuple[str, str]] = [
 ]
 
 
+# The peft release every row is recorded with (peft-sharded-adapters reads peft, not transformers).
+PEFT = "0.21.2"
+
+
 def _run(*command: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(command, check=True, text=True, **kwargs)
 
@@ -48,6 +52,7 @@ def _ensure_venv(venv: Path) -> Path:
         # torch first and pinned: the local CPU build; a range would let pip pull a CUDA build.
         _run(str(python), "-m", "pip", "install", "-q", "torch==2.13.0")
         _run(str(python), "-m", "pip", "install", "-q", "-e", str(REPO))
+        _run(str(python), "-m", "pip", "install", "-q", "--no-deps", f"peft=={PEFT}")
     return python
 
 
@@ -63,7 +68,7 @@ def doctor(python: Path, transformers: str, accelerate: str) -> dict:
     installed = {row["name"]: row["installed"] for row in report["versions"]}
     if (installed["transformers"], installed["accelerate"]) != (transformers, accelerate):
         raise RuntimeError(f"asked for transformers {transformers} / accelerate {accelerate}, doctor saw {installed}")
-    return {"transformers": transformers, "accelerate": accelerate, "torch": installed["torch"],
+    return {"transformers": transformers, "accelerate": accelerate, "peft": PEFT, "torch": installed["torch"],
             "patches": {p["id"]: p["state"] for p in report["patches"]},
             "reasons": {p["id"]: p["reason"] for p in report["patches"]}}
 

@@ -10,6 +10,7 @@ from shardadopt.patches import (
                                 accelerate_adopt_sharded_model,
                                 accelerate_cpu_parallelism_config,
                                 accelerate_sharded_checkpoint,
+                                peft_sharded_adapters,
                                 trainer_adopt_sharded_model,
                                 trainer_hpo_optuna,
                                 trainer_sharded_checkpoint,
@@ -41,4 +42,5 @@ ALL_PATCHES: list[Patch] = [
     transformers_fsdp_tp_refused.PATCH,
     transformers_reuse_device_mesh.PATCH,
     transformers_sharded_clean_exit.PATCH,
+    peft_sharded_adapters.PATCH,
 ]

@@ -1,0 +1,441 @@
+"""PEFT LoRA adapters on models sharded at load time: laid out like their base layers, trained like one process.
+
+peft adds LoRA factors as plain tensors (and, on tensor-parallel loads, sizes them by the local shard); nothing
+reduces their gradients over the data-parallel ranks, so each rank trains its own adapter (FSDP), or the first
+forward crashes (TP, fsdp x tp, EP). :func:`lay_out_adapters` fixes an injected adapter so that the sharded model
+trains exactly like one process on the same global batch:
+
+- **shapes**: peft builds every factor on its base layer's *global* shape inside :func:`global_adapter_shapes`
+  (peft's own initialiser, so the init scale does not depend on the TP size), and whole: the patch hides the TP
+  plan from peft while it injects;
+- **values**: each whole factor is broadcast from global rank 0, so the ranks agree whatever their RNG holds, and
+  with rank 0 seeded like the one-process run the adapter equals the one-process adapter;
+- **placements**: then the factor facing the sharded dim is sharded like its base layer with transformers' own TP
+  style (what peft's DTensor TP, peft #3079, and torchtitan's ``components/lora.py`` do): colwise base (weight
+  ``Shard(0)`` on the tp mesh) -> ``lora_A`` replicated, ``lora_B`` colwise; rowwise base (``Shard(1)``) ->
+  ``lora_A`` rowwise (its partial output all-reduced), ``lora_B`` replicated. Bases that are not tensor parallel
+  (FSDP only, HSDP, EP's attention) keep both factors whole;
+- **gradients**: factors are replicated over the data-parallel ranks (they are small; DDP does the same) and their
+  gradients averaged over exactly that group (the ranks with this rank's tp coordinate) after each backward.
+  Averaging an accumulated gradient again would be exact too (the part every rank shares averages to itself), but
+  under FSDP2 ``no_sync`` (accelerate's ``accumulate()``) the reduction waits for the synchronised backward, like
+  FSDP's own. TP factors get their TP reductions from DTensor. Base weights stay frozen (peft's marking);
+- **refused**, naming the layer or option and the way out (:class:`AdapterLayoutError`), before peft touches a
+  shard where possible (:func:`check_config`): DoRA, initialisations computed from the base weight (PiSSA, OLoRA,
+  LoftQ, EVA, CorDA, LoRA-GA), ``modules_to_save``, ``target_parameters`` and target modules that match fused
+  expert tensors, base layers on the expert mesh or with a TP plan other than colwise/rowwise, LoRA on sharded
+  non-Linear layers, ``lora_bias`` on a rowwise base, adapters on the meta device, and tensor parallelism on
+  transformers without DTensor TP (before 5.17).
+
+Adapters are fixed when peft injects them (``get_peft_model``, ``PeftModel.from_pretrained``, ``add_adapter``,
+``load_adapter``: the ``peft-sharded-adapters`` patch wraps peft's ``BaseTuner.inject_adapter``), so an optimizer
+built from ``model.parameters()`` before ``accelerator.prepare`` holds the final parameters. ``accelerator.prepare``
+(``shardadopt.adopt.adopt_model``) calls :func:`check_adapters`: a sharded model whose LoRA layers were not laid out
+(added before ``shardadopt.enable()``) is refused, and factors made trainable after injection get their hooks.
+
+Public API (``lay_out_adapters``, ``adapter_state_dict`` and ``full_adapter_tensors`` are collectives: call them on
+every rank):
+
+- ``lay_out_adapters(model) -> int``: lay out every LoRA adapter not laid out yet (returns how many (layer,
+  adapter) pairs); without the patch: ``with global_adapter_shapes(): model = get_peft_model(...)``, then
+  ``lay_out_adapters(model)`` (likewise around ``add_adapter`` / ``load_adapter``);
+- ``global_adapter_shapes()``: the context manager in which peft sizes LoRA factors by the global shape;
+- ``check_config(lora_config)`` / ``check_adapters(model)``: raise :class:`AdapterLayoutError` for what cannot be
+  laid out / for LoRA layers that are not laid out;
+- ``adapter_state_dict(peft_model, adapter_name="default") -> dict``: the adapter's full tensors in PEFT's format
+  (what ``save_pretrained`` writes), on every rank; ``full_adapter_tensors(peft_model)``: the model's state dict
+  with the LoRA factors whole;
+- ``is_sharded_base(model)``, ``dtensor_tensor_parallel()``, ``MERGE_REFUSAL``, ``AdapterLayoutError`` (a
+  ``ValueError``).
+
+With the patch, ``PeftModel.save_pretrained(dir)`` on a sharded model writes full tensors once (global rank 0, under
+a fence, then a barrier); ``merge_and_unload()``/``merge_adapter()`` on a sharded model are refused (export, then
+merge in one process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardadopt import upstream
+from shardadopt.topology import Topology, topology
+
+__all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_adapters", "global_adapter_shapes",
+           "adapter_state_dict", "full_adapter_tensors", "is_sharded_base", "dtensor_tensor_parallel", "MERGE_REFUSAL"]
+
+_LAID_OUT = "_shardadopt_adapters"  # on a LoRA layer: the adapter names laid out
+_HOOKED = "_shardadopt_dp_average"  # on a factor parameter: the dp-averaging hook handle
+_DP = "_shardadopt_dp"  # on a LoRA layer: (dp group, dp size, FSDP modules telling whether gradients sync)
+# init_lora_weights values whose result does not depend on the base weight
+_WEIGHT_FREE_INITS = (True, False, "gaussian")
+MERGE_REFUSAL = (
+    "merging LoRA adapters into a model sharded at load time is not supported: the merged weights would be written "
+    "into this rank's shard only. Export the adapter with model.save_pretrained(dir) (every rank), then merge in "
+    "one process: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), dir).merge_and_unload().")
+
+
+class AdapterLayoutError(ValueError):
+    """A PEFT adapter on a sharded model that shardadopt cannot make train like one process."""
+
+
+_shapes = threading.local()
+
+
+@contextlib.contextmanager
+def global_adapter_shapes() -> Iterator[None]:
+    """While active, peft sizes LoRA factors on a sharded base by its global shape (peft sizes TP bases by the
+    local shard, which changes the init scale with the TP size and breaks row-parallel layers)."""
+    depth = getattr(_shapes, "depth", 0)
+    _shapes.depth = depth + 1
+    try:
+        yield
+    finally:
+        _shapes.depth = depth
+
+
+def global_shape_requested() -> bool:
+    return getattr(_shapes, "depth", 0) > 0
+
+
+def global_in_out_features(base_layer: nn.Module) -> tuple[int, int] | None:
+    """(in_features, out_features) of a Linear whose weight is a DTensor, from the global shape; else None."""
+    from torch.distributed.tensor import DTensor
+
+    weight = getattr(base_layer, "weight", None)
+    if isinstance(base_layer, nn.Linear) and isinstance(weight, DTensor) and weight.ndim == 2:
+        out_features, in_features = weight.shape
+        return in_features, out_features
+    return None
+
+
+def is_sharded_base(model: nn.Module) -> bool:
+    """Whether ``model`` (a transformers model, peft's tuner or PeftModel around one) is sharded."""
+    return topology(_base_model(model)).is_sharded
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under peft's PeftModel / tuner wrappers."""
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner
+
+    while isinstance(model, (PeftModel, BaseTuner)):
+        model = model.base_model if isinstance(model, PeftModel) else model.model
+    return model
+
+
+# -- laying out ----------------------------------------------------------------------------------------------------
+
+def _tp_style(weight: Any, topo: Topology) -> str:
+    """How a base layer's weight is laid out over tensor parallelism: "none", "colwise", "rowwise", or a
+    description of anything else."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if topo.tp_size == 1:
+        return "none"
+    if not isinstance(weight, DTensor):
+        return "plain (not a DTensor: transformers before 5.17 keeps TP shards as plain tensors)"
+    mesh = weight.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return "none" if not {"ep", "efsdp"} & set(names) else f"expert mesh {names}"
+    placement = weight.placements[names.index("tp")]
+    if isinstance(placement, Replicate):
+        return "none"
+    if isinstance(placement, Shard) and placement.dim == 0:
+        return "colwise"
+    if isinstance(placement, Shard) and placement.dim == 1:
+        return "rowwise"
+    return f"placement {placement} on the tp mesh"
+
+
+def dtensor_tensor_parallel() -> bool:
+    """Whether the installed transformers shards TP layers as DTensors (5.17+), which adapters are laid out on."""
+    from packaging.version import Version
+
+    from shardadopt.registry import installed_version
+
+    return installed_version("transformers") >= Version("5.17")
+
+
+def _placement_name(param: Any) -> str:
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return "replicated"
+    names = param.device_mesh.mesh_dim_names or ()
+    if names != ("tp",) or len(param.placements) != 1 or not isinstance(param.placements[0], Shard):
+        return f"{param.placements} on {names}"
+    return "colwise" if param.placements[0].dim == 0 else "rowwise"
+
+
+def _refusal(name: str | None, what: str, fix: str) -> AdapterLayoutError:
+    """``name``: the LoRA layer, or None for a ``LoraConfig`` refused before peft injects anything."""
+    subject = f"LoRA adapter on {name}" if name else "LoraConfig"
+    return AdapterLayoutError(f"{subject}: {what} on a model sharded at load time is not supported by shardadopt "
+                              f"(it would train wrong or crash). {fix}")
+
+
+def check_config(config: Any) -> None:
+    """Refuse, before peft injects anything, a ``LoraConfig`` whose options cannot be laid out on a sharded model
+    (peft would run them on shards: DoRA's weight norm and weight-based initialisations read the base weight)."""
+    if getattr(config, "use_dora", False):
+        raise _refusal(None, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
+                       "Use plain LoRA (use_dora=False) on the sharded model.")
+    init = getattr(config, "init_lora_weights", True)
+    if init not in _WEIGHT_FREE_INITS:
+        raise _refusal(None, f"init_lora_weights={init!r} (computed from the whole base weight)",
+                       "Use init_lora_weights=True or \"gaussian\", or initialise in one process, save it, and load "
+                       "it onto the sharded model with PeftModel.from_pretrained.")
+    if getattr(config, "modules_to_save", None):
+        raise _refusal(None, f"modules_to_save={config.modules_to_save!r} (trainable copies of sharded "
+                       "modules)", "Leave modules_to_save out and target their Linear layers with LoRA instead.")
+    if getattr(config, "target_parameters", None):
+        raise _refusal(None, f"target_parameters={config.target_parameters!r} (parameters such as fused "
+                       "expert tensors)", "Target projection modules (target_modules) only.")
+
+
+def _plan(base_model: nn.Module, name: str) -> str | None:
+    """The model's TP plan entry for module ``name`` (layer numbers as ``*``), as transformers applied it."""
+    plan = getattr(base_model, "tp_plan", None) or {}
+    return plan.get(re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name))
+
+
+def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model: nn.Module) -> str:
+    """The base layer's TP style ("none", "colwise", "rowwise"), after refusing what cannot be laid out."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora.layer import ParamWrapper
+
+    if isinstance(layer, ParamWrapper):
+        raise _refusal(name, "adapters on parameters (fused expert tensors: target_modules matched a parameter "
+                       "of an experts module)", "Leave expert projections out of target_modules (e.g. target "
+                       "attention only: [\"q_proj\", \"v_proj\", \"o_proj\"]).")
+    base = layer.get_base_layer()
+    if layer.use_dora.get(adapter, False) or adapter in layer.lora_magnitude_vector:
+        raise _refusal(name, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
+                       "Use plain LoRA (use_dora=False) on the sharded model.")
+    if topo.tp_size > 1 and not dtensor_tensor_parallel():
+        raise _refusal(name, "tensor parallelism on transformers before 5.17 (TP shards are plain tensors there)",
+                       "Upgrade transformers to 5.17 or newer, or load with fsdp_size instead of tp_size.")
+    names = tuple(getattr(getattr(getattr(base, "weight", None), "device_mesh", None), "mesh_dim_names", None) or ())
+    if {"ep", "efsdp"} & set(names):
+        raise _refusal(name, f"a base layer held by the expert mesh {names}", "Leave expert modules out of "
+                       "target_modules.")
+    if not isinstance(layer, LoraLinear):
+        if topo.tp_size == 1 and not any(getattr(p, "device_mesh", None) is not None for p in base.parameters()):
+            return "none"
+        raise _refusal(name, f"LoRA on a sharded {type(base).__name__} (only nn.Linear bases are laid out)",
+                       "Target Linear projections only (target_modules=[\"q_proj\", ...]).")
+    style = _tp_style(base.weight, topo)
+    plan = _plan(base_model, name) if topo.tp_size > 1 else None
+    if plan is not None and plan not in ("colwise", "rowwise"):
+        raise _refusal(name, f"a base layer with tensor-parallel plan {plan!r}", "Only \"colwise\" and "
+                       "\"rowwise\" plans are supported: leave this module out of target_modules, or load with "
+                       "fsdp_size instead of tp_size.")
+    if style not in ("none", "colwise", "rowwise") or (plan or "none") != style:
+        raise _refusal(name, f"a tensor-parallel base layer laid out as {style} (plan {plan!r})",
+                       "Only colwise and rowwise TP plans are supported: leave this module out of target_modules, "
+                       "or load with fsdp_size instead of tp_size.")
+    if style == "rowwise" and layer.lora_bias.get(adapter, False):
+        raise _refusal(name, "lora_bias=True on a rowwise base", "Use lora_bias=False.")
+    found = (_placement_name(layer.lora_A[adapter].weight), _placement_name(layer.lora_B[adapter].weight))
+    whole = (layer.lora_A[adapter].weight.shape == (layer.r[adapter], layer.in_features)
+             and layer.lora_B[adapter].weight.shape == (layer.out_features, layer.r[adapter])
+             and (layer.in_features, layer.out_features) == (base.weight.shape[1], base.weight.shape[0]))
+    if found != ("replicated", "replicated") or not whole:
+        raise _refusal(name, f"factors peft already laid out (lora_A {found[0]}, lora_B {found[1]}, sized "
+                       f"{layer.in_features}x{layer.out_features} for a {tuple(base.weight.shape)} base)",
+                       "Add adapters after shardadopt.enable(), or inside shardadopt.adapters.global_adapter_shapes() "
+                       "followed by lay_out_adapters(model).")
+    return style
+
+
+def _lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield name, module
+
+
+def _peft_configs(model: nn.Module) -> dict[str, Any]:
+    """adapter name -> LoraConfig, from whichever peft wrapper holds them (empty for a bare transformers model)."""
+    return dict(getattr(model, "peft_config", None) or {})
+
+
+def _refuse_modules_to_save(model: nn.Module) -> None:
+    from peft.utils.other import ModulesToSaveWrapper
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        if isinstance(module, ModulesToSaveWrapper):
+            sharded = [n for n, p in module.original_module.named_parameters() if isinstance(p, DTensor)]
+            if sharded:
+                raise _refusal(name, f"modules_to_save of a sharded module (parameters {sharded} are shards)",
+                               "Leave it out of modules_to_save and target its Linear layers with LoRA instead.")
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def _set_from_rank0(param: nn.Parameter) -> None:
+    """Make the whole (not yet sharded) ``param`` global rank 0's value on every rank."""
+    with torch.no_grad():
+        dist.broadcast(param.data, src=0)
+
+
+def _tp_mesh(weight: Any) -> Any:
+    mesh = weight.device_mesh
+    return mesh["tp"] if mesh.ndim > 1 else mesh
+
+
+def _shard_factor(factor: nn.Module, style: str, mesh: Any) -> None:
+    """Shard the whole, identical-on-every-rank ``factor`` like its base layer and install transformers' own TP
+    forward for ``style`` on it (what peft's DTensor TP does, on the global shape: each rank keeps its slice)."""
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    tp_style = ALL_PARALLEL_STYLES[style]
+    for name, _ in list(factor.named_parameters(recurse=False)):
+        tp_style.shard_param(factor, name, mesh)
+    tp_style.install_forward(factor, mesh)
+
+
+_groups: dict[tuple, Any] = {}
+
+
+def _dp_group(topo: Topology) -> Any:
+    """The process group of this rank's data-parallel peers (same tp rank), None for the whole world."""
+    if topo.tp_size == 1:
+        return None
+    tp_ranks: list[int] = [0] * topo.world_size
+    dist.all_gather_object(tp_ranks, topo.tp_rank)
+    members = tuple(tuple(r for r, t in enumerate(tp_ranks) if t == tp) for tp in range(topo.tp_size))
+    key = (id(upstream.default_group()), members)
+    if key not in _groups:
+        _groups[key] = dist.new_subgroups_by_enumeration([list(m) for m in members])[0]
+    return _groups[key]
+
+
+def _fsdp_syncing(fsdp_modules: list[nn.Module]) -> bool:
+    """False inside FSDP2 ``no_sync`` (``set_requires_gradient_sync(False)``), where reductions wait."""
+    for module in fsdp_modules:
+        for group in upstream.fsdp_param_groups(module):
+            return bool(group.reduce_grads)
+    return True
+
+
+def _average_over_dp(param: nn.Parameter, group: Any, dp_size: int, fsdp_modules: list[nn.Module]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if getattr(param, _HOOKED, None) is not None or not param.requires_grad:
+        return
+
+    def average(p: torch.Tensor) -> None:
+        if p.grad is None or not _fsdp_syncing(fsdp_modules):
+            return
+        grad = upstream.dtensor_local(p.grad) if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, group=group)
+        grad.div_(dp_size)
+
+    setattr(param, _HOOKED, param.register_post_accumulate_grad_hook(average))
+
+
+def lay_out_adapters(model: nn.Module) -> int:
+    """Lay out every LoRA adapter of ``model`` (a PeftModel, peft tuner or transformers model holding LoRA layers)
+    that is not laid out yet; returns the number of (layer, adapter) pairs laid out. Collective: every rank, in the
+    same order. A model that is not sharded is left alone (returns 0). Raises :class:`AdapterLayoutError`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    base = _base_model(model)
+    topo = topology(base)
+    if not topo.is_sharded:
+        return 0
+    _refuse_modules_to_save(model)
+    for config in _peft_configs(model).values():
+        check_config(config)
+    group = _dp_group(topo) if topo.dp_size > 1 else None
+    fsdp_modules = [m for m in base.modules() if isinstance(m, FSDPModule)][:1]
+    done = 0
+    for name, layer in _lora_layers(base):
+        laid_out = layer.__dict__.setdefault(_LAID_OUT, set())
+        for adapter in [a for a in layer.lora_A if a not in laid_out]:
+            style = _check_layer(name, layer, adapter, topo, base)
+            for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+                for param in factor.parameters():
+                    if param.is_meta:
+                        raise _refusal(name, "adapters created on the meta device (low_cpu_mem_usage=True)",
+                                       "Load the adapter with low_cpu_mem_usage=False.")
+                    _set_from_rank0(param)
+            if style != "none":
+                _shard_factor(layer.lora_B[adapter] if style == "colwise" else layer.lora_A[adapter], style,
+                              _tp_mesh(layer.get_base_layer().weight))
+            laid_out.add(adapter)
+            done += 1
+        if topo.dp_size > 1:
+            layer.__dict__[_DP] = (group, topo.dp_size, fsdp_modules)
+            _hook_trainable(layer)
+    return done
+
+
+def _hook_trainable(layer: Any) -> None:
+    """Average the gradients of ``layer``'s trainable LoRA factors over the data-parallel group (an adapter loaded
+    frozen and made trainable later is hooked when the model is prepared)."""
+    dp = layer.__dict__.get(_DP)
+    if dp is None:
+        return
+    for adapter in layer.__dict__.get(_LAID_OUT, ()):
+        for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+            for param in factor.parameters():
+                _average_over_dp(param, *dp)
+
+
+def check_adapters(model: nn.Module) -> None:
+    """Refuse (:class:`AdapterLayoutError`) a sharded model holding LoRA adapters that were not laid out by
+    :func:`lay_out_adapters`, or ``modules_to_save`` of sharded modules; hook the data-parallel averaging of factors
+    made trainable after they were laid out. Local: no collective."""
+    try:
+        from peft.tuners.lora import LoraLayer  # noqa: F401
+    except ImportError:
+        return
+    base = _base_model(model)
+    topo = topology(base)
+    if not topo.is_sharded:
+        return
+    _refuse_modules_to_save(model)
+    for name, layer in _lora_layers(base):
+        missing = [a for a in layer.lora_A if a not in layer.__dict__.get(_LAID_OUT, ())]
+        if missing:
+            raise AdapterLayoutError(
+                f"LoRA adapter(s) {missing} on {name} of a model sharded at load time were added without shardadopt "
+                f"laying them out ({topo.describe()}): their gradients would not be reduced over the data-parallel "
+                f"ranks, or the first forward would crash. Call shardadopt.enable() before get_peft_model / "
+                f"PeftModel.from_pretrained / add_adapter, or call shardadopt.adapters.lay_out_adapters(model) on "
+                f"every rank right after adding them.")
+        _hook_trainable(layer)
+
+
+# -- export --------------------------------------------------------------------------------------------------------
+
+def full_adapter_tensors(model: nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` with every LoRA factor as its full tensor (the sharded base weights as they are:
+    nothing of them is gathered); what ``PeftModel.save_pretrained(state_dict=...)`` filters. Collective."""
+    return {k: _full(v) if "lora_" in k else v for k, v in model.state_dict().items()}
+
+
+def adapter_state_dict(model: nn.Module, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """The full tensors of adapter ``adapter_name`` in PEFT's format (keys as ``save_pretrained`` writes them), on
+    every rank. Collective for sharded models."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(
+        model, state_dict=full_adapter_tensors(model), adapter_name=adapter_name).items()}

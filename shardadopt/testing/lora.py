@@ -1,0 +1,335 @@
+"""LoRA on a load-time-sharded model through the ordinary accelerate loop, and the one-process reference.
+
+Workers for ``tests/test_adapters*.py`` (importable by RankPool workers): ``train_lora_rank`` is what a user writes
+(load with ``DistributedConfig``, seed, ``get_peft_model``, AdamW over ``model.parameters()``, ``prepare``,
+``accumulate``, ``clip_grad_norm_``, ``step``), then exports the adapter with ``save_pretrained`` on every rank and
+loads it back onto a fresh sharded base; ``train_lora_reference`` runs the same steps in one process on the same
+global batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SEED = 1234
+TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+ATTENTION = ("q_proj", "v_proj", "o_proj")  # Qwen3-MoE: every down_proj is an expert tensor
+PER_DP_BATCH = 2
+STEPS = 3
+ACCUM = 2
+LR = 1e-2
+MAX_NORM = 0.05  # below every step's adapter grad norm here: clipping is always active (the tests check)
+
+
+def lora_config(**overrides: Any):
+    from peft import LoraConfig
+
+    return LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": list(TARGETS), **overrides})
+
+
+def _rows(dp_size: int, steps: int, accum: int):
+    from shardadopt.testing import token_batch
+
+    return token_batch(SEED, steps * accum * dp_size * PER_DP_BATCH)
+
+
+def _load(path: str, sizes: dict[str, Any] | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if sizes:
+        from transformers.distributed import DistributedConfig
+
+        kwargs["distributed_config"] = DistributedConfig(**sizes)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def _adapter_params(model) -> dict[str, Any]:
+    from shardadopt.testing import full
+
+    return {n: full(p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _adapter_grads(model) -> dict[str, Any]:
+    from shardadopt.testing import full
+
+    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def probe_batch():
+    from shardadopt.testing import token_batch
+
+    return token_batch(SEED + 1, 2)
+
+
+def train_lora_reference(path: str, dp_size: int, targets: tuple[str, ...] = TARGETS, steps: int = STEPS,
+                         accum: int = ACCUM) -> dict[str, Any]:
+    """One process, the same global batches: each step sees ``accum`` micro-batches of dp_size * PER_DP_BATCH."""
+    import torch
+    from peft import get_peft_model
+
+    base = _load(path, None)
+    torch.manual_seed(SEED)
+    model = get_peft_model(base, lora_config(target_modules=list(targets)))
+    init = _adapter_params(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    rows = _rows(dp_size, steps, accum)
+    global_micro = dp_size * PER_DP_BATCH
+    losses, norms = [], []
+    for step in range(steps):
+        micro = []
+        for m in range(accum):
+            batch = rows[(step * accum + m) * global_micro:(step * accum + m + 1) * global_micro]
+            loss = model(input_ids=batch, labels=batch).loss
+            (loss / accum).backward()
+            micro.append(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(torch.stack(micro).mean()))
+        grads = _adapter_grads(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        logits = model(input_ids=probe_batch()).logits
+    return {"losses": losses, "norms": norms, "init": init, "grads": grads, "params": _adapter_params(model),
+            "logits": logits}
+
+
+def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: str,
+                    targets: tuple[str, ...] = TARGETS, steps: int = STEPS, accum: int = ACCUM) -> dict[str, Any]:
+    """The user's accelerate loop with LoRA on a sharded load, then ``save_pretrained`` and a sharded reload."""
+    import torch
+    import torch.distributed as dist
+    from peft import PeftModel, get_peft_model
+
+    import shardadopt
+    from shardadopt.adapters import AdapterLayoutError
+    from shardadopt.selftest.accelerate import _local, fresh_accelerator
+
+    shardadopt.enable()
+    try:
+        accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=accum)
+        base = _load(path, sizes)
+        torch.manual_seed(SEED)
+        try:
+            model = get_peft_model(base, lora_config(target_modules=list(targets)))
+        except AdapterLayoutError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        init = _adapter_params(model)
+        frozen = {n: _local(p) for n, p in model.named_parameters() if "lora_" not in n}
+        # foreach: one kernel over plain and DTensor factors, which needs per-mesh groups (split at prepare)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+        loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, accum)), batch_size=PER_DP_BATCH)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        losses, norms, micro, grads = [], [], [], {}
+        for batch in loader:
+            with accelerator.accumulate(model):
+                loss = model(input_ids=batch, labels=batch).loss
+                micro.append(loss.detach())
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+                    losses.append(float(accelerator.reduce(torch.stack(micro).mean(), "mean")))
+                    micro = []
+                    grads = _adapter_grads(model)
+                optimizer.step()
+                optimizer.zero_grad()
+        unwrapped = accelerator.unwrap_model(model)
+        base_unchanged = all(torch.equal(_local(p), frozen[n]) for n, p in unwrapped.named_parameters()
+                             if n in frozen)
+        trainable = sorted(n for n, p in unwrapped.named_parameters() if p.requires_grad)
+        with torch.no_grad():
+            logits = unwrapped(input_ids=probe_batch()).logits
+        unwrapped.save_pretrained(export_dir)
+        # the export loaded back onto a fresh sharded base: resharded, equal outputs
+        reloaded = PeftModel.from_pretrained(_load(path, sizes), export_dir)
+        with torch.no_grad():
+            reloaded_logits = reloaded(input_ids=probe_batch()).logits
+        return {"losses": losses, "norms": norms, "init": init, "grads": grads, "params": _adapter_params(unwrapped),
+                "base_unchanged": base_unchanged, "trainable": trainable, "logits": logits,
+                "reloaded_logits": reloaded_logits, "rank": dist.get_rank()}
+    finally:
+        shardadopt.disable()
+
+
+# Adam normalises each element's step: a gradient that nearly cancels can move one element by a fraction of LR
+# (see shardadopt.selftest.accelerate); whole-tensor errors (wrong data, gradient, clip) move by ~LR per step.
+PARAM_MAX_DIFF = 0.5 * LR
+PARAM_RMS = 1e-3 * LR
+
+
+def _close(got, want) -> bool:
+    diff = (got - want).abs()
+    return got.shape == want.shape and float(diff.max()) < PARAM_MAX_DIFF and float(diff.pow(2).mean().sqrt()) \
+        <= PARAM_RMS
+
+
+def reference_cache(tiny_models: dict[str, str]):
+    """``get(model, dp, targets)``: :func:`train_lora_reference`, computed once per argument set."""
+    cache: dict[tuple, dict[str, Any]] = {}
+
+    def get(model: str, dp: int, targets: tuple[str, ...]) -> dict[str, Any]:
+        if (model, dp, targets) not in cache:
+            cache[model, dp, targets] = train_lora_reference(tiny_models[model], dp, targets)
+        return cache[model, dp, targets]
+
+    return get
+
+
+def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: int, references, workdir: str) -> None:
+    """Run :func:`train_lora_rank` on ``pool`` and assert it equals the one-process run (test helper): losses, grad
+    norms, last-step adapter gradients, initial and final adapters, identical on every rank, base unchanged; the
+    export loads in this process with equal outputs and back onto a sharded base with equal outputs."""
+    import json
+    import os
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardadopt.adapters import dtensor_tensor_parallel
+
+    targets = ATTENTION if model == "qwen3moe" else TARGETS
+    export = os.path.join(workdir, "adapter")
+    results = pool.run(train_lora_rank, path, sizes, dp, export, targets, timeout=600)
+    if sizes.get("tp_size", 1) > 1 and not dtensor_tensor_parallel():
+        for result in results:  # refused at get_peft_model, naming the fix
+            assert "tensor parallelism on transformers before 5.17" in result["error"], result
+            assert "Upgrade transformers to 5.17" in result["error"]
+        return
+    assert "error" not in results[0], results[0]["error"]
+    expected = references(model, dp, targets)
+    assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
+    first = results[0]
+    for rank, result in enumerate(results):
+        assert result["base_unchanged"], f"rank {rank}: a base weight changed"
+        assert result["trainable"] and all("lora_" in n for n in result["trainable"]), result["trainable"]
+        for key in ("init", "params", "grads"):
+            for name, value in result[key].items():
+                assert torch.equal(value, first[key][name]), f"{key} {name} differs between rank 0 and {rank}"
+        assert result["losses"] == first["losses"] and result["norms"] == first["norms"]
+    assert sorted(first["init"]) == sorted(expected["init"])
+    for name, value in expected["init"].items():
+        assert torch.equal(first["init"][name], value), f"initial {name} differs from one process"
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
+    for name, value in expected["grads"].items():
+        torch.testing.assert_close(first["grads"][name], value, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+    bad = [n for n, v in expected["params"].items() if not _close(first["params"][n], v)]
+    assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
+
+    # the export: an ordinary PEFT adapter, full tensors, that one process loads with equal outputs
+    assert sorted(os.listdir(export)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
+    with open(os.path.join(export, "adapter_config.json")) as file:
+        assert sorted(json.load(file)["target_modules"]) == sorted(targets)
+    one = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), export)
+    with torch.no_grad():
+        logits = one(input_ids=probe_batch()).logits
+    for result in results:
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=1e-6, atol=1e-6)
+
+
+def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: str, steps: int = 4,
+                     save_after: int = 2) -> dict[str, Any]:
+    """``steps`` optimizer steps with ``save_state(directory)`` after ``save_after``; then a fresh load, adapters
+    initialised from another seed, ``load_state(directory)`` and the remaining steps: both runs' losses."""
+    import torch
+
+    import shardadopt
+    from shardadopt.selftest.accelerate import fresh_accelerator
+
+    shardadopt.enable()
+    try:
+        def run(seed: int, resume: bool) -> list[float]:
+            from peft import get_peft_model
+
+            accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+            torch.manual_seed(seed)
+            model = get_peft_model(_load(path, sizes), lora_config())
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, ACCUM)), batch_size=PER_DP_BATCH)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            if resume:
+                accelerator.load_state(directory)
+            losses, done = [], 0
+            for index, batch in enumerate(loader):
+                if resume and index < save_after * ACCUM:
+                    continue  # the batches the saved run consumed
+                with accelerator.accumulate(model):
+                    loss = model(input_ids=batch, labels=batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    done += 1
+                    if not resume and done == save_after:
+                        accelerator.save_state(directory)
+            return losses
+
+        return {"straight": run(SEED, False), "resumed": run(SEED + 99, True)}
+    finally:
+        shardadopt.disable()
+
+
+REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the adapter to a sharded model
+    "expert-tensors": {},  # Qwen3-MoE: down_proj matches the experts' fused tensors
+    "dora": {"use_dora": True},
+    "pissa": {"init_lora_weights": "pissa"},
+    "modules-to-save": {"modules_to_save": ["lm_head"]},
+    "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
+}
+
+
+def adapter_case(path: str, sizes: dict[str, Any], case: str) -> dict[str, Any]:
+    """One adapter scenario on a sharded load: a refusal (``REFUSALS``, ``added-before-enable``, ``merge``) as the
+    error text, or ``seeds-differ``: adapters added with every rank seeded differently (rank 0 with ``SEED``), a
+    second one through ``add_adapter``: their initial values on this rank."""
+    import torch
+    import torch.distributed as dist
+    from peft import get_peft_model
+
+    import shardadopt
+    from shardadopt.selftest.accelerate import fresh_accelerator
+
+    shardadopt.enable()
+    try:
+        accelerator = fresh_accelerator(cpu=True)
+        base = _load(path, sizes)
+        torch.manual_seed(SEED)
+        try:
+            if case in REFUSALS:
+                get_peft_model(base, lora_config(**REFUSALS[case]))
+            elif case == "added-before-enable":
+                shardadopt.disable()
+                model = get_peft_model(base, lora_config())
+                shardadopt.enable()
+                accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+            elif case == "merge":
+                get_peft_model(base, lora_config()).merge_and_unload()
+            elif case == "seeds-differ":
+                torch.manual_seed(SEED + 1000 * dist.get_rank())
+                model = get_peft_model(base, lora_config(init_lora_weights="gaussian"))
+                model.add_adapter("second", lora_config(r=4, init_lora_weights="gaussian"))
+                return {"init": _adapter_params(model)}
+            else:
+                raise ValueError(f"unknown case {case!r}")
+        except ValueError as exc:  # AdapterLayoutError, AdoptionError
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": None}
+    finally:
+        shardadopt.disable()
+
+
+def initial_adapters(path: str) -> dict[str, Any]:
+    """What one process initialises for ``adapter_case(..., "seeds-differ")`` from ``SEED``."""
+    import torch
+    from peft import get_peft_model
+
+    torch.manual_seed(SEED)
+    model = get_peft_model(_load(path, None), lora_config(init_lora_weights="gaussian"))
+    model.add_adapter("second", lora_config(r=4, init_lora_weights="gaussian"))
+    return _adapter_params(model)

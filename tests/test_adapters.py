@@ -1,0 +1,89 @@
+"""PEFT LoRA on load-time-sharded models (2 ranks), through the ordinary accelerate loop, equals one process.
+
+Each layout trains a few optimizer steps with gradient accumulation and clipping: per-step loss and grad norm, the
+adapter gradients of the last step and the adapter weights after training equal a one-process run on the same
+global batches; the adapters are equal on every rank and the base weights unchanged. The adapter each run exports
+with ``save_pretrained`` (every rank) loads in one process with equal outputs, and back onto a sharded base
+(``shardadopt.testing.lora.check_lora_training``). transformers before 5.17 refuses LoRA on TP (checked there).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardadopt.selftest.trainer import distributed_sizes
+from shardadopt.testing.lora import check_lora_training, reference_cache
+
+pytestmark = pytest.mark.multiproc
+
+# EP: Qwen3-MoE with adapters on attention (its down_proj are expert tensors: refused, see the refusal tests)
+MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe"}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    return reference_cache(tiny_models)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep"])
+def test_lora_training_matches_single_process(pool2, tiny_models, references, tmp_path, layout):
+    sizes, dp = distributed_sizes(layout, 2)
+    model = MODELS[layout]
+    check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_lora_save_state_load_state_resumes_exactly(pool2, tiny_models, tmp_path, layout):
+    from shardadopt.adapters import dtensor_tensor_parallel
+    from shardadopt.testing.lora import resume_lora_rank
+
+    sizes, dp = distributed_sizes(layout, 2)
+    if "tp_size" in sizes and not dtensor_tensor_parallel():
+        pytest.skip("LoRA on TP is refused before transformers 5.17 (test_lora_training_matches_single_process)")
+    for result in pool2.run(resume_lora_rank, tiny_models[MODELS[layout]], sizes, dp, str(tmp_path / "state")):
+        assert result["resumed"] == result["straight"][2:], result
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_adapters_equal_one_process_init_whatever_each_rank_seeded(pool2, tiny_models, layout):
+    """Every rank seeded differently (rank 0 like the one-process run), two adapters (get_peft_model, add_adapter):
+    every factor equals the one-process initialisation on every rank, sharded factors included (TP: the fan is the
+    global shape's, independent of the TP size)."""
+    import torch
+
+    from shardadopt.adapters import dtensor_tensor_parallel
+    from shardadopt.testing.lora import adapter_case, initial_adapters
+
+    sizes, _ = distributed_sizes(layout, 2)
+    if "tp_size" in sizes and not dtensor_tensor_parallel():
+        pytest.skip("LoRA on TP is refused before transformers 5.17 (test_lora_training_matches_single_process)")
+    expected = initial_adapters(tiny_models[MODELS[layout]])
+    assert any(".second." in n for n in expected)
+    for rank, result in enumerate(pool2.run(adapter_case, tiny_models[MODELS[layout]], sizes, "seeds-differ")):
+        assert sorted(result["init"]) == sorted(expected)
+        for name, value in expected.items():
+            assert torch.equal(result["init"][name], value), f"rank {rank}: initial {name} differs from one process"
+
+
+REFUSED = [  # (case, layout, what the error names)
+    ("expert-tensors", "ep", "fused expert tensors"),
+    ("dora", "fsdp", "DoRA (use_dora=True"),
+    ("pissa", "fsdp", "init_lora_weights='pissa'"),
+    ("modules-to-save", "fsdp", "LoraConfig: modules_to_save=['lm_head'] (trainable copies of sharded modules)"),
+    ("gather-output-plan", "tp", "tensor-parallel plan 'colwise_gather_output'"),
+    ("added-before-enable", "fsdp", "were added without shardadopt laying them out"),
+    ("merge", "fsdp", "merging LoRA adapters into a model sharded at load time is not supported"),
+]
+
+
+@pytest.mark.parametrize("case, layout, message", REFUSED, ids=[c for c, _, _ in REFUSED])
+def test_unsupported_adapter_combinations_are_refused_by_name(pool2, tiny_models, case, layout, message):
+    from shardadopt.adapters import dtensor_tensor_parallel
+    from shardadopt.testing.lora import adapter_case
+
+    sizes, _ = distributed_sizes(layout, 2)
+    if "tp_size" in sizes and not dtensor_tensor_parallel():
+        message = "tensor parallelism on transformers before 5.17"
+    for result in pool2.run(adapter_case, tiny_models[MODELS[layout]], sizes, case):
+        assert result["error"] and result["error"].startswith("AdapterLayoutError") and message in result["error"], \
+            result

@@ -1,0 +1,29 @@
+"""PEFT LoRA through the ordinary accelerate loop on 4 ranks: HSDP and 2-D (fsdp x tp) loads equal one process.
+
+The same checks as ``tests/test_adapters.py`` (``shardadopt.testing.lora.check_lora_training``). transformers 5.15
+can load neither layout (no ``dp_replicate_size``; ``fsdp_size`` with ``tp_size`` refused): skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.lora import check_lora_training, reference_cache
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    return reference_cache(tiny_models)
+
+
+@pytest.mark.parametrize("layout, model", [("hsdp", "llama"), ("2d", "qwen3")])
+def test_lora_four_ranks_match_single_process(request, tiny_models, references, tmp_path, layout, model):
+    try:
+        sizes, dp = distributed_sizes(layout, world=4)
+    except LayoutUnsupported as exc:
+        pytest.skip(f"{layout}: {exc}")
+    pool = request.getfixturevalue("pool4")  # started only when a layout can load
+    check_lora_training(pool, tiny_models[model], model, sizes, dp, references, str(tmp_path))
