@@ -29,7 +29,7 @@ def tiny_tokenizer(root: str | os.PathLike) -> str:
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
-                                        eos_token="<eos>")
+                                        eos_token="<eos>", model_input_names=["input_ids", "attention_mask"])
     os.makedirs(os.fspath(root), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".tiny-tokenizer-", dir=os.fspath(root))
     tokenizer.save_pretrained(staging)
