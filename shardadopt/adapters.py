@@ -157,12 +157,14 @@ def _tp_style(weight: Any, topo: Topology) -> str:
 
 
 def dtensor_tensor_parallel() -> bool:
-    """Whether the installed transformers shards TP layers as DTensors (5.17+), which adapters are laid out on."""
-    from packaging.version import Version
-
-    from shardadopt.registry import installed_version
-
-    return installed_version("transformers") >= Version("5.17")
+    """Whether the installed transformers shards TP layers as DTensors with per-style forwards (5.17+: the module
+    ``transformers.distributed.tensor_parallel``, its style registry and ``apply_tensor_parallelism``, what peft
+    checks too), which adapters are laid out with."""
+    try:
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, apply_tensor_parallelism  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _placement_name(param: Any) -> str:
@@ -199,7 +201,9 @@ def check_config(config: Any) -> None:
                        "modules)", "Leave modules_to_save out and target their Linear layers with LoRA instead.")
     if getattr(config, "target_parameters", None):
         raise _refusal(None, f"target_parameters={config.target_parameters!r} (parameters such as fused "
-                       "expert tensors)", "Target projection modules (target_modules) only.")
+                       "expert tensors; peft also lands here when a target_modules name matches an experts "
+                       "module's parameter)", "Target projection modules only and leave the experts out, e.g. "
+                       "target_modules=[\"q_proj\", \"v_proj\", \"o_proj\"] on a MoE model.")
 
 
 def _plan(base_model: nn.Module, name: str) -> str | None:

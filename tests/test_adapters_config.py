@@ -9,6 +9,8 @@ import shardadopt
 from shardadopt.adapters import AdapterLayoutError, check_config
 from shardadopt.testing.lora import lora_config
 
+pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
+
 
 @pytest.mark.parametrize("overrides, named", [
     ({"use_dora": True}, "DoRA (use_dora=True"),

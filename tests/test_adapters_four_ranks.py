@@ -11,6 +11,8 @@ import pytest
 from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
 from shardadopt.testing.lora import check_lora_training, reference_cache
 
+pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
+
 pytestmark = pytest.mark.multiproc
 
 
