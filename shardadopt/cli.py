@@ -14,13 +14,15 @@ def doctor(as_json: bool = False) -> int:
     """Print versions, backends and each patch's state for this installation; non-zero when something is broken.
 
     Broken means: a dependency missing or outside the supported range, an upstream module that fails to import,
-    or a patch that is ``unsupported``.
+    a patch that is ``unsupported``, or an optional integration (peft, trl) installed outside its tested range or
+    failing to import. An optional package that is not installed is not an error.
     """
     import shardadopt
     from shardadopt import versions
     from shardadopt.registry import installed_version
 
     rows = versions.report()
+    integrations = versions.integrations()
     backends = _backends()
     behaviour = _torch_behaviour(backends)
     shardadopt.enable()
@@ -36,10 +38,11 @@ def doctor(as_json: bool = False) -> int:
         patches = [s.as_dict() for s in shardadopt.status()]
     finally:
         shardadopt.disable()
-    broken = (any(not r["ok"] for r in rows) or bool(import_errors)
+    broken = (any(not r["ok"] for r in rows + integrations) or bool(import_errors)
               or any(p["state"] == "unsupported" for p in patches))
     if as_json:
-        print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "backends": backends,
+        print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "integrations": integrations,
+                          "backends": backends,
                           "torch_behaviour": behaviour, "import_errors": import_errors, "patches": patches,
                           "ok": not broken}, indent=2))
         return 1 if broken else 0
@@ -47,6 +50,12 @@ def doctor(as_json: bool = False) -> int:
     for row in rows:
         mark = "ok " if row["ok"] else "BAD"
         print(f"  {mark} {row['name']:<13} {row['installed'] or 'not installed':<16} supported {row['supported']}")
+    print("optional integrations:")
+    for row in integrations:
+        mark = "BAD" if not row["ok"] else "ok "
+        state = f"{row['state']}: {row['reason']}" if row["reason"] else row["state"]
+        print(f"  {mark} {row['name']:<13} {row['installed'] or 'not installed':<16} supported {row['supported']:<16} "
+              f"{state}")
     print("backends: " + ", ".join(f"{name}={'yes' if ok else 'no'}" for name, ok in backends.items()))
     if behaviour:
         print("torch behaviour (workarounds stay on either way):")

@@ -17,9 +17,12 @@ SUPPORTED: dict[str, str] = {
     "wrapt": ">=2",
 }
 
-# Optional integrations: not dependencies, but the patches for them are written and tested against these ranges.
+# Optional integrations (pyproject.toml's `peft` and `trl` extras), tested in CI on both dependency sets. Absent is
+# fine; installed outside the range is reported as unsupported, like a required dependency out of range.
 OPTIONAL: dict[str, str] = {
-    "peft": ">=0.21,<0.22",
+    "peft": ">=0.21.2,<0.22",
+    "trl": ">=1.16,<1.17",
+    "datasets": ">=5,<6",
 }
 
 
@@ -37,4 +40,29 @@ def report() -> list[dict[str, str | bool | None]]:
         version = installed_version(name)
         rows.append({"name": name, "installed": str(version) if version else None, "supported": spec,
                      "ok": version is not None and version in SpecifierSet(spec)})
+    return rows
+
+
+def integrations() -> list[dict[str, str | bool | None]]:
+    """One row per optional integration: name, installed version (or None), supported range, ``state``
+    (``supported``, ``not installed``, ``unsupported``: installed outside the range, or its import fails) and
+    ``ok`` (False only for ``unsupported``: an absent optional package is not an error)."""
+    import importlib
+
+    rows: list[dict[str, str | bool | None]] = []
+    for name, spec in OPTIONAL.items():
+        version = installed_version(name)
+        row: dict[str, str | bool | None] = {"name": name, "installed": str(version) if version else None,
+                                             "supported": spec, "state": "not installed", "reason": None,
+                                             "ok": True}
+        if version is not None and version not in SpecifierSet(spec):
+            row.update(state="unsupported", ok=False,
+                       reason=f"{name} {version} is outside the tested range: pip install '{name}{spec}'")
+        elif version is not None:
+            try:
+                importlib.import_module(name)
+                row["state"] = "supported"
+            except Exception as exc:  # a broken install: the integration cannot work
+                row.update(state="unsupported", ok=False, reason=f"import {name} fails: {type(exc).__name__}: {exc}")
+        rows.append(row)
     return rows

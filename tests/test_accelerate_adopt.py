@@ -296,10 +296,10 @@ def test_second_model_with_other_data_layout_is_a_clear_error(pool2):
 
 
 def test_dispatch_batches(pool2):
-    """dispatch_batches slices rank 0's batch over all processes: wrong under TP (clear error), fine under FSDP."""
+    """dispatch_batches: rank 0 reads and dispatches per data-parallel group (TP: both ranks get every batch)."""
     for result in pool2.run(adopt_worker, "tp-dispatch"):
-        assert result["error"].startswith("AdoptionError"), result
-        assert "DataLoaderConfiguration(dispatch_batches=False)" in result["error"]
+        assert result["dp"] == (1, 0), result
+        assert result["rows"] == [4 * i for i in range(16)], "a TP group sees the whole dataset, in order"
     results = pool2.run(adopt_worker, "fsdp-dispatch")
     assert [r["dp"] for r in results] == [(2, 0), (2, 1)], results
     first, second = (r["rows"] for r in results)

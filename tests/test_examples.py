@@ -39,9 +39,11 @@ BLOCK_TIMEOUT = 900  # seconds: a hang fails the test instead of stalling CI
 # - trainer_finetune: test_checkpoint_integrations (Trainer checkpoints, save_total_limit, resume, save_model);
 # - custom_loop_hpo: test_hpo_loop (optimize with pruning), test_hpo_multijob (trial_checkpoint_dir,
 #   resume_checkpoint).
+# - lora_sft tp (LoRA on TP needs transformers 5.17+, so newest only): test_trl_lora (SFTTrainer with LoRA on fsdp
+#   against DDP) and test_adapters (save_pretrained, reload in one process) on the oldest set.
 # The ep and 2d blocks are on neither list: the oldest transformers cannot load those layouts (skip_reason).
 ONE_SET_BLOCKS = {"accelerate_loop-fsdp": "oldest", "accelerate_loop-tp": "oldest", "trainer_finetune": "oldest",
-                  "custom_loop_hpo": "oldest", "hpo_search": "newest"}
+                  "custom_loop_hpo": "oldest", "hpo_search": "newest", "lora_sft-tp": "newest"}
 
 
 def section() -> str:
@@ -305,5 +307,14 @@ def check_custom_loop_hpo(block: str, work: Path, out: str, tiny_models: dict[st
     assert f"best: #{study.best_trial.number}" in out, out[-3000:]
 
 
+def check_lora_sft(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    adapter = work / "runs" / "lora-sft" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 8, config
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert "outputs equal the sharded model's" in out, out[-3000:]
+
+
 CHECKS = {"accelerate_loop.py": check_accelerate_loop, "trainer_finetune.py": check_trainer_finetune,
-          "hpo_search.py": check_hpo_search, "custom_loop_hpo.py": check_custom_loop_hpo}
+          "hpo_search.py": check_hpo_search, "custom_loop_hpo.py": check_custom_loop_hpo,
+          "lora_sft.py": check_lora_sft}

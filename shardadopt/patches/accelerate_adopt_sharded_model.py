@@ -9,7 +9,10 @@ model that arrives sharded; on CPU it ends in::
 
 ("aten.cat.default got mixed torch.Tensor and DTensor"; on GPUs: "Your model contains `DTensor` parameters, which
 is incompatible with DDP"). Past that, everything around the model assumes one batch per process and one mesh:
-``prepare_data_loader`` splits by ``process_index`` (TP ranks get different batches), ``gather_for_metrics``
+``prepare_data_loader`` splits by ``process_index`` (TP ranks get different batches; a loader that dispatches from
+rank 0, accelerate's default for iterable datasets, either slices over every process or, with a ``tp`` dimension in
+the Accelerator's device mesh as Trainer builds it, sends every process, data-parallel ranks included, the same
+batch), ``gather_for_metrics``
 returns TP duplicates, ``no_sync`` is a no-op for FSDP2 modules outside accelerate's FSDP plugin, foreach/fused
 optimizers fail on mixed DTensor/plain parameters, and ``clip_grad_norm_`` cannot reduce over several meshes.
 
@@ -67,11 +70,15 @@ def _prepare_model(wrapped, instance, args, kwargs):
 
 
 def _prepare_data_loader(wrapped, instance, args, kwargs):
-    from shardadopt.adopt import adopted, shard_dataloader
+    from shardadopt.adopt import adopted, dispatch_per_mesh_dp_group, shard_dataloader
 
     loader = wrapped(*args, **kwargs)
     state = adopted(instance)
-    return shard_dataloader(loader, state.layout) if state is not None else loader
+    if state is not None:
+        return shard_dataloader(loader, state.layout, state.dp_ranks)
+    # Trainer (transformers 5.19+) prepares a load-time-sharded model itself and gives accelerate a
+    # ParallelismConfig: a dispatching loader must still split by the mesh's data-parallel ranks.
+    return dispatch_per_mesh_dp_group(loader, instance.torch_device_mesh) if not _plugin_managed(instance) else loader
 
 
 def _prepare_optimizer(wrapped, instance, args, kwargs):

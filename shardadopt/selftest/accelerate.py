@@ -62,9 +62,17 @@ def _local(t):
     return (upstream.dtensor_local(t) if isinstance(t, DTensor) else t).detach().clone()
 
 
+def streamed_dataset(rows: list[Any]):
+    """``rows`` as a streamed ``datasets`` dataset (``to_iterable_dataset``) yielding ``{"input_ids": tensor}``."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"input_ids": [row.tolist() for row in rows]}).to_iterable_dataset().with_format("torch")
+
+
 def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "together", patched: bool = True,
-               cpu: bool = True, steps: int = STEPS, accum: int = ACCUM) -> dict[str, Any]:
-    """The user's accelerate loop on a load-time-sharded model; returns rank-side observations."""
+               cpu: bool = True, steps: int = STEPS, accum: int = ACCUM, streamed: bool = False) -> dict[str, Any]:
+    """The user's accelerate loop on a load-time-sharded model; returns rank-side observations. ``streamed``: the
+    rows come from a streamed ``datasets`` dataset, which accelerate dispatches from rank 0 by default."""
     import torch
     import torch.distributed as dist
 
@@ -77,7 +85,8 @@ def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "tog
         model = _load(path, sizes)
         before = {n: _local(p) for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-        loader = torch.utils.data.DataLoader(_dataset(dp_size, steps, accum), batch_size=PER_DP_BATCH)
+        rows = _dataset(dp_size, steps, accum)
+        loader = torch.utils.data.DataLoader(streamed_dataset(rows) if streamed else rows, batch_size=PER_DP_BATCH)
         try:
             if order == "together":
                 model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -97,6 +106,7 @@ def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "tog
         micro = []
         try:
             for batch in loader:
+                batch = batch["input_ids"] if streamed else batch
                 seen.append(batch.tolist())
                 with accelerator.accumulate(model):
                     sync_flags.append(_fsdp_reduces(model))

@@ -112,11 +112,12 @@ def _fresh_accelerate_state() -> None:
 def train_log(models: dict[str, str], layout: str, steps: int, *, single_process: bool = False,
               world: int | None = None, device: str = "cpu", grad_accum: int = 1, optim: str = "adamw_torch",
               max_grad_norm: float = 1.0,
-              learning_rate: float = 1e-3, enable: bool = True) -> list[dict[str, float]]:
+              learning_rate: float = 1e-3, enable: bool = True, streamed: bool = False) -> list[dict[str, float]]:
     """Train ``steps`` optimizer steps with Trainer; per step ``{"loss", "grad_norm"}`` as Trainer logs them.
 
     Sharded per ``layout`` on every rank of a pool, or, with ``single_process=True``, the control: the same model
-    unsharded in one process whose per-device batch is the sharded run's global batch.
+    unsharded in one process whose per-device batch is the sharded run's global batch. ``streamed``: the samples
+    come from a streamed ``datasets`` dataset (``to_iterable_dataset``), which accelerate dispatches from rank 0.
     """
     import torch
     from transformers import AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
@@ -143,7 +144,13 @@ def train_log(models: dict[str, str], layout: str, steps: int, *, single_process
             max_grad_norm=max_grad_norm, optim=optim, logging_steps=1, save_strategy="no", report_to=[],
             use_cpu=device == "cpu", seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0,
             disable_tqdm=True)
-        trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(steps * grad_accum * PER_RANK_BATCH * dp))
+        dataset = TokenDataset(steps * grad_accum * PER_RANK_BATCH * dp)
+        if streamed:
+            from datasets import Dataset
+
+            dataset = Dataset.from_list([{k: v.tolist() for k, v in dataset[i].items()} for i in range(len(dataset))]
+                                        ).to_iterable_dataset()
+        trainer = Trainer(model=model, args=args, train_dataset=dataset)
         trainer.remove_callback(PrinterCallback)  # every rank would print every step
         trainer.train()
     return [{"loss": row["loss"], "grad_norm": float(row["grad_norm"])}

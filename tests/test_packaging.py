@@ -1,0 +1,78 @@
+"""The optional PEFT/TRL integrations: pyproject extras, the ranges `shardadopt doctor` checks, its exit code."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import tomllib
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from shardadopt import versions
+from shardadopt.cli import main
+
+PYPROJECT = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+
+
+def _extra(name: str) -> dict[str, str]:
+    requirements = [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"][name]]
+    return {r.name: str(r.specifier) for r in requirements}
+
+
+def _same_range(left: str, right: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(left) == SpecifierSet(right)
+
+
+def test_extras_match_the_ranges_doctor_checks():
+    assert _same_range(_extra("peft")["peft"], versions.OPTIONAL["peft"])
+    assert _same_range(_extra("trl")["trl"], versions.OPTIONAL["trl"])
+    assert _same_range(_extra("trl")["datasets"], versions.OPTIONAL["datasets"])
+    test = _extra("test")
+    for name, spec in versions.OPTIONAL.items():  # CI installs the test extra: the integrations' tests run there
+        assert _same_range(test[name], spec), name
+
+
+def _doctor_json(capsys) -> tuple[int, dict]:
+    code = main(["doctor", "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_doctor_reports_installed_integrations(capsys):
+    code, report = _doctor_json(capsys)
+    rows = {row["name"]: row for row in report["integrations"]}
+    assert set(rows) == set(versions.OPTIONAL)
+    for name in ("peft", "trl"):
+        module = __import__(name)
+        assert rows[name]["installed"] == str(Version(module.__version__))
+        assert rows[name]["state"] == "supported" and rows[name]["ok"], rows[name]
+    assert code == (0 if report["ok"] else 1)
+
+
+def _fake_versions(monkeypatch, fake: dict[str, str | None]) -> None:
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version",
+                        lambda name: (Version(fake[name]) if fake[name] else None) if name in fake else real(name))
+
+
+def test_absent_integrations_are_not_an_error(monkeypatch, capsys):
+    baseline, _ = _doctor_json(capsys)
+    _fake_versions(monkeypatch, {"peft": None, "trl": None, "datasets": None})
+    code, report = _doctor_json(capsys)
+    assert {row["state"] for row in report["integrations"]} == {"not installed"}
+    assert all(row["ok"] for row in report["integrations"])
+    assert code == baseline
+
+
+def test_an_integration_outside_its_range_makes_doctor_fail(monkeypatch, capsys):
+    _fake_versions(monkeypatch, {"trl": "0.9.0"})
+    code, report = _doctor_json(capsys)
+    (row,) = [row for row in report["integrations"] if row["name"] == "trl"]
+    assert row["state"] == "unsupported" and not row["ok"]
+    assert f"pip install 'trl{versions.OPTIONAL['trl']}'" in row["reason"]
+    assert code == 1 and report["ok"] is False
+    main(["doctor"])
+    text = capsys.readouterr().out
+    assert "BAD trl" in text and "status: BROKEN" in text
