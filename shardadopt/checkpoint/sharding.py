@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardadopt.fence import progress
+
 
 def _is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
@@ -59,5 +61,6 @@ def layout(model: torch.nn.Module) -> dict[str, Any]:
 
 def _barrier() -> None:
     if _world()[0] > 1:
+        progress()  # arriving here is progress: the hang monitor tells this rank from one still writing
         dist.barrier()
 

@@ -83,8 +83,13 @@ def pack(exc: BaseException, rank: int) -> PackedError:
 
 
 def unpack(packed: PackedError, local_rank: int) -> BaseException:
-    """The exception of ``packed``, ready to raise on this rank, naming the rank it came from."""
-    exc: BaseException = pickle.loads(packed.blob)
+    """The exception of ``packed``, ready to raise on this rank, naming the rank it came from. One whose class
+    cannot be loaded here (a module only the raising rank imports) arrives as a ``RemoteError``."""
+    try:
+        exc: BaseException = pickle.loads(packed.blob)
+    except Exception:  # noqa: BLE001
+        type_name, _, message = packed.summary.partition(": ")
+        exc = RemoteError(type_name, message)
     if packed.rank == local_rank:
         return exc
     setattr(exc, RANK_ATTRIBUTE, packed.rank)
@@ -97,4 +102,8 @@ def unpack(packed: PackedError, local_rank: int) -> BaseException:
 
 
 def summary(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001  (an exception whose __str__ raises still travels)
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
