@@ -207,7 +207,7 @@ class Channel:
 
     def _collective(self, fn, op: int) -> None:
         try:
-            with _defer_sigint():
+            with defer_sigint():
                 fn()
         except Exception as exc:
             self.broken = self._diagnose(exc, op)
@@ -258,8 +258,9 @@ class Channel:
 
 
 @contextmanager
-def _defer_sigint() -> Iterator[None]:
-    """Hold Ctrl-C until the collective finished: a round interrupted half way would desynchronise the ranks."""
+def defer_sigint() -> Iterator[None]:
+    """Hold Ctrl-C until the block finished: a round (or a trial's end, several rounds) interrupted half way would
+    desynchronise the ranks. Nested blocks hold it until the outermost ends."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield

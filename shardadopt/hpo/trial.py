@@ -25,7 +25,7 @@ its own, their blocked collectives raise, and their errors count as copies of th
 trial records that rank's error. A rank that stops making progress for ``hang_timeout`` seconds trips the fence as
 hung: it raises ``shardadopt.fence.HangError`` where Python can be interrupted (the trial fails as ``hang`` against
 it), else every rank exits (see ``shardadopt.fence``). After the trial, however its end went on this rank (its
-close may have raised, e.g. a deferred Ctrl-C), every rank takes part in one more round saying whether it saw the
+close may have raised; a Ctrl-C is held until the end rounds are done), every rank takes part in one more round saying whether it saw the
 fence tripped, and when any did, every rank rebuilds the process groups (``Channel.rebuild``) before the next one.
 """
 
@@ -55,6 +55,7 @@ from shardadopt.hpo.channel import (
     STATUS_OK,
     STATUS_PRUNED,
     Channel,
+    defer_sigint,
 )
 from shardadopt.hpo.errors import DesyncError, PackedError, PeerLostError
 
@@ -283,11 +284,12 @@ class DistributedTrial(optuna.trial.BaseTrial):
         Returns the outcome every rank agrees on: the first error by rank (an error raised where it happened wins
         over copies of it received from another rank), else pruned/complete when all ranks say so.
         """
-        try:
-            if self._outcome is None:
-                self._close(state, error)
-        finally:
-            self._finish()
+        with defer_sigint():  # Ctrl-C here waits for the trial's end rounds: no rank may skip one of them
+            try:
+                if self._outcome is None:
+                    self._close(state, error)
+            finally:
+                self._finish()
         return self._outcome
 
     def _close(self, state: str, error: BaseException | None) -> None:
