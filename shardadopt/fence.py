@@ -385,7 +385,7 @@ class _Watcher:
                 return
             self._tripped(generation, value, connection)
             with self.generation_changed:
-                self.generation_changed.wait_for(lambda: _STATE["generation"] != generation)
+                self.generation_changed.wait_for(lambda seen=generation: _STATE["generation"] != seen)
 
     def _tripped(self, generation: int, value: bytes, connection: Any) -> None:
         origin, kind, hung, message = _parse(value)

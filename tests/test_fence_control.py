@@ -286,3 +286,32 @@ def _control_group_freed() -> bool:
 
 def test_the_control_group_is_freed_with_its_world(pool2):
     assert pool2.run(_control_group_freed, timeout=120) == [True, True]
+
+
+# -- errors in transit ------------------------------------------------------------------------------------------------
+
+
+def test_an_error_whose_class_a_peer_cannot_load_arrives_as_remote_error(tmp_path, monkeypatch):
+    from shardadopt.hpo import errors
+
+    (tmp_path / "only_on_the_raising_rank.py").write_text("class LocalFault(RuntimeError):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_on_the_raising_rank
+
+    packed = errors.pack(only_on_the_raising_rank.LocalFault("disk full"), 1)
+    monkeypatch.delitem(sys.modules, "only_on_the_raising_rank")
+    (tmp_path / "only_on_the_raising_rank.py").unlink()
+    received = errors.unpack(packed, 0)
+    assert isinstance(received, errors.RemoteError) and received.type_name == "LocalFault"
+    assert "disk full" in str(received) and received.shardadopt_rank == 1
+
+
+def test_an_error_whose_str_raises_still_travels():
+    from shardadopt.hpo import errors
+
+    class Unprintable(RuntimeError):
+        def __str__(self):
+            raise ValueError("no text")
+
+    packed = errors.pack(Unprintable(), 0)
+    assert packed.summary == "Unprintable"

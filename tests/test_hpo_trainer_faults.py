@@ -228,7 +228,7 @@ def faults(model_path: str, out: str) -> dict:
             raise AssertionError(f"{name}: the search raised {got['error']}")
         fresh = _search(model_path, out, f"{name}_fresh", None, (), 1, layout, enqueue=got["trials"][-1]["params"])
         result[name] = {"got": got, "fresh": fresh["trials"]}
-        if name in ("fsdp_save", "fsdp_hang_save"):  # no partial checkpoint of the failed trial; the next trial's are complete
+        if name in ("fsdp_save", "fsdp_hang_save"):  # nothing partial of the failed trial; the next one's complete
             result[name]["checkpoints"] = _checkpoints(f"{out}/{name}")
     Path(out, f"partial{rank}.pkl").write_bytes(pickle.dumps(result))
     uncaught = _search(model_path, out, "uncaught", {"kind": "on_step_begin", "rank": 0, "step": 2}, (), 2, None)

@@ -78,7 +78,8 @@ def pack(exc: BaseException, rank: int) -> PackedError:
         blob = pickle.dumps(exc)
         pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt (required keyword-only arguments)
     except Exception:
-        blob = pickle.dumps(RemoteError(type(exc).__qualname__, str(exc)))
+        message = summary(exc).partition(": ")[2]
+        blob = pickle.dumps(RemoteError(type(exc).__qualname__, message))
     return PackedError(blob, origin, text, summary(exc))
 
 

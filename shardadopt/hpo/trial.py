@@ -25,8 +25,9 @@ its own, their blocked collectives raise, and their errors count as copies of th
 trial records that rank's error. A rank that stops making progress for ``hang_timeout`` seconds trips the fence as
 hung: it raises ``shardadopt.fence.HangError`` where Python can be interrupted (the trial fails as ``hang`` against
 it), else every rank exits (see ``shardadopt.fence``). After the trial, however its end went on this rank (its
-close may have raised; a Ctrl-C is held until the end rounds are done), every rank takes part in one more round saying whether it saw the
-fence tripped, and when any did, every rank rebuilds the process groups (``Channel.rebuild``) before the next one.
+close may have raised; a Ctrl-C is held until the end rounds are done), every rank takes part in one more round
+saying whether it saw the fence tripped, and when any did, every rank rebuilds the process groups
+(``Channel.rebuild``) before the next one.
 """
 
 from __future__ import annotations
@@ -335,8 +336,9 @@ class DistributedTrial(optuna.trial.BaseTrial):
         fence.stop()  # no hang decision of this rank's after this point
         table = self._channel.exchange(OP_FINISH, aux=int(fence.tripped()))
         if any(row[0] != OP_FINISH for row in table):
-            raise PeerLostError(f"shardadopt HPO: ranks out of step at the end of {self._channel.context or 'a trial'}: "
-                                f"{[OP_NAMES.get(row[0], row[0]) for row in table]}")
+            doing = [OP_NAMES.get(row[0], row[0]) for row in table]
+            raise PeerLostError(f"shardadopt HPO: ranks out of step at the end of "
+                                f"{self._channel.context or 'a trial'}: {doing}")
         if any(row[3] for row in table):
             self._channel.rebuild()
 
