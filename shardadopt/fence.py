@@ -12,11 +12,15 @@ The mechanism, and why:
   checkpoint save). The rank whose code raises inside it records itself in the rendezvous store with one atomic
   ``compare_set`` on the generation's trip key (first writer wins; a rank dying right after it leaves a complete
   record, never a half-written one), then *breaks its own training process groups*.
-- **Watcher** (every rank). One daemon thread per process waits on that key with a blocking ``store.wait`` on a
-  store connection of its own (the main thread's store calls never queue behind it). The store answers the wait
+- **Watcher** (every rank). One daemon thread per process waits on its rank's wake key with a blocking
+  ``store.wait`` on a store connection of its own (the main thread's store calls never queue behind it); the
+  tripping rank sets every rank's wake key in one ``multi_set`` right after its record. The store answers the wait
   the moment the key is written: no polling, one open request per rank for the life of a process-group
-  generation, and detection in the time of one store round trip. When the key appears while a fence is armed, the
-  watcher breaks this rank's training groups too: the thread blocked in a collective then raises at once. Stores
+  generation, and detection in the time of one store round trip (a rank dying between its record and the wake-up
+  leaves a complete record: gloo peers fail on its closed connections and trip, reading it). At exit the watcher
+  is woken and joined, so no thread is inside the store client while Python finalises. When a trip wakes it while
+  a fence is armed, the watcher breaks this rank's training groups too: the thread blocked in a collective then
+  raises at once. Stores
   other than ``TCPStore`` (``FileStore``) are polled every ``POLL_INTERVAL`` instead.
 - **Hangs**. While a fence is armed, each rank counts its progress: module forward calls (a global forward
   pre-hook), optimizer steps (a global step hook), control-plane rounds, the Trainer's step and evaluation events
@@ -69,6 +73,7 @@ to torch's documented ``abort()`` contract but was not run here (one GPU); the g
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import signal
@@ -183,7 +188,7 @@ def _describe(exc: BaseException) -> str:
 
 
 def _parse(value: bytes | str) -> tuple[int, str, list[int], str]:
-    """A trip record: (origin rank, kind, hung ranks, message). Kinds: ``error``, ``hang``, ``rebuilt``."""
+    """A trip record: (origin rank, kind, hung ranks, message). Kinds: ``error``, ``hang``."""
     text = value.decode(errors="replace") if isinstance(value, bytes) else value
     rank, _, rest = text.partition("\n")
     kind, _, message = rest.partition("\n")
@@ -320,6 +325,9 @@ class _Watcher:
         self.interrupted = threading.Event()
         self.pending_hang: str | None = None  # the HangError message for the main thread's signal handler
         self.handler_installed = False
+        self.exiting = False
+        self.store: Any = None  # the base store the watcher watches (kept for the exit wake-up)
+        self.rank = 0
 
     # -- arming (main thread) ------------------------------------------------------------------------------------
 
@@ -327,6 +335,9 @@ class _Watcher:
         with self.lock:
             self.armed.append(fence)
             if self.thread is None or not self.thread.is_alive():
+                if self.thread is None:
+                    atexit.register(self.release)
+                self.store, self.rank = _store(), fence.rank
                 self.thread = threading.Thread(target=self._watch, name="shardadopt-fence watcher", daemon=True)
                 self.thread.start()
         if math.isfinite(fence.hang_timeout):
@@ -378,19 +389,34 @@ class _Watcher:
             connection = _connect()
         except Exception:  # noqa: BLE001  (store unreachable: the job is ending)
             return
-        while True:
+        while not self.exiting:
             generation = _STATE["generation"]
-            value = _wait_for_trip(connection, generation)
-            if value is None:  # the store is gone: the job is ending
+            if not _wait_for_wake(connection, generation) or self.exiting:  # the store is gone, or exit
                 return
-            self._tripped(generation, value, connection)
+            value = _read_trip(connection, generation)
+            if value is not None:
+                self._tripped(generation, value, connection)
             with self.generation_changed:
-                self.generation_changed.wait_for(lambda seen=generation: _STATE["generation"] != seen)
+                self.generation_changed.wait_for(
+                    lambda seen=generation: _STATE["generation"] != seen or self.exiting)
+
+    def release(self) -> None:
+        """At interpreter exit: wake the watcher and let it end, so no thread is inside the store client while
+        Python finalises (that aborted the process: ``terminate called without an active exception``)."""
+        self.exiting = True
+        thread = self.thread
+        if thread is None or not thread.is_alive():
+            return
+        try:
+            self.store.set(_key(_STATE["generation"], "wake", self.rank), "1")
+        except Exception:  # noqa: BLE001  (the store is gone: the wait has ended already)
+            pass
+        with self.generation_changed:
+            self.generation_changed.notify_all()
+        thread.join(timeout=5)
 
     def _tripped(self, generation: int, value: bytes, connection: Any) -> None:
         origin, kind, hung, message = _parse(value)
-        if kind == "rebuilt":
-            return
         with _BREAK_LOCK:
             if generation != _STATE["generation"]:
                 return
@@ -481,24 +507,41 @@ class _Watcher:
         message = (f"rank(s) {hung} made no progress for {timeout:g}s in {what}{how}"
                    + (f"; rank(s) {waiting} waited for them" if waiting else ""))
         store.compare_set(_trip_key(generation), "", f"{hung[0]}\n{HANG_KIND}:{','.join(map(str, hung))}\n{message}")
+        _wake_all(store, generation)
 
 
-def _wait_for_trip(connection: Any, generation: int) -> bytes | None:
-    """The generation's trip record once written (a trip or a rebuild), or None when the store is gone."""
-    key = _trip_key(generation)
+def _wait_for_wake(connection: Any, generation: int) -> bool:
+    """Block until this rank's wake key of ``generation`` is written (a trip, a rebuild, exit); False when the
+    store is gone."""
+    wake, trip = _key(generation, "wake", dist.get_rank()), _trip_key(generation)
     while True:
         try:
             if connection is not None:
-                connection.wait([key], _FOREVER)
-                return connection.get(key)
+                connection.wait([wake], _FOREVER)
+                return True
             store = _store()
-            if store.check([key]):
-                return store.get(key)
+            if store.check([wake]) or store.check([trip]):
+                return True
         except Exception as exc:  # noqa: BLE001
             if "timeout" not in str(exc).lower():
-                return None
+                return False
             continue
         time.sleep(POLL_INTERVAL)
+
+
+def _read_trip(connection: Any, generation: int) -> bytes | None:
+    store = connection if connection is not None else _store()
+    key = _trip_key(generation)
+    try:
+        return store.get(key) if store.check([key]) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _wake_all(store: Any, generation: int) -> None:
+    """One request: every rank's watcher of ``generation`` wakes up and reads the trip record."""
+    world = dist.get_world_size()
+    store.multi_set([_key(generation, "wake", r) for r in range(world)], ["1"] * world)
 
 
 def _on_hang_signal(signum: int, frame: Any) -> None:
@@ -557,9 +600,11 @@ class Fence:
             return self.rank
         origin = self.rank
         try:
-            record = _store().compare_set(
-                _trip_key(self.generation), "", f"{self.rank}\nerror\n{_describe(exc)[:2000]}")
+            store = _store()
+            mine = f"{self.rank}\nerror\n{_describe(exc)[:2000]}"
+            record = store.compare_set(_trip_key(self.generation), "", mine)
             origin = _parse(record)[0]
+            _wake_all(store, self.generation)
         except Exception:  # noqa: BLE001  (store unreachable: its host died; break anyway)
             pass
         break_training_groups()
@@ -583,8 +628,8 @@ class Fence:
         key = _trip_key(self.generation)
         if not store.check([key]):
             return None
-        rank, kind, _, message = _parse(store.get(key))
-        return None if kind == "rebuilt" else (rank, message)
+        rank, _, _, message = _parse(store.get(key))
+        return rank, message
 
     def stop(self) -> None:
         if not self.local:
@@ -644,8 +689,8 @@ def rebuild_world() -> None:
     device_id = getattr(default, "bound_device_id", None)
     base = _store()
     with _BREAK_LOCK:  # a watcher's break of the old groups finishes first; none starts on the new ones
-        try:  # wakes the watchers waiting on this generation's key (kept when a trip wrote it)
-            base.compare_set(_trip_key(_STATE["generation"]), "", "-1\nrebuilt\n")
+        try:  # this rank's watcher stops waiting on the old generation
+            base.set(_key(_STATE["generation"], "wake", rank), "1")
         except Exception:  # noqa: BLE001
             pass
         _STATE["generation"] += 1
