@@ -38,7 +38,7 @@ from shardadopt import fence
 from shardadopt.hpo import optimize
 from shardadopt.testing import free_port
 
-_COUNTED = ("set", "get", "check", "wait", "multi_get", "compare_set", "add", "delete_key")
+_COUNTED = ("set", "get", "check", "wait", "multi_get", "multi_set", "compare_set", "add", "delete_key")
 ITERATIONS = 50  # all-reduces per trial; the last rank raises after them in trial 0
 
 

@@ -20,8 +20,7 @@ The mechanism, and why:
   leaves a complete record: gloo peers fail on its closed connections and trip, reading it). At exit the watcher
   is woken and joined, so no thread is inside the store client while Python finalises. When a trip wakes it while
   a fence is armed, the watcher breaks this rank's training groups too: the thread blocked in a collective then
-  raises at once. Stores
-  other than ``TCPStore`` (``FileStore``) are polled every ``POLL_INTERVAL`` instead.
+  raises at once. Stores other than ``TCPStore`` (``FileStore``) are polled every ``POLL_INTERVAL`` instead.
 - **Hangs**. While a fence is armed, each rank counts its progress: module forward calls (a global forward
   pre-hook), optimizer steps (a global step hook), control-plane rounds, the Trainer's step and evaluation events
   (``shardadopt.hpo.trainer_backend``) and ``progress()`` calls from custom code. A monitor thread publishes
