@@ -59,14 +59,15 @@ Why not a restart (fail fast, torchrun ``--max-restarts``): it pays model loadin
 the study's in-process state; ``catch`` must go on in the same job. Why not a watchdog on the HPO control group:
 the control group is a process group too, and a rank blocked in a training collective never reaches it.
 
-Bound on a raise: a rank blocked in a collective leaves within a store round trip plus the time to break the
-groups after the failing rank tripped (well under a second on CPU/gloo, ``benchmarks/hpo_recovery.py``); a rank
-that is computing leaves at its next collective. Not covered: a rank blocked in the *rendezvous* of a new process
-group (the store wait of ``new_group``, e.g. the first trial's device mesh while a peer failed before it) waits
-for the process group timeout unless the peer hangs (then the hang bound holds); hangs outside a fenced section (between trials, in a plain training loop without a save); a rank *killed*
-(SIGKILL, OOM killer) cannot trip the fence: gloo peers fail at once on the closed connections and trip it
-themselves, NCCL peers wait for NCCL's own timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). NCCL aborting is written
-to torch's documented ``abort()`` contract but was not run here (one GPU); the gloo path is tested.
+Bound on a raise: a rank blocked in a collective leaves within a store round trip plus the time to break the groups
+after the failing rank tripped (well under a second on CPU/gloo, ``benchmarks/hpo_recovery.py``); a rank that is
+computing leaves at its next collective. Not covered: a rank blocked in the *rendezvous* of a new process group (the
+store wait of ``new_group``, e.g. the first trial's device mesh while a peer failed before it) waits for the process
+group timeout unless the peer hangs (then the hang bound holds); hangs outside a fenced section (between trials, in
+a plain training loop without a save); a rank *killed* (SIGKILL, OOM killer) cannot trip the fence: gloo peers fail
+at once on the closed connections and trip it themselves, NCCL peers wait for NCCL's own timeout
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``). NCCL aborting is written to torch's documented ``abort()`` contract but was
+not run here (one GPU); the gloo path is tested.
 """
 
 from __future__ import annotations
