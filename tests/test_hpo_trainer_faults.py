@@ -1,16 +1,16 @@
 """``Trainer.hyperparameter_search(backend="optuna")``: one rank fails mid-training, every rank recovers.
 
-One launch of 2 gloo ranks (torchrun's environment) runs several searches on the tiny qwen3 checkpoint, each with
-a fault on one rank in user shape: a callback raising in ``on_step_end`` / ``on_step_begin``, a forward hook
+One launch of 2 gloo ranks (torchrun's environment) runs several searches on the tiny qwen3 checkpoint, each with a
+fault on one rank in user shape: a callback raising in ``on_step_end`` / ``on_step_begin``, a forward hook
 registered by ``model_init``, ``model_init`` itself, the train dataset's ``__getitem__``, a stateful callback
 exported while Trainer writes a sharded checkpoint (rank 0, while rank 1 waits at the publication barrier); with a
-plain model (DDP
-on the default group) and with FSDP- and TP-sharded ``model_init``. The control timeout is 600 s; before the fix
-the peer of the failing rank sat in a training all-reduce for all of it. Each search asserts: every rank out of
-the failed trial within ``BOUND`` seconds of the fault, the trial states and failure attributes, and the next
-trial's logged losses equal those of a fresh search running the same parameters (enqueued) without a fault. The
+plain model (DDP on the default group) and with FSDP- and TP-sharded ``model_init``. The control timeout is 600 s;
+before the fix the peer of the failing rank sat in a training all-reduce for all of it. Each search asserts: every
+rank out of the failed trial within ``BOUND`` seconds of the fault, the trial states and failure attributes, and the
+next trial's logged losses equal those of a fresh search running the same parameters (enqueued) without a fault. The
 last search does not catch the error: every rank raises promptly and exits non-zero. One search hangs instead of
-raising (``time.sleep`` in ``on_step_end`` at step 3 on rank 1) with ``hang_timeout=5``: the trial fails as ``hang`` against that rank and the search goes on.
+raising (``time.sleep`` in ``on_step_end`` at step 3 on rank 1) with ``hang_timeout=5``: the trial fails as ``hang``
+against that rank and the search goes on.
 """
 
 from __future__ import annotations
