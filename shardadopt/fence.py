@@ -1,19 +1,46 @@
-"""Fault fences: when one rank fails inside a collective section, every rank leaves it within a bounded time.
+"""Fault fences: when one rank fails or hangs inside a collective section, every rank leaves it within a bound.
 
 The problem: a rank that raises in the middle of training (a callback, a forward/backward hook, the optimizer
 step, the dataloader, a save) leaves the others blocked in the next training collective, waiting for a peer that
-will never come. From Python, a thread blocked in a gloo or NCCL collective cannot be interrupted; the wait lasts
-the process group's timeout (30 minutes by default).
+will never come; a rank that stops making progress without raising (a stuck dataloader worker, a filesystem that
+blocks, a deadlock in user code) does the same. From Python, a thread blocked in a gloo or NCCL collective cannot
+be interrupted; the wait lasts the process group's timeout (30 minutes by default).
 
 The mechanism, and why:
 
 - **Trip** (the failing rank). A ``Fence`` covers a section that every rank enters together (one HPO trial, one
-  checkpoint save). The rank whose code raises inside it records itself in the rendezvous store (first writer
-  wins: ``store.add``, then its rank and message), then *breaks its own training process groups*.
-- **Watchdog** (every other rank). A daemon thread per fence polls that store key every ``POLL_INTERVAL`` seconds
-  and, when it appears, breaks this rank's training groups too: the thread blocked in a collective then raises at
-  once. Polling the store (which lives outside the training groups) is the side channel; it costs one small store
-  request per rank per interval and nothing on the training path.
+  checkpoint save). The rank whose code raises inside it records itself in the rendezvous store with one atomic
+  ``compare_set`` on the generation's trip key (first writer wins; a rank dying right after it leaves a complete
+  record, never a half-written one), then *breaks its own training process groups*.
+- **Watcher** (every rank). One daemon thread per process waits on its rank's wake key with a blocking
+  ``store.wait`` on a store connection of its own (the main thread's store calls never queue behind it); the
+  tripping rank sets every rank's wake key in one ``multi_set`` right after its record. The store answers the wait
+  the moment the key is written: no polling, one open request per rank for the life of a process-group
+  generation, and detection in the time of one store round trip (a rank dying between its record and the wake-up
+  leaves a complete record: gloo peers fail on its closed connections and trip, reading it). At exit the watcher
+  is woken and joined, so no thread is inside the store client while Python finalises. When a trip wakes it while
+  a fence is armed, the watcher breaks this rank's training groups too: the thread blocked in a collective then
+  raises at once. Stores other than ``TCPStore`` (``FileStore``) are polled every ``POLL_INTERVAL`` instead.
+- **Hangs**. While a fence is armed, each rank counts its progress: module forward calls (a global forward
+  pre-hook), optimizer steps (a global step hook), control-plane rounds, the Trainer's step and evaluation events
+  (``shardadopt.hpo.trainer_backend``) and ``progress()`` calls from custom code. A monitor thread publishes
+  ``(beat, count, stalled)`` to the store every ``tick`` (``hang_timeout / 4``, 0.25-30 s). A rank whose count did
+  not move for ``hang_timeout`` seconds is *stalled*; ranks blocked in a collective waiting for a hung peer are
+  stalled too, but they went further first (they reached the collective, which needs a forward call, an optimizer
+  step or a round after the last one the hung rank made), so once every rank is stalled or *silent* (its beat
+  stopped for 3 ticks: its Python threads cannot run, e.g. C code holding the GIL), the hung ranks are the silent
+  ones, else those with the lowest count when some rank went further (all stalled at the same count is all ranks
+  slow at the same point, e.g. one long import or a save on every rank: not taken for a hang, and a hang of every
+  rank at once is not detected). A stalled rank writes that decision as a trip of kind ``hang``
+  (``compare_set``: one decision wins). Every watcher breaks its groups; a hung rank's watcher interrupts its own
+  main thread with ``SIGUSR1`` (installed while a fence is armed, when the signal has no handler of the
+  program's), whose handler raises ``HangError`` there: Python code (``time.sleep``, a loop, a blocking read
+  Python retries) is interrupted and the failure travels like any error. A hung rank that does not answer within
+  ``ack`` seconds (signals blocked, C code that retries on ``EINTR``, the GIL held) cannot be interrupted: every
+  rank whose Python still runs, the hung one included, exits with ``HANG_EXIT_CODE`` so torchrun or the
+  scheduler restarts the job (``shardadopt hpo requeue`` picks the trial up). Bound from the last progress to
+  every rank out: ``hang_timeout`` + 4 ticks, + ``ack`` (5 s or one tick) when the hung rank cannot be
+  interrupted, i.e. at most ``2 * hang_timeout`` + 5 s.
 - **Break**. NCCL (and any backend implementing it): ``ProcessGroup.abort()`` on every training group, the
   documented way to unblock a stuck communicator from another thread. Gloo has no collective abort (``abort()``
   and ``shutdown()`` leave a blocked peer waiting, measured on torch 2.13 and 2.15), but a gloo peer that loses its
@@ -24,30 +51,39 @@ The mechanism, and why:
   Linux only (``/proc/self/net/tcp``); elsewhere gloo peers wait for their timeout.
 - **Rebuild**. Broken groups stay broken: ``rebuild_world`` destroys every process group and initialises the
   default group again on the same rendezvous store (a new key prefix per generation), with the same backend,
-  timeout and bound device. The HPO loop does it between trials, on every rank at the same point; a checkpoint
-  fence leaves the groups broken and the error propagates (the job ends; the last complete checkpoint resumes).
+  timeout and bound device. The HPO loop does it between trials, on every rank, when the ranks agree (one control
+  round) that a fence was tripped; a checkpoint fence leaves the groups broken and the error propagates (the job
+  ends; the last complete checkpoint resumes).
 
 Why not a restart (fail fast, torchrun ``--max-restarts``): it pays model loading and rendezvous again, and loses
 the study's in-process state; ``catch`` must go on in the same job. Why not a watchdog on the HPO control group:
 the control group is a process group too, and a rank blocked in a training collective never reaches it.
 
-Bound: a rank blocked in a collective leaves within ``POLL_INTERVAL`` plus the time to break the groups after the
-failing rank tripped (well under a second on CPU/gloo, measured by ``benchmarks/hpo_recovery.py``); a rank that
-is computing leaves at its next collective. Not covered: a rank blocked in the *rendezvous* of a new process
-group (the store wait of ``new_group``, e.g. the first trial's device mesh while a peer failed before it) waits
-for the process group timeout; a rank that hangs without raising is left to the collective timeouts; a rank
-*killed* (SIGKILL, OOM killer) cannot trip the fence: gloo peers fail at once on the closed connections and trip
-it themselves, NCCL peers wait for NCCL's own timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). NCCL aborting is
-written to torch's documented ``abort()`` contract but was not run here (one GPU); the gloo path is tested.
+Bound on a raise: a rank blocked in a collective leaves within a store round trip plus the time to break the groups
+after the failing rank tripped (well under a second on CPU/gloo, ``benchmarks/hpo_recovery.py``); a rank that is
+computing leaves at its next collective. Not covered: a rank blocked in the *rendezvous* of a new process group (the
+store wait of ``new_group``, e.g. the first trial's device mesh while a peer failed before it) waits for the process
+group timeout unless the peer hangs (then the hang bound holds); hangs outside a fenced section (between trials, in
+a plain training loop without a save); a rank *killed* (SIGKILL, OOM killer) cannot trip the fence: gloo peers fail
+at once on the closed connections and trip it themselves, NCCL peers wait for NCCL's own timeout
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``). NCCL aborting is written to torch's documented ``abort()`` contract but was
+not run here (one GPU); the gloo path is tested.
 """
 
 from __future__ import annotations
 
+import atexit
+import math
 import os
+import signal
 import socket
+import sys
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -55,14 +91,21 @@ import torch.distributed as dist
 from shardadopt import upstream
 from shardadopt.hpo.errors import RANK_ATTRIBUTE
 
-POLL_INTERVAL = 0.05  # seconds between a watchdog's store checks
+POLL_INTERVAL = 0.05  # seconds between a watcher's checks on a store it cannot wait on (not a TCPStore)
+HANG_TIMEOUT_ENV = "SHARDADOPT_HANG_TIMEOUT"
+DEFAULT_HANG_TIMEOUT = 900.0  # seconds without progress: longer than a slow evaluation, a save or a first batch
+HANG_EXIT_CODE = 75  # EX_TEMPFAIL: a hung rank could not be interrupted; restart the job (requeue retries the trial)
+HANG_KIND = "hang"  # shardadopt.hpo.failures.HANG (a failure kind; not imported here: fence is lower)
+_HANG_SIGNAL = signal.SIGUSR1
+_FOREVER = timedelta(days=30)  # a watcher's store wait: woken by a trip or a rebuild, never by a timeout
 _LISTEN, _TCP_TABLES = 0x0A, ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 _WILDCARD = {"00000000", "0" * 32}
 
 _PROTECTED_PORTS: set[int] = set()  # gloo listener ports of groups that must survive a break (control plane)
-_PROTECTED_GROUPS: list[Any] = []
-_STATE = {"generation": 0, "sequence": 0}  # the same on every rank: fences and rebuilds are collective
-_BREAK_LOCK = threading.Lock()
+_PROTECTED_GROUPS: weakref.WeakSet = weakref.WeakSet()
+_STATE = {"generation": 0, "tripped": -1}  # the same on every rank: fences and rebuilds are collective
+_BREAK_LOCK = threading.RLock()
+_PROGRESS = [0]  # this rank's progress count (see the module docstring)
 
 
 class PeerFailedError(RuntimeError):
@@ -82,6 +125,34 @@ class PeerFailedError(RuntimeError):
         return (type(self), (self.args[0], self.rank, self.origin_message))
 
 
+class HangError(RuntimeError):
+    """Raised in the main thread of a rank that made no progress for ``hang_timeout`` seconds inside a fenced
+    section, while its peers waited for it (see the module docstring). Failure kind ``hang``."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.shardadopt_failure_kind = HANG_KIND
+
+    def __reduce__(self):
+        return (type(self), (self.args[0],))
+
+
+def progress() -> None:
+    """Count one unit of progress on this rank: call it from long custom work that makes no forward call,
+    optimizer step or control round (e.g. a data-preparation loop inside a trial), so it is not taken for a hang."""
+    _PROGRESS[0] += 1
+
+
+def resolve_hang_timeout(value: float | None = None) -> float:
+    """Seconds without progress after which a rank inside a fenced section counts as hung: ``value``, else
+    ``$SHARDADOPT_HANG_TIMEOUT``, else 900. ``math.inf`` turns hang detection off."""
+    if value is None:
+        value = float(os.environ.get(HANG_TIMEOUT_ENV, DEFAULT_HANG_TIMEOUT))
+    if not value > 0:
+        raise ValueError(f"hang_timeout must be > 0 seconds (math.inf: no hang detection), got {value}")
+    return float(value)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -92,9 +163,44 @@ def _base_store(store: Any) -> Any:
     return store
 
 
+def _key(generation: int, *parts: object) -> str:
+    """A fence key on the base store, per torchrun restart (an agent's store outlives the workers' attempts)."""
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return "/".join(("shardadopt-fence", attempt, str(generation), *map(str, parts)))
+
+
+def _trip_key(generation: int) -> str:
+    return _key(generation, "trip")
+
+
 def _store() -> Any:
-    store = upstream.default_store()
-    return dist.PrefixStore(f"shardadopt-fence/{_STATE['generation']}/", store)
+    """The base store under the default group's (whose key prefix changes with every rebuild)."""
+    return _base_store(upstream.default_store())
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001  (an exception whose __str__ raises still trips the fence)
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _parse(value: bytes | str) -> tuple[int, str, list[int], str]:
+    """A trip record: (origin rank, kind, hung ranks, message). Kinds: ``error``, ``hang``."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    rank, _, rest = text.partition("\n")
+    kind, _, message = rest.partition("\n")
+    kind, _, hung = kind.partition(":")
+    return int(rank), kind, [int(r) for r in hung.split(",") if r], message
+
+
+def _connect() -> Any:
+    """A store connection of this thread's own to the default group's TCPStore, or None (another store type)."""
+    base = _store()
+    if not isinstance(base, dist.TCPStore):
+        return None
+    return dist.TCPStore(base.host, base.port, None, False, timeout=timedelta(seconds=60), wait_for_workers=False)
 
 
 # -- sockets ---------------------------------------------------------------------------------------------------------
@@ -144,8 +250,9 @@ def protected() -> Iterator[None]:
 
 
 def protect_group(group: Any) -> None:
-    """``group`` (created inside ``protected()``) is not aborted by ``break_training_groups``."""
-    _PROTECTED_GROUPS.append(group)
+    """``group`` (created inside ``protected()``) is not aborted by ``break_training_groups``. Held weakly: a
+    destroyed group is freed as usual (``shardadopt.cleanexit`` relies on it at exit)."""
+    _PROTECTED_GROUPS.add(group)
 
 
 def _training_groups() -> list[Any]:
@@ -158,7 +265,7 @@ def _training_groups() -> list[Any]:
             continue
         except AttributeError:  # private registry renamed: the default group at least
             break
-    return [g for g in groups if g is not None and not any(g is p for p in _PROTECTED_GROUPS)]
+    return [g for g in groups if g is not None and g not in _PROTECTED_GROUPS]
 
 
 def break_training_groups() -> int:
@@ -167,7 +274,7 @@ def break_training_groups() -> int:
     Returns how many gloo connections were shut down. Safe to call from any thread, more than once."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
-    with _BREAK_LOCK:
+    with _BREAK_LOCK:  # re-entrant: the watcher breaks while holding it, so no rebuild slips in between
         gloo = False
         for group in _training_groups():
             try:
@@ -184,7 +291,7 @@ def break_training_groups() -> int:
 def _shutdown_gloo_connections() -> int:
     try:
         sockets = _own_tcp_sockets()
-        store_port = getattr(_base_store(upstream.default_store()), "port", None)
+        store_port = getattr(_store(), "port", None)
     except Exception:  # noqa: BLE001  (no /proc: not Linux)
         return 0
     listeners = {port for _, state, port, address, _ in sockets
@@ -202,84 +309,355 @@ def _shutdown_gloo_connections() -> int:
     return count
 
 
+# -- the watcher, the hang monitor ------------------------------------------------------------------------------------
+
+
+class _Watcher:
+    """This process's side channel (see the module docstring): the armed fences, the watcher thread, the monitor."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.armed: list[Fence] = []
+        self.thread: threading.Thread | None = None
+        self.generation_changed = threading.Condition()
+        self.monitor: tuple[threading.Thread, threading.Event] | None = None
+        self.interrupted = threading.Event()
+        self.pending_hang: str | None = None  # the HangError message for the main thread's signal handler
+        self.handler_installed = False
+        self.exiting = False
+        self.store: Any = None  # the base store the watcher watches (kept for the exit wake-up)
+        self.rank = 0
+
+    # -- arming (main thread) ------------------------------------------------------------------------------------
+
+    def arm(self, fence: Fence) -> None:
+        with self.lock:
+            self.armed.append(fence)
+            if self.thread is None or not self.thread.is_alive():
+                if self.thread is None:
+                    atexit.register(self.release)
+                self.store, self.rank = _store(), fence.rank
+                self.thread = threading.Thread(target=self._watch, name="shardadopt-fence watcher", daemon=True)
+                self.thread.start()
+        if math.isfinite(fence.hang_timeout):
+            self._install_handler()
+            if self.monitor is None:
+                _PROGRESS[0] = 0  # counted from the section's start, which every rank enters together
+                stop = threading.Event()
+                thread = threading.Thread(target=self._monitor, args=(stop, fence.generation),
+                                          name="shardadopt-fence hang monitor", daemon=True)
+                self.monitor = (thread, stop)
+                thread.start()
+        if _STATE["tripped"] == fence.generation:  # a peer tripped this generation while no fence was armed here
+            break_training_groups()
+
+    def disarm(self, fence: Fence) -> None:
+        with self.lock:
+            if fence in self.armed:
+                self.armed.remove(fence)
+            last = not self.armed
+        if last and self.monitor is not None:  # no hang decision of this rank's after the section ended
+            thread, stop = self.monitor
+            self.monitor = None
+            stop.set()
+            thread.join(timeout=10)
+        if last and self.handler_installed and threading.current_thread() is threading.main_thread():
+            signal.signal(_HANG_SIGNAL, signal.SIG_DFL)
+            self.handler_installed = False
+
+    def _install_handler(self) -> None:
+        if self.handler_installed or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(_HANG_SIGNAL) is signal.SIG_DFL:  # the program's own handler wins: not interruptible
+            signal.signal(_HANG_SIGNAL, _on_hang_signal)
+            self.handler_installed = True
+
+    def hang_settings(self) -> tuple[float, float, str] | None:
+        """(hang timeout, tick, what) of the armed fences, or None when none watches for hangs."""
+        with self.lock:
+            watching = [f for f in self.armed if math.isfinite(f.hang_timeout)]
+        if not watching:
+            return None
+        timeout = min(f.hang_timeout for f in watching)
+        return timeout, min(max(timeout / 4, 0.25), 30.0), watching[-1].what
+
+    # -- the watcher thread --------------------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        try:
+            connection = _connect()
+        except Exception:  # noqa: BLE001  (store unreachable: the job is ending)
+            return
+        while not self.exiting:
+            generation = _STATE["generation"]
+            if not _wait_for_wake(connection, generation) or self.exiting:  # the store is gone, or exit
+                return
+            value = _read_trip(connection, generation)
+            if value is not None:
+                self._tripped(generation, value, connection)
+            with self.generation_changed:
+                self.generation_changed.wait_for(
+                    lambda seen=generation: _STATE["generation"] != seen or self.exiting)
+
+    def release(self) -> None:
+        """At interpreter exit: wake the watcher and let it end, so no thread is inside the store client while
+        Python finalises (that aborted the process: ``terminate called without an active exception``)."""
+        self.exiting = True
+        thread = self.thread
+        if thread is None or not thread.is_alive():
+            return
+        try:
+            self.store.set(_key(_STATE["generation"], "wake", self.rank), "1")
+        except Exception:  # noqa: BLE001  (the store is gone: the wait has ended already)
+            pass
+        with self.generation_changed:
+            self.generation_changed.notify_all()
+        thread.join(timeout=5)
+
+    def _tripped(self, generation: int, value: bytes, connection: Any) -> None:
+        origin, kind, hung, message = _parse(value)
+        with _BREAK_LOCK:
+            if generation != _STATE["generation"]:
+                return
+            _STATE["tripped"] = generation
+            with self.lock:
+                armed = bool(self.armed)
+            if armed:
+                break_training_groups()
+        if kind == HANG_KIND and armed:
+            self._resolve_hang(generation, hung, message, connection)
+
+    def _resolve_hang(self, generation: int, hung: list[int], message: str, connection: Any) -> None:
+        settings = self.hang_settings()
+        ack = max(5.0, settings[1] if settings else 5.0)
+        store = connection if connection is not None else _store()
+        rank = dist.get_rank()
+        if rank in hung:
+            if self.handler_installed:
+                self.interrupted.clear()
+                self.pending_hang = message
+                signal.pthread_kill(threading.main_thread().ident, _HANG_SIGNAL)
+                if self.interrupted.wait(ack):
+                    store.set(_key(generation, "interrupted", rank), "1")
+                    return
+            _exit_hung(f"rank {rank} is hung ({message}) and its main thread could not be interrupted")
+        try:
+            store.wait([_key(generation, "interrupted", r) for r in hung], timedelta(seconds=ack))
+        except Exception:  # noqa: BLE001  (timed out, or the store is gone)
+            _exit_hung(f"{message}; rank(s) {hung} could not be interrupted within {ack:.0f}s")
+
+    # -- the hang monitor thread ---------------------------------------------------------------------------------
+
+    def _monitor(self, stop: threading.Event, generation: int) -> None:
+        try:
+            connection = _connect()
+        except Exception:  # noqa: BLE001
+            return
+        store = connection if connection is not None else _store()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        count, changed, beat = _PROGRESS[0], time.monotonic(), 0
+        seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (its last beat, when it changed, my clock)
+        settings = self.hang_settings()
+        while settings is not None:
+            timeout, tick, what = settings
+            now = time.monotonic()
+            if _PROGRESS[0] != count:
+                count, changed = _PROGRESS[0], now
+            stalled = now - changed >= timeout
+            beat += 1
+            try:
+                store.set(_key(generation, "beat", rank), f"{beat} {count} {int(stalled)}")
+                if stalled and _STATE["tripped"] != generation:
+                    self._decide(store, generation, rank, world, count, timeout, tick, what, seen)
+            except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
+                return
+            if stop.wait(tick):
+                return
+            settings = self.hang_settings()
+
+    def _decide(self, store: Any, generation: int, rank: int, world: int, count: int, timeout: float, tick: float,
+                what: str, seen: dict) -> None:
+        """This rank is stalled: when every other rank is stalled or silent, name the hung ranks (a trip)."""
+        keys = [_key(generation, "beat", r) for r in range(world)]
+        values = store.multi_get(keys) if store.check(keys) else \
+            [store.get(k) if store.check([k]) else None for k in keys]
+        now = time.monotonic()
+        counts, silent = {rank: count}, []
+        for r, value in enumerate(values):
+            if r == rank:
+                continue
+            if seen.get(r, (b"", 0.0))[0] != value:
+                seen[r] = (value, now)
+            if now - seen[r][1] >= 3 * tick:
+                silent.append(r)
+                continue
+            if value is None:
+                return
+            _, their_count, their_stall = (int(x) for x in value.decode().split())
+            if not their_stall:
+                return  # rank r still makes progress: whoever it waits for is not hung yet
+            counts[r] = their_count
+        lowest = min(counts.values())
+        if not silent and lowest == max(counts.values()):
+            return  # nobody went further than anybody: all slow at the same point (an import, a save), not a hang
+        hung = silent or sorted(r for r, c in counts.items() if c == lowest)
+        waiting = sorted(set(range(world)) - set(hung))
+        how = " and does not answer (blocked outside Python)" if silent else ""
+        message = (f"rank(s) {hung} made no progress for {timeout:g}s in {what}{how}"
+                   + (f"; rank(s) {waiting} waited for them" if waiting else ""))
+        store.compare_set(_trip_key(generation), "", f"{hung[0]}\n{HANG_KIND}:{','.join(map(str, hung))}\n{message}")
+        _wake_all(store, generation)
+
+
+def _wait_for_wake(connection: Any, generation: int) -> bool:
+    """Block until this rank's wake key of ``generation`` is written (a trip, a rebuild, exit); False when the
+    store is gone."""
+    wake, trip = _key(generation, "wake", dist.get_rank()), _trip_key(generation)
+    while True:
+        try:
+            if connection is not None:
+                connection.wait([wake], _FOREVER)
+                return True
+            store = _store()
+            if store.check([wake]) or store.check([trip]):
+                return True
+        except Exception as exc:  # noqa: BLE001
+            if "timeout" not in str(exc).lower():
+                return False
+            continue
+        time.sleep(POLL_INTERVAL)
+
+
+def _read_trip(connection: Any, generation: int) -> bytes | None:
+    store = connection if connection is not None else _store()
+    key = _trip_key(generation)
+    try:
+        return store.get(key) if store.check([key]) else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _wake_all(store: Any, generation: int) -> None:
+    """One request: every rank's watcher of ``generation`` wakes up and reads the trip record."""
+    world = dist.get_world_size()
+    store.multi_set([_key(generation, "wake", r) for r in range(world)], ["1"] * world)
+
+
+def _on_hang_signal(signum: int, frame: Any) -> None:
+    message = _WATCHER.pending_hang
+    if message is None:  # not ours: the signal's default action (terminate), as without shardadopt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _WATCHER.pending_hang = None
+    _WATCHER.interrupted.set()
+    raise HangError(message)
+
+
+def _exit_hung(message: str) -> None:
+    print(f"shardadopt.fence: {message}; exiting with code {HANG_EXIT_CODE} so the job is restarted",
+          file=sys.stderr, flush=True)
+    os._exit(HANG_EXIT_CODE)
+
+
+def _count_progress(*args: Any) -> None:
+    _PROGRESS[0] += 1
+
+
+_WATCHER = _Watcher()
+_PROGRESS_HOOKS: list[Any] = []
+
+
 # -- fences ----------------------------------------------------------------------------------------------------------
 
 
 class Fence:
     """One fenced section, entered by every rank in the same order (see the module docstring).
 
-    ``start()`` starts the watchdog; ``trip(exc)`` on the rank whose code raised; ``origin()`` says which rank
-    failed first (or ``None``); ``stop()`` ends the watchdog (always, before groups are rebuilt)."""
+    ``start()`` arms it; ``trip(exc)`` on the rank whose code raised; ``origin()`` says which rank failed first
+    (or ``None``); ``stop()`` disarms it (always, before groups are rebuilt). ``hang_timeout``: seconds without
+    progress that count as a hang (default ``resolve_hang_timeout()``; ``math.inf``: off)."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, hang_timeout: float | None = None):
         self.what = what
         self.local = not _distributed()
         self.rank = dist.get_rank() if not self.local else 0
-        _STATE["sequence"] += 1
-        self._key = f"{_STATE['sequence']}"
-        self._store = None if self.local else _store()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.hang_timeout = resolve_hang_timeout(hang_timeout)
+        self.generation = _STATE["generation"]
 
     def start(self) -> Fence:
         if not self.local:
-            self._thread = threading.Thread(target=self._watch, name=f"shardadopt-fence: {self.what}", daemon=True)
-            self._thread.start()
+            if math.isfinite(self.hang_timeout) and not _PROGRESS_HOOKS:
+                _add_progress_hooks()
+            _WATCHER.arm(self)
         return self
 
-    def _watch(self) -> None:
-        key = f"{self._key}/origin"
-        while not self._stop.wait(POLL_INTERVAL):
-            try:
-                tripped = self._store.check([key])
-            except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
-                return
-            if tripped and not self._stop.is_set():
-                break_training_groups()
-                return
-
     def trip(self, exc: BaseException) -> int:
-        """This rank raised ``exc`` inside the section: record it (first rank wins), break this rank's groups.
-        Returns the rank that failed first."""
+        """This rank raised ``exc`` inside the section: record it (first rank wins, one atomic store request),
+        break this rank's groups. Returns the rank that failed first."""
         if self.local:
             return self.rank
         origin = self.rank
         try:
-            if self._store.add(f"{self._key}/count", 1) == 1:
-                text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                self._store.set(f"{self._key}/origin", f"{self.rank}\n{text[:2000]}")
-            else:
-                origin = self.origin()[0]  # type: ignore[index]  # the first writer sets it right after its add
+            store = _store()
+            mine = f"{self.rank}\nerror\n{_describe(exc)[:2000]}"
+            record = store.compare_set(_trip_key(self.generation), "", mine)
+            origin = _parse(record)[0]
+            _wake_all(store, self.generation)
         except Exception:  # noqa: BLE001  (store unreachable: its host died; break anyway)
             pass
         break_training_groups()
         return origin
 
     def origin(self) -> tuple[int, str] | None:
-        """(rank, message) of the rank that failed first, or ``None`` when nobody tripped the fence."""
-        if self.local:
-            return None
+        """(rank, message) of the rank that failed or hung first, or ``None`` when nobody tripped the fence."""
         try:
-            if not self._store.check([f"{self._key}/count"]):
-                return None
-            rank, _, message = self._store.get(f"{self._key}/origin").decode(errors="replace").partition("\n")
-            return int(rank), message
+            return self._record()
         except Exception:  # noqa: BLE001
             return None
 
+    def tripped(self) -> bool:
+        """Whether any rank tripped this fence's generation; store errors raise (the job cannot go on)."""
+        return False if self.local else self._record() is not None
+
+    def _record(self) -> tuple[int, str] | None:
+        if self.local:
+            return None
+        store = _store()
+        key = _trip_key(self.generation)
+        if not store.check([key]):
+            return None
+        rank, _, _, message = _parse(store.get(key))
+        return rank, message
+
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:  # a break in progress finishes before the caller goes on (e.g. rebuilds)
-            self._thread.join(timeout=5)
-            self._thread = None
+        if not self.local:
+            _WATCHER.disarm(self)
+            if not _WATCHER.armed:
+                _remove_progress_hooks()
+
+
+def _add_progress_hooks() -> None:
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _PROGRESS_HOOKS.append(register_module_forward_pre_hook(_count_progress))
+    _PROGRESS_HOOKS.append(register_optimizer_step_post_hook(_count_progress))
+
+
+def _remove_progress_hooks() -> None:
+    while _PROGRESS_HOOKS:
+        _PROGRESS_HOOKS.pop().remove()
 
 
 @contextmanager
-def fenced(what: str) -> Iterator[Fence]:
+def fenced(what: str, hang_timeout: float | None = None) -> Iterator[Fence]:
     """Run a collective section under a fence: when any rank raises inside it, every rank raises (the failing
-    rank its own error, the others ``PeerFailedError`` naming it) instead of waiting in a collective. The process
-    groups are broken afterwards: the error is fatal for the job unless something rebuilds them."""
-    fence = Fence(what).start()
+    rank its own error, the others ``PeerFailedError`` naming it) instead of waiting in a collective; when a rank
+    stops making progress for ``hang_timeout`` seconds, it raises ``HangError`` (or, not interruptible, every rank
+    exits with ``HANG_EXIT_CODE``). The process groups are broken afterwards: the error is fatal for the job unless
+    something rebuilds them."""
+    fence = Fence(what, hang_timeout).start()
     try:
         yield fence
     except BaseException as exc:
@@ -308,17 +686,22 @@ def rebuild_world() -> None:
     except Exception:  # noqa: BLE001  (backend without options: torch's default timeout)
         pass
     device_id = getattr(default, "bound_device_id", None)
-    base = _base_store(upstream.default_store())
-    _STATE["generation"] += 1
-    _STATE["sequence"] = 0
-    _PROTECTED_GROUPS.clear()
-    _PROTECTED_PORTS.clear()
-    dist.destroy_process_group()
-    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
-    if device_id is not None:
-        kwargs["device_id"] = device_id
-    dist.init_process_group(backend, store=dist.PrefixStore(f"shardadopt-rebuild/{_STATE['generation']}/", base),
-                            rank=rank, world_size=world, **kwargs)
+    base = _store()
+    with _BREAK_LOCK:  # a watcher's break of the old groups finishes first; none starts on the new ones
+        try:  # this rank's watcher stops waiting on the old generation
+            base.set(_key(_STATE["generation"], "wake", rank), "1")
+        except Exception:  # noqa: BLE001
+            pass
+        _STATE["generation"] += 1
+        _PROTECTED_PORTS.clear()
+        dist.destroy_process_group()
+        kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+        if device_id is not None:
+            kwargs["device_id"] = device_id
+        dist.init_process_group(backend, store=dist.PrefixStore(f"shardadopt-rebuild/{_STATE['generation']}/",
+                                                                base), rank=rank, world_size=world, **kwargs)
+    with _WATCHER.generation_changed:
+        _WATCHER.generation_changed.notify_all()
 
 
 def _cpu() -> Any:

@@ -1,15 +1,16 @@
 """``Trainer.hyperparameter_search(backend="optuna")``: one rank fails mid-training, every rank recovers.
 
-One launch of 2 gloo ranks (torchrun's environment) runs several searches on the tiny qwen3 checkpoint, each with
-a fault on one rank in user shape: a callback raising in ``on_step_end`` / ``on_step_begin``, a forward hook
+One launch of 2 gloo ranks (torchrun's environment) runs several searches on the tiny qwen3 checkpoint, each with a
+fault on one rank in user shape: a callback raising in ``on_step_end`` / ``on_step_begin``, a forward hook
 registered by ``model_init``, ``model_init`` itself, the train dataset's ``__getitem__``, a stateful callback
 exported while Trainer writes a sharded checkpoint (rank 0, while rank 1 waits at the publication barrier); with a
-plain model (DDP
-on the default group) and with FSDP- and TP-sharded ``model_init``. The control timeout is 600 s; before the fix
-the peer of the failing rank sat in a training all-reduce for all of it. Each search asserts: every rank out of
-the failed trial within ``BOUND`` seconds of the fault, the trial states and failure attributes, and the next
-trial's logged losses equal those of a fresh search running the same parameters (enqueued) without a fault. The
-last search does not catch the error: every rank raises promptly and exits non-zero.
+plain model (DDP on the default group) and with FSDP- and TP-sharded ``model_init``. The control timeout is 600 s;
+before the fix the peer of the failing rank sat in a training all-reduce for all of it. Each search asserts: every
+rank out of the failed trial within ``BOUND`` seconds of the fault, the trial states and failure attributes, and the
+next trial's logged losses equal those of a fresh search running the same parameters (enqueued) without a fault. The
+last search does not catch the error: every rank raises promptly and exits non-zero. One search hangs instead of
+raising (``time.sleep`` in ``on_step_end`` at step 3 on rank 1) with ``hang_timeout=5``: the trial fails as ``hang``
+against that rank and the search goes on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.multiproc
 
 BOUND = 30.0
 CONTROL_TIMEOUT = 600.0
+HANG_TIMEOUT = 5.0  # seconds without progress (the default, 900 s, fits real jobs)
 MAX_STEPS = 4
 
 
@@ -57,7 +59,7 @@ def _losses():
     return Losses()
 
 
-def _fault_callback(rank: int, event: str, step: int, marks: dict):
+def _fault_callback(rank: int, event: str, step: int, marks: dict, hang: bool = False):
     import torch.distributed as dist
     from transformers import TrainerCallback
 
@@ -70,6 +72,8 @@ def _fault_callback(rank: int, event: str, step: int, marks: dict):
         def _maybe(self, state):
             if self.trial == 0 and dist.get_rank() == rank and state.global_step == step:
                 marks["fault_at"] = time.time()
+                if hang:  # stops making progress without raising (a stuck worker, a blocked filesystem)
+                    time.sleep(10**6)
                 raise InjectedFault(f"injected on rank {rank} in {event} at step {step}")
 
     def hook(self, args, state, control, **kwargs):
@@ -123,9 +127,11 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
     callbacks = [_losses()]
     if kind in ("on_step_end", "on_step_begin"):
         callbacks.append(_fault_callback(fault["rank"], kind, fault["step"], marks))
+    if kind == "hang_step_end":
+        callbacks.append(_fault_callback(fault["rank"], "on_step_end", fault["step"], marks, hang=True))
     # The sharded checkpoint path, in the fresh run too (model weights only: transformers 5.24's Trainer refuses
     # optimizer checkpoints for a model_init that shards while loading)
-    saves = layout is not None and name.startswith(f"{layout}_save")
+    saves = layout is not None and name.startswith((f"{layout}_save", f"{layout}_hang_save"))
     if saves:
         from transformers.trainer_callback import ExportableState
 
@@ -133,8 +139,10 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
             """A callback whose exported state Trainer writes into every checkpoint (on rank 0)."""
 
             def state(self):
-                if kind == "save" and calls["trial"] == 0 and rank == fault["rank"]:
+                if kind in ("save", "hang_save") and calls["trial"] == 0 and rank == fault["rank"]:
                     marks["fault_at"] = time.time()
+                    if kind == "hang_save":
+                        time.sleep(10**6)
                     raise InjectedFault(f"injected on rank {rank} in a stateful callback's state()")
                 return {"args": {}, "attributes": {}}
 
@@ -164,11 +172,12 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
         optuna.create_study(storage=storage, study_name=name).enqueue_trial(enqueue)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     error = None
+    hangs = {"hang_timeout": HANG_TIMEOUT} if kind and kind.startswith("hang") else {}
     try:
         trainer.hyperparameter_search(
             backend="optuna", n_trials=n_trials, direction="minimize", hp_space=base._space, storage=storage,
             study_name=name, sampler=optuna.samplers.RandomSampler(seed=0), pruner=optuna.pruners.NopPruner(),
-            catch=catch, control_timeout=CONTROL_TIMEOUT)
+            catch=catch, control_timeout=CONTROL_TIMEOUT, **hangs)
     except BaseException as exc:  # noqa: BLE001
         marks["exception"] = exc
         error = {"type": type(exc).__name__, "message": str(exc), "at": time.time(),
@@ -196,6 +205,8 @@ CAUGHT = [  # (name, layout, fault)
     ("fsdp_forward_hook", "fsdp", {"kind": "forward_hook", "rank": 0, "step": 2}),
     ("tp_dataset", "tp", {"kind": "dataset", "rank": 1, "step": 1}),
     ("fsdp_save", "fsdp", {"kind": "save", "rank": 0}),  # the sharded checkpoint at step 2 (rank 0 exports state)
+    # the issue's case: rank 1 stops making progress in on_step_end at step 3, without raising
+    ("fsdp_hang_step_end", "fsdp", {"kind": "hang_step_end", "rank": 1, "step": 3, "hang": True}),
 ]
 
 
@@ -214,7 +225,7 @@ def faults(model_path: str, out: str) -> dict:
             raise AssertionError(f"{name}: the search raised {got['error']}")
         fresh = _search(model_path, out, f"{name}_fresh", None, (), 1, layout, enqueue=got["trials"][-1]["params"])
         result[name] = {"got": got, "fresh": fresh["trials"]}
-        if name == "fsdp_save":  # no partial checkpoint of the failed trial; the next trial's are complete
+        if name in ("fsdp_save", "fsdp_hang_save"):  # nothing partial of the failed trial; the next one's complete
             result[name]["checkpoints"] = _checkpoints(f"{out}/{name}")
     Path(out, f"partial{rank}.pkl").write_bytes(pickle.dumps(result))
     uncaught = _search(model_path, out, "uncaught", {"kind": "on_step_begin", "rank": 0, "step": 2}, (), 2, None)
@@ -237,8 +248,10 @@ def test_fault_mid_training_fails_the_trial_and_every_rank_recovers(tiny_models,
         table = got[0]["table"]
         assert [state for _, state, _, _ in table] == ["FAIL", "COMPLETE"], (name, table)
         attrs = table[0][3]
-        assert attrs["failure_rank"] == fault["rank"] and attrs["failure_kind"] == "error", (name, attrs)
-        assert f"injected on rank {fault['rank']}" in attrs["failure_message"], (name, attrs)
+        kind, message = ("hang", f"rank(s) [{fault['rank']}] made no progress") if fault.get("hang") else \
+            ("error", f"injected on rank {fault['rank']}")
+        assert attrs["failure_rank"] == fault["rank"] and attrs["failure_kind"] == kind, (name, attrs)
+        assert message in attrs["failure_message"], (name, attrs)
         fault_at = got[fault["rank"]]["fault_at"]
         for rank in range(2):
             next_trial = got[rank]["trials"][-1]
@@ -250,8 +263,9 @@ def test_fault_mid_training_fails_the_trial_and_every_rank_recovers(tiny_models,
             assert len(next_trial["losses"]) == MAX_STEPS
             assert next_trial["losses"] == pytest.approx(fresh["losses"], rel=1e-5), \
                 f"{name}: the trial after the fault trains as a fresh search does"
-    # the failed trial published nothing; the next trial's two checkpoints are complete
-    assert results[0]["fsdp_save"]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-4", True)]
+    # the failed (or hung) trial published nothing; the next trial's two checkpoints are complete
+    for name in ("fsdp_save",):
+        assert results[0][name]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-4", True)], name
     uncaught = [pickle.loads((tmp_path / f"uncaught{r}.pkl").read_bytes()) for r in range(2)]
     fault_at = uncaught[0]["fault_at"]
     for rank, seen in enumerate(uncaught):

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shardadopt.fence import progress
 from shardadopt.topology import _world
 
 
@@ -55,5 +56,6 @@ def layout(model: torch.nn.Module) -> dict[str, Any]:
 
 def _barrier() -> None:
     if _world()[0] > 1:
+        progress()  # arriving here is progress: the hang monitor tells this rank from one still writing
         dist.barrier()
 

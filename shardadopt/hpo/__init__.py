@@ -11,7 +11,9 @@
 Control messages travel on a dedicated gloo group with a timeout (``$SHARDADOPT_HPO_TIMEOUT``, default 600 s):
 a dead or stuck peer raises ``PeerLostError`` naming it instead of hanging. A rank that raises anywhere in a trial
 (even while its peers wait in a training collective) trips the trial's fault fence (``shardadopt.fence``): every
-rank leaves the trial at once and the process groups are rebuilt before the next one. Names load lazily, so the storage
+rank leaves the trial at once and the process groups are rebuilt before the next one; a rank that stops making
+progress for ``hang_timeout`` seconds fails the trial as ``hang`` the same way (or, not interruptible, every rank
+exits so the job is restarted). Names load lazily, so the storage
 and CLI helpers in this package do not import torch.
 """
 
@@ -44,6 +46,8 @@ _LAZY = {
     "PreemptedError": "shardadopt.hpo.failures",
     "PeerLostError": "shardadopt.hpo.errors",
     "PeerFailedError": "shardadopt.fence",
+    "HangError": "shardadopt.fence",
+    "FenceOffWarning": "shardadopt.hpo.channel",
     "DesyncError": "shardadopt.hpo.errors",
     "HPOControlError": "shardadopt.hpo.errors",
     "RemoteError": "shardadopt.hpo.errors",

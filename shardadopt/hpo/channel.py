@@ -19,6 +19,8 @@ import pickle
 import signal
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,10 +41,12 @@ OP_SHOULD_PRUNE = 5
 OP_SET_ATTR = 6
 OP_END = 7  # the objective finished on this rank: status OK / PRUNED / ERROR
 OP_ROOT_CALL = 8  # rank 0 runs a function, every rank gets its result or its error
+OP_FINISH = 9  # after a trial: aux 1 where this rank saw the trial's fence tripped; any 1 rebuilds everywhere
 
 OP_NAMES = {OP_COMMAND: "wait for the next trial", OP_INIT: "DistributedTrial()", OP_SUGGEST: "suggest_*()",
             OP_REPORT: "report()", OP_SHOULD_PRUNE: "should_prune()", OP_SET_ATTR: "set_*_attr()",
-            OP_END: "end of the objective", OP_ROOT_CALL: "a call on rank 0"}
+            OP_END: "end of the objective", OP_ROOT_CALL: "a call on rank 0",
+            OP_FINISH: "the end of a trial"}
 
 STATUS_OK = 0
 STATUS_ERROR = 1
@@ -52,7 +56,9 @@ TIMEOUT_ENV = "SHARDADOPT_HPO_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0  # seconds: NCCL's default collective timeout; long evaluations on rank 0 fit in it
 _CHECK_IN_WAIT = 5.0  # seconds the survivors of a failed round wait for each other in the store
 
-_GROUPS: dict[tuple[int, float], Any] = {}
+# world group -> {timeout: control group}; weak on the world group, so destroying it (a rebuild, or
+# shardadopt.cleanexit at exit) frees the control groups with it.
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GROUPS_LOCK = threading.Lock()
 
 
@@ -67,12 +73,12 @@ def control_timeout(timeout: float | None = None) -> float:
 def control_group(timeout: float) -> Any:
     """The gloo group for control messages over the whole world, created on first use (a collective: every rank
     must reach it together, which ``optimize`` and ``DistributedTrial`` guarantee) and cached."""
-    key = (id(dist.group.WORLD), timeout)
     with _GROUPS_LOCK:
-        group = _GROUPS.get(key)
-        if group is None or not _alive(group):  # a re-initialised world may reuse a destroyed group's id
+        groups = _GROUPS.setdefault(dist.group.WORLD, {})
+        group = groups.get(timeout)
+        if group is None or not _alive(group):
             with fence.protected():  # it must carry the ranks' agreement after a fault broke the training groups
-                group = _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+                group = groups[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
             fence.protect_group(group)
         return group
 
@@ -84,14 +90,28 @@ def _alive(group: Any) -> bool:
         return True
 
 
+class FenceOffWarning(RuntimeWarning):
+    """The HPO control group was given (``ControlOptions(group=...)``): trials run without a fault fence."""
+
+
+FENCE_OFF_WITH_GROUP = (
+    "shardadopt HPO: with a control group given (ControlOptions(group=...) / DistributedTrial(group=...)) trials "
+    "run without the fault fence and without hang detection: a rank failing or hanging while its peers wait in a "
+    "training collective leaves them waiting for the collective timeout, because recovering means rebuilding "
+    "every process group, the given one included. Pass group=None (the default) so shardadopt owns the control "
+    "group.")
+
+
 class Channel:
     """Control rounds among the ranks of ``group`` (default: a dedicated gloo group over the world).
 
     Without an initialised process group (or with one rank) it is local: rounds return this rank's row alone.
+    ``hang_timeout``: the trials' hang bound (``shardadopt.fence.resolve_hang_timeout``).
     """
 
-    def __init__(self, group: Any = None, timeout: float | None = None):
+    def __init__(self, group: Any = None, timeout: float | None = None, hang_timeout: float | None = None):
         self.timeout = control_timeout(timeout)
+        self.hang_timeout = fence.resolve_hang_timeout(hang_timeout)
         self.local = not (dist.is_available() and dist.is_initialized())
         self.own_group = group is None
         if self.local:
@@ -102,6 +122,8 @@ class Channel:
             if group is not None and dist.get_backend(group) != "gloo":
                 raise ValueError(f"the HPO control group must use gloo (got {dist.get_backend(group)!r}): control "
                                  "messages are CPU tensors; pass a gloo group, or group=None for a dedicated one")
+            if group is not None and dist.get_world_size(group) > 1:
+                warnings.warn(FENCE_OFF_WITH_GROUP, FenceOffWarning, stacklevel=3)
             self._bind(group if group is not None else control_group(self.timeout))
         self._table = torch.zeros(self.world, 4, dtype=torch.int64)
         self._rows = self._table.numpy()
@@ -139,6 +161,7 @@ class Channel:
         if self.broken is not None:
             raise self.broken
         self.rounds += 1
+        fence.progress()  # a round is progress: the hang monitor tells a rank waiting here from a hung one
         if self.local:
             return [[op, status, length, aux]]
         rows = self._rows  # a numpy view of the tensor: filling it costs no torch dispatch
@@ -184,7 +207,7 @@ class Channel:
 
     def _collective(self, fn, op: int) -> None:
         try:
-            with _defer_sigint():
+            with defer_sigint():
                 fn()
         except Exception as exc:
             self.broken = self._diagnose(exc, op)
@@ -235,8 +258,9 @@ class Channel:
 
 
 @contextmanager
-def _defer_sigint() -> Iterator[None]:
-    """Hold Ctrl-C until the collective finished: a round interrupted half way would desynchronise the ranks."""
+def defer_sigint() -> Iterator[None]:
+    """Hold Ctrl-C until the block finished: a round (or a trial's end, several rounds) interrupted half way would
+    desynchronise the ranks. Nested blocks hold it until the outermost ends."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield

@@ -78,13 +78,19 @@ def pack(exc: BaseException, rank: int) -> PackedError:
         blob = pickle.dumps(exc)
         pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt (required keyword-only arguments)
     except Exception:
-        blob = pickle.dumps(RemoteError(type(exc).__qualname__, str(exc)))
+        message = summary(exc).partition(": ")[2]
+        blob = pickle.dumps(RemoteError(type(exc).__qualname__, message))
     return PackedError(blob, origin, text, summary(exc))
 
 
 def unpack(packed: PackedError, local_rank: int) -> BaseException:
-    """The exception of ``packed``, ready to raise on this rank, naming the rank it came from."""
-    exc: BaseException = pickle.loads(packed.blob)
+    """The exception of ``packed``, ready to raise on this rank, naming the rank it came from. One whose class
+    cannot be loaded here (a module only the raising rank imports) arrives as a ``RemoteError``."""
+    try:
+        exc: BaseException = pickle.loads(packed.blob)
+    except Exception:  # noqa: BLE001
+        type_name, _, message = packed.summary.partition(": ")
+        exc = RemoteError(type_name, message)
     if packed.rank == local_rank:
         return exc
     setattr(exc, RANK_ATTRIBUTE, packed.rank)
@@ -97,4 +103,8 @@ def unpack(packed: PackedError, local_rank: int) -> BaseException:
 
 
 def summary(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001  (an exception whose __str__ raises still travels)
+        text = ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

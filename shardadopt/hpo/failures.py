@@ -1,7 +1,8 @@
 """Why a trial failed, recorded on the trial, so a requeue job can retry what is worth retrying.
 
 Kinds: ``oom``, ``nan_loss``, ``config_error`` and ``error`` are deterministic (a retry fails again);
-``preempted`` and ``comm_error`` are transient (a retry on healthy machines can succeed).
+``preempted``, ``comm_error`` and ``hang`` (a rank made no progress for the hang timeout, ``shardadopt.fence``)
+are transient (a retry on healthy machines can succeed).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ NAN_LOSS = "nan_loss"
 CONFIG_ERROR = "config_error"
 PREEMPTED = "preempted"
 COMM_ERROR = "comm_error"
+HANG = "hang"  # shardadopt.fence.HANG_KIND
 ERROR = "error"
 
-KINDS = (OOM, NAN_LOSS, CONFIG_ERROR, PREEMPTED, COMM_ERROR, ERROR)
-TRANSIENT = frozenset({PREEMPTED, COMM_ERROR})
+KINDS = (OOM, NAN_LOSS, CONFIG_ERROR, PREEMPTED, COMM_ERROR, HANG, ERROR)
+TRANSIENT = frozenset({PREEMPTED, COMM_ERROR, HANG})
 
 # Trial user attributes written by shardadopt.
 ATTR_KIND = "failure_kind"

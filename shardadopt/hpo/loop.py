@@ -114,11 +114,16 @@ class DurabilityOptions:
 @dataclass(frozen=True)
 class ControlOptions:
     """The control plane (see ``DistributedTrial``): the gloo ``group`` its messages use (default: a dedicated
-    one) and ``timeout``, the seconds after which a silent peer counts as lost (default
-    ``$SHARDADOPT_HPO_TIMEOUT``, 600 s)."""
+    one; a given group turns the fault fence and hang detection off, with a ``FenceOffWarning``), ``timeout``,
+    the seconds after which a silent peer counts as lost (default ``$SHARDADOPT_HPO_TIMEOUT``, 600 s), and
+    ``hang_timeout``, the seconds a rank may go without progress inside a trial before it counts as hung (default
+    ``$SHARDADOPT_HANG_TIMEOUT``, 900 s; ``math.inf``: off): the trial fails as ``hang`` against that rank, or,
+    when it cannot be interrupted, every rank exits with ``shardadopt.fence.HANG_EXIT_CODE`` (see
+    ``shardadopt.fence``)."""
 
     group: Any = None
     timeout: float | None = None
+    hang_timeout: float | None = None
 
 
 # optimize()'s former keyword arguments and what replaces each (pre-1.0 API change).
@@ -126,7 +131,8 @@ _MOVED = {name: f"StudySpec({name}=...) as the study" for name in (
     "storage", "study_name", "load_if_exists", "direction", "directions", "sampler", "pruner", "output_dir")}
 _MOVED.update({name: f"durability=DurabilityOptions({name}=...)" for name in (
     "hp_space", "space_version", "allow_space_mismatch", "data_snapshot", "topology", "heartbeat_interval")})
-_MOVED.update(group="control=ControlOptions(group=...)", control_timeout="control=ControlOptions(timeout=...)")
+_MOVED.update(group="control=ControlOptions(group=...)", control_timeout="control=ControlOptions(timeout=...)",
+              hang_timeout="control=ControlOptions(hang_timeout=...)")
 
 
 def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None, objective: Objective,
@@ -163,7 +169,7 @@ def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None
     if isinstance(catch, type):
         catch = (catch,)
     catch = tuple(catch)
-    channel = Channel(control.group, control.timeout)
+    channel = Channel(control.group, control.timeout, control.hang_timeout)
     if show_progress_bar is None:
         show_progress_bar = bool(n_trials and n_trials >= _PROGRESS_BAR_TRIALS and sys.stderr.isatty())
     if isinstance(study, StudySpec):

@@ -8,7 +8,10 @@ exception on one rank. Here every rank runs the same trials through ``shardadopt
 
 Extra keyword arguments of ``hyperparameter_search`` understood here (the rest go to ``optuna.create_study`` on
 rank 0, as upstream): ``timeout``, ``n_jobs``, ``gc_after_trial``, ``catch`` (as upstream), ``callbacks`` and
-``show_progress_bar`` (passed to ``study.optimize`` on rank 0), ``report_unit`` and ``control_timeout``.
+``show_progress_bar`` (passed to ``study.optimize`` on rank 0), ``report_unit``, ``control_timeout`` and
+``hang_timeout`` (seconds a rank may go without progress in a trial, default ``$SHARDADOPT_HANG_TIMEOUT`` or 900:
+the trial fails as ``hang``, see ``shardadopt.fence``; progress is each forward call, optimizer step, control
+round and Trainer step or evaluation event).
 
 Durable, multi-job searches (see ``shardadopt.hpo.optimize``): ``storage`` (URL or Optuna storage; default a
 journal file under ``args.output_dir``), ``study_name``, ``load_if_exists`` (default True: every torchrun job with
@@ -37,7 +40,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from shardadopt import upstream
+from shardadopt import fence, upstream
 from shardadopt.hpo import failures
 from shardadopt.hpo.durability import ATTR_RESUME_FROM, checkpoint_name, record_checkpoint_dir
 from shardadopt.hpo.reseed import ATTR_SEED
@@ -64,6 +67,7 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
 
     report_unit = kwargs.pop("report_unit", "examples")
     control_timeout = kwargs.pop("control_timeout", None)
+    hang_timeout = kwargs.pop("hang_timeout", None)
     optimize_kwargs = {name: kwargs.pop(name) for name in ("timeout", "n_jobs", "gc_after_trial", "catch",
                                                            "callbacks", "show_progress_bar") if name in kwargs}
     if not callable(report_unit) and report_unit not in REPORT_UNITS:
@@ -94,7 +98,7 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
         spec = StudySpec(direction=single, directions=directions, output_dir=trainer.args.output_dir, **study_kwargs)
         study = optimize(spec, lambda trial: _objective(trainer, trial), n_trials=n_trials, **optimize_kwargs,
                          durability=DurabilityOptions(hp_space=trainer.hp_space, **durability_kwargs),
-                         control=ControlOptions(timeout=control_timeout))
+                         control=ControlOptions(timeout=control_timeout, hang_timeout=hang_timeout))
 
         def best_runs() -> BestRun | list[BestRun]:
             if len(study.directions) == 1:
@@ -115,15 +119,36 @@ def _watch_class() -> type:
     from transformers import TrainerCallback
 
     class Watch(TrainerCallback):
-        """Knows whether training started (errors before it are configuration errors) and fails a trial whose
-        logged loss is not finite (the logged loss is already averaged over ranks, so every rank raises)."""
+        """Knows whether training started (errors before it are configuration errors), fails a trial whose
+        logged loss is not finite (the logged loss is already averaged over ranks, so every rank raises), and
+        counts Trainer's step and evaluation events as progress for hang detection (``shardadopt.fence``)."""
 
         started = False
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.started = True
+            fence.progress()
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            fence.progress()
+
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            fence.progress()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            fence.progress()
+
+        def on_prediction_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            fence.progress()
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            fence.progress()
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            fence.progress()
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+            fence.progress()
             loss = (logs or {}).get("loss")
             if loss is not None and not math.isfinite(float(loss)):
                 failures.check_finite(float(loss), f"training loss at step {state.global_step}")

@@ -22,8 +22,12 @@ Faults away from a control call: the rank that raised may leave peers blocked in
 no control round can reach. So each trial runs under a fault fence (``shardadopt.fence``): the failing rank trips
 it before its end-of-objective round (store flag, its training groups broken), every other rank's watchdog breaks
 its own, their blocked collectives raise, and their errors count as copies of the first rank's (``aux`` 1), so the
-trial records that rank's error. After the end round every rank reads the same flag and, when it was tripped,
-rebuilds the process groups (``Channel.rebuild``) before the next trial.
+trial records that rank's error. A rank that stops making progress for ``hang_timeout`` seconds trips the fence as
+hung: it raises ``shardadopt.fence.HangError`` where Python can be interrupted (the trial fails as ``hang`` against
+it), else every rank exits (see ``shardadopt.fence``). After the trial, however its end went on this rank (its
+close may have raised; a Ctrl-C is held until the end rounds are done), every rank takes part in one more round
+saying whether it saw the fence tripped, and when any did, every rank rebuilds the process groups
+(``Channel.rebuild``) before the next one.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from shardadopt.fence import Fence
 from shardadopt.hpo import errors, preempt
 from shardadopt.hpo.channel import (
     OP_END,
+    OP_FINISH,
     OP_INIT,
     OP_NAMES,
     OP_REPORT,
@@ -51,8 +56,9 @@ from shardadopt.hpo.channel import (
     STATUS_OK,
     STATUS_PRUNED,
     Channel,
+    defer_sigint,
 )
-from shardadopt.hpo.errors import DesyncError, PackedError
+from shardadopt.hpo.errors import DesyncError, PackedError, PeerLostError
 
 COMPLETE = "complete"
 PRUNED = "pruned"
@@ -97,14 +103,17 @@ class DistributedTrial(optuna.trial.BaseTrial):
     """A trial every rank can use: pass the real ``optuna.Trial`` on rank 0 and ``None`` on the other ranks.
 
     Constructing it is collective. ``group`` is a gloo process group for the control messages (default: one
-    dedicated gloo group over the world, created once); ``timeout`` bounds every control round (seconds; default
-    ``$SHARDADOPT_HPO_TIMEOUT`` or 600): a dead or stuck peer raises ``PeerLostError`` naming it. Use it as a
+    dedicated gloo group over the world, created once; a given group turns the fault fence off, with a
+    ``FenceOffWarning``); ``timeout`` bounds every control round (seconds; default ``$SHARDADOPT_HPO_TIMEOUT`` or
+    600): a dead or stuck peer raises ``PeerLostError`` naming it; ``hang_timeout`` (seconds without progress,
+    default ``$SHARDADOPT_HANG_TIMEOUT`` or 900, ``math.inf``: off) bounds a hang (``shardadopt.fence``). Use it as a
     context manager in a hand-written loop so an exception on any rank ends the trial on all of them;
     ``shardadopt.hpo.optimize`` does that for you and passes a ready ``DistributedTrial`` to the objective.
     """
 
-    def __init__(self, trial: optuna.trial.BaseTrial | None, *, group: Any = None, timeout: float | None = None):
-        channel = Channel(group, timeout)
+    def __init__(self, trial: optuna.trial.BaseTrial | None, *, group: Any = None, timeout: float | None = None,
+                 hang_timeout: float | None = None):
+        channel = Channel(group, timeout, hang_timeout)
 
         def info() -> TrialInfo:
             if trial is None:
@@ -139,7 +148,7 @@ class DistributedTrial(optuna.trial.BaseTrial):
         self._decision: tuple[int, Any] | None = None  # (round, decision) left by report() for should_prune()
         # A rank failing anywhere in the trial breaks every rank's training collectives (shardadopt.fence); only
         # with the control group shardadopt owns, since the groups are rebuilt (a given group= would die too).
-        self._fence = Fence(f"trial {info.number}" if info else "a trial").start() \
+        self._fence = Fence(f"trial {info.number}" if info else "a trial", channel.hang_timeout).start() \
             if not channel.local and channel.own_group else None
 
     def _adopt(self, info: TrialInfo) -> None:
@@ -276,11 +285,12 @@ class DistributedTrial(optuna.trial.BaseTrial):
         Returns the outcome every rank agrees on: the first error by rank (an error raised where it happened wins
         over copies of it received from another rank), else pruned/complete when all ranks say so.
         """
-        try:
-            if self._outcome is None:
-                self._close(state, error)
-        finally:
-            self._finish()
+        with defer_sigint():  # Ctrl-C here waits for the trial's end rounds: no rank may skip one of them
+            try:
+                if self._outcome is None:
+                    self._close(state, error)
+            finally:
+                self._finish()
         return self._outcome
 
     def _close(self, state: str, error: BaseException | None) -> None:
@@ -295,7 +305,11 @@ class DistributedTrial(optuna.trial.BaseTrial):
                 if origin != self._channel.rank and not hasattr(error, errors.RANK_ATTRIBUTE):
                     with contextlib.suppress(Exception):
                         setattr(error, errors.RANK_ATTRIBUTE, origin)
-            packed = errors.pack(error, self._channel.rank)
+            try:
+                packed = errors.pack(error, self._channel.rank)
+            except Exception:  # noqa: BLE001  (this rank must still reach the end round the others wait in)
+                packed = errors.pack(errors.RemoteError(type(error).__name__, errors.summary(error)),
+                                     errors.origin_rank(error, self._channel.rank))
             payload = pickle.dumps(packed)
             aux = int(packed.rank != self._channel.rank)  # 1: a copy of another rank's error
             self._channel.record_error(packed.traceback)
@@ -312,14 +326,20 @@ class DistributedTrial(optuna.trial.BaseTrial):
                 self._desync(table)
 
     def _finish(self) -> None:
-        """The trial ended on every rank (or the control plane broke): stop the watchdog, and when any rank
-        tripped the fence, rebuild the process groups it broke. Every rank reads the same store state here: a
-        rank trips before it sends its end-of-objective row, so every trip precedes the round that ended the trial."""
+        """The trial ended (or the control plane broke): disarm the fence, then one round in which every rank says
+        whether it saw the fence tripped; when any did, every rank rebuilds the process groups it broke. Every rank
+        gets here whatever happened in its close (``close`` calls it in ``finally``), so the decision is the same
+        everywhere and no rank waits alone in the rebuild's ``init_process_group``."""
         fence, self._fence = self._fence, None
-        if fence is None:
+        if fence is None or self._channel.broken is not None:
             return
-        fence.stop()
-        if self._outcome is not None and self._channel.broken is None and fence.origin() is not None:
+        fence.stop()  # no hang decision of this rank's after this point
+        table = self._channel.exchange(OP_FINISH, aux=int(fence.tripped()))
+        if any(row[0] != OP_FINISH for row in table):
+            doing = [OP_NAMES.get(row[0], row[0]) for row in table]
+            raise PeerLostError(f"shardadopt HPO: ranks out of step at the end of "
+                                f"{self._channel.context or 'a trial'}: {doing}")
+        if any(row[3] for row in table):
             self._channel.rebuild()
 
     def __enter__(self) -> DistributedTrial:

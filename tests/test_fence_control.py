@@ -1,0 +1,317 @@
+"""The fence and the HPO control plane under the faults the last review named, and hangs.
+
+On 2 gloo ranks: a rank killed right after it tripped a fence (its record is one atomic store request, so the peer
+learns who failed at once instead of waiting out the store timeout); a rank that stops making progress without
+raising inside an ``optimize`` trial (``time.sleep`` in user code after a training step: the trial fails as
+``hang`` against it, the next trial trains as a single process on the same global batch does), and one that cannot
+be interrupted (``os.read`` on a pipe with the hang signal blocked: every rank exits with ``HANG_EXIT_CODE`` within
+the bound); a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in the rebuild
+decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once its world
+is destroyed (``shardadopt.cleanexit`` at exit).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+import test_hpo_faults as scenario
+import test_hpo_trainer as base
+
+pytestmark = pytest.mark.multiproc
+
+BOUND = 30.0  # seconds from the fault (or the hang timeout's expiry) to every rank out; measured: 1-5 s loaded
+HANG_TIMEOUT = 5.0  # seconds; long enough for a first import of torch._dynamo on a loaded machine
+
+
+def _child() -> None:
+    base._child(sys.modules[__name__])
+
+
+# -- a rank killed right after its trip --------------------------------------------------------------------------------
+
+
+def killed_after_trip() -> dict:
+    """Rank 1 raises in a fenced section and its process dies right after its first store write (where the old
+    trip, ``add`` then ``set``, had written only the count); rank 0 waits in an all-reduce."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt import fence
+
+    rank = dist.get_rank()
+    if rank == 1:
+        def dying(real):
+            def call(self, *args):
+                result = real(self, *args)
+                if threading.current_thread() is threading.main_thread():
+                    os._exit(17)
+                return result
+            return call
+
+        for cls in (dist.TCPStore, dist.PrefixStore):
+            for name in ("add", "compare_set"):
+                setattr(cls, name, dying(getattr(cls, name)))
+    started = time.time()
+    try:
+        with fence.fenced("a section"):
+            if rank == 1:
+                raise RuntimeError("injected on rank 1")
+            dist.all_reduce(torch.ones(4))
+    except fence.PeerFailedError as exc:
+        return {"rank": exc.rank, "message": str(exc), "left": time.time() - started}
+    raise AssertionError("rank 0 left the section without an error")
+
+
+def test_a_rank_killed_right_after_tripping_is_named_at_once(tmp_path):
+    ranks = base.launch("killed_after_trip", 2, tmp_path, timeout=120, module="test_fence_control")
+    assert ranks[1]["returncode"] == 17, ranks[1]
+    assert ranks[0]["returncode"] == 0, ranks[0]["error"]
+    seen = ranks[0]["result"]
+    assert seen["rank"] == 1 and "injected on rank 1" in seen["message"], seen
+    assert seen["left"] < BOUND
+
+
+# -- hangs ------------------------------------------------------------------------------------------------------------
+
+
+def _train_until(trial, stall, at: int | None) -> list[float]:
+    """``test_hpo_faults._train``'s DDP loop (same data, model and reference); ``stall()`` in user code after
+    step ``at``, while the other ranks go on into the next step's collectives."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lr = trial.suggest_float("lr", 0.01, 0.2)
+    x, y = scenario._data(world)
+    model = DistributedDataParallel(scenario._model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(scenario.STEPS):
+        rows = slice(rank * scenario.BATCH, (rank + 1) * scenario.BATCH)
+        loss = torch.nn.functional.mse_loss(model(x[step, rows]), y[step, rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if step == at:
+            stall()
+    return losses
+
+
+def _hanging_search(hang: dict | None, marks_file: str | None = None) -> dict:
+    """On ``hang['rank']`` in trial 0, after step 1, user code stops making progress: ``sleep`` (interruptible)
+    or ``read`` (``os.read`` on a pipe with every signal blocked: Python cannot interrupt it)."""
+    import optuna
+    import torch.distributed as dist
+
+    from shardadopt.hpo import ControlOptions, optimize
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
+    marks: dict = {"trials": [], "started": []}
+
+    def stall() -> None:
+        marks["hang_at"] = time.time()
+        if marks_file is not None:
+            with open(marks_file, "w") as f:
+                f.write(str(marks["hang_at"]))
+        if hang["how"] == "sleep":
+            time.sleep(10**6)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        read, _ = os.pipe()
+        os.read(read, 1)
+
+    def objective(trial):
+        marks["started"].append((trial.number, time.time()))
+        here = hang is not None and trial.number == 0 and rank == hang["rank"]
+        losses = _train_until(trial, stall, 1 if here else None)
+        marks["trials"].append((trial.number, trial.params["lr"], losses))
+        return losses[-1]
+
+    optimize(study, objective, n_trials=2, catch=(RuntimeError,),
+             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
+    table = [(t.number, t.state.name, t.params, dict(t.user_attrs)) for t in study.trials] if study else None
+    return {"table": table, **marks}
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_hanging_in_a_trial_fails_it_as_hang_and_the_search_goes_on(pool2, rank):
+    results = pool2.run(_hanging_search, {"rank": rank, "how": "sleep"}, timeout=240)
+    table = results[0]["table"]
+    assert [state for _, state, _, _ in table] == ["FAIL", "COMPLETE"], table
+    attrs = table[0][3]
+    assert attrs["failure_kind"] == "hang" and attrs["failure_rank"] == rank, attrs
+    assert f"rank(s) [{rank}] made no progress" in attrs["failure_message"], attrs
+    hang_at = results[rank]["hang_at"]
+    for result in results:
+        left = dict(result["started"])[1] - hang_at
+        assert HANG_TIMEOUT <= left < HANG_TIMEOUT + BOUND, f"left the hung trial {left:.1f}s after the hang"
+        (number, lr, losses), = result["trials"]
+        assert number == 1 and lr == table[1][2]["lr"]
+        assert losses == pytest.approx(scenario._reference(lr, len(results)), rel=1e-5, abs=1e-6)
+
+
+def uninterruptible_hang(marks_file: str) -> dict:
+    return _hanging_search({"rank": 1, "how": "read"}, marks_file)
+
+
+def test_a_rank_hanging_where_python_cannot_interrupt_it_makes_every_rank_exit(tmp_path):
+    from shardadopt import fence
+
+    marks = tmp_path / "hang_at"
+    procs = base.spawn("uninterruptible_hang", 2, tmp_path, "test_fence_control", marks_file=str(marks))
+    exited = {}
+    deadline = time.monotonic() + 240
+    while len(exited) < 2 and time.monotonic() < deadline:
+        for rank, proc in enumerate(procs):
+            if rank not in exited and proc.poll() is not None:
+                exited[rank] = (proc.returncode, time.time())
+        time.sleep(0.1)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    logs = [(tmp_path / f"rank{r}.log").read_text()[-2000:] for r in range(2)]
+    assert sorted(exited) == [0, 1], logs
+    hang_at = float(marks.read_text())
+    for rank, (code, at) in exited.items():
+        assert code == fence.HANG_EXIT_CODE, (rank, code, logs[rank])
+        assert at - hang_at < HANG_TIMEOUT + BOUND
+    assert "could not be interrupted" in logs[0], logs[0]
+
+
+# -- the end of a trial: one decision for every rank -------------------------------------------------------------------
+
+
+def _interrupted_close() -> dict:
+    """Trial 0: rank 0 raises after a while; rank 1 returns and gets Ctrl-C while it waits in the end round (the
+    control plane defers it past the round, so rank 1's close raises after the trial ended everywhere)."""
+    import threading
+
+    import optuna
+    import torch.distributed as dist
+
+    from shardadopt import fence
+    from shardadopt.hpo import ControlOptions, optimize
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    study = optuna.create_study() if rank == 0 else None
+
+    def objective(trial):
+        trial.suggest_float("lr", 0.01, 0.1)
+        if rank == 0:
+            time.sleep(3)
+            raise scenario._Fault("injected on rank 0")
+        threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,)).start()
+        return 1.0
+
+    before = fence.generation()
+    error = None
+    try:
+        optimize(study, objective, n_trials=2, catch=(scenario._Fault,), control=ControlOptions(timeout=15))
+    except BaseException as exc:  # noqa: BLE001
+        error = type(exc).__name__
+    return {"error": error, "rebuilt": fence.generation() - before}
+
+
+def test_a_rank_whose_close_raises_still_rebuilds_with_the_others(pool2):
+    results = pool2.run(_interrupted_close, timeout=120)
+    assert results[1]["error"] == "KeyboardInterrupt", results
+    assert results[0]["error"] == "PeerLostError", results  # rank 1 left the study; rank 0 is told within 15 s
+    assert [r["rebuilt"] for r in results] == [1, 1], results
+    after = pool2.run(scenario._search, None, (), 1, timeout=120)  # the rebuilt world trains on both ranks
+    assert [state for _, state, _, _ in after[0]["table"]] == ["COMPLETE"]
+
+
+# -- a given control group; the control group's lifetime -----------------------------------------------------------
+
+
+def _given_group() -> dict:
+    import warnings
+
+    import optuna
+    import torch.distributed as dist
+
+    from shardadopt.hpo import ControlOptions, optimize
+    from shardadopt.hpo.channel import FenceOffWarning
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    group = dist.new_group(backend="gloo")
+    study = optuna.create_study() if dist.get_rank() == 0 else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimize(study, lambda trial: trial.suggest_float("x", 0, 1), n_trials=1, control=ControlOptions(group=group))
+    dist.destroy_process_group(group)
+    return [str(w.message) for w in caught if issubclass(w.category, FenceOffWarning)]
+
+
+def test_a_given_control_group_warns_that_the_fence_is_off(pool2):
+    for messages in pool2.run(_given_group, timeout=120):
+        assert len(messages) == 1 and "without the fault fence" in messages[0], messages
+
+
+def _control_group_freed() -> bool:
+    """After a search, the world destroyed and collected (what ``cleanexit`` does at exit): is the control group
+    object gone? Then the pool's world is initialised again for the next test."""
+    import gc
+    import weakref
+
+    import optuna
+    import torch.distributed as dist
+
+    from shardadopt import fence
+    from shardadopt.hpo import optimize
+    from shardadopt.hpo.channel import control_group, control_timeout
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.create_study() if dist.get_rank() == 0 else None
+    optimize(study, lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    group = weakref.ref(control_group(control_timeout()))
+    fence.rebuild_world()  # destroys every group, as cleanexit's release does, then a fresh world
+    gc.collect()
+    return group() is None
+
+
+def test_the_control_group_is_freed_with_its_world(pool2):
+    assert pool2.run(_control_group_freed, timeout=120) == [True, True]
+
+
+# -- errors in transit ------------------------------------------------------------------------------------------------
+
+
+def test_an_error_whose_class_a_peer_cannot_load_arrives_as_remote_error(tmp_path, monkeypatch):
+    from shardadopt.hpo import errors
+
+    (tmp_path / "only_on_the_raising_rank.py").write_text("class LocalFault(RuntimeError):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_on_the_raising_rank
+
+    packed = errors.pack(only_on_the_raising_rank.LocalFault("disk full"), 1)
+    monkeypatch.delitem(sys.modules, "only_on_the_raising_rank")
+    (tmp_path / "only_on_the_raising_rank.py").unlink()
+    received = errors.unpack(packed, 0)
+    assert isinstance(received, errors.RemoteError) and received.type_name == "LocalFault"
+    assert "disk full" in str(received) and received.shardadopt_rank == 1
+
+
+def test_an_error_whose_str_raises_still_travels():
+    from shardadopt.hpo import errors
+
+    class Unprintable(RuntimeError):
+        def __str__(self):
+            raise ValueError("no text")
+
+    packed = errors.pack(Unprintable(), 0)
+    assert packed.summary == "Unprintable"
