@@ -174,7 +174,8 @@ def hpo_rank(device: str) -> dict[str, Any]:
 
     result = run(Context(models={}, nproc=dist.get_world_size(), device=device))
     return {"result": result, "default": dist.get_backend(),
-            "control": sorted({dist.get_backend(group) for group in channel._GROUPS.values()})}
+            "control": sorted({dist.get_backend(group) for per_world in channel._GROUPS.values()
+                               for group in per_world.values()})}
 
 
 # -- items (run in the launcher) -----------------------------------------------------------------------------------

@@ -62,12 +62,17 @@ def test_grad_norm_payload_device(backend, name, first, expected):
     assert _payload_device(first, None) == expected
 
 
+class _StandInGroup:
+    """What the mocked ``new_group`` returns."""
+
+
 def test_hpo_control_group_is_gloo_on_cpu_beside_nccl(monkeypatch, backend):
     """The control messages never touch the (NCCL) training group: a gloo group of their own, CPU tensors."""
     backend("nccl")
     created = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "new_group", lambda **kwargs: created.append(kwargs) or object())
+    # a stand-in for the new group: weakly referable, as a ProcessGroup is (the fence protects it weakly)
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: created.append(kwargs) or _StandInGroup())
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
