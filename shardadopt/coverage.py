@@ -1,6 +1,6 @@
 """``shardadopt doctor --model``: what the recorded architecture matrix knows about one model and layout.
 
-The matrix (``tests/data/arch_matrix/transformers-<minor>.json``, written by ``tools/arch_sweep.py``) holds one
+The matrix (``shardadopt/data/arch_matrix/transformers-<minor>.json``, written by ``tools/arch_sweep.py``) holds one
 verdict per model type and layout for each recorded transformers release line. :func:`report` reads a model's
 config (a checkpoint directory or a model type), prints the cells for the installed release line (and the other
 recorded lines), the patches that act on that layout with their state on this installation, and with
@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-MATRIX_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "arch_matrix"
+MATRIX_DIR = Path(__file__).resolve().parent / "data" / "arch_matrix"  # package data: found in any install
 # DistributedConfig field -> the name --layout uses
 _SIZE_NAMES = {"fsdp": "fsdp", "tp": "tp", "ep": "ep", "dp_replicate": "dp_replicate"}
 _BAD = ("fails", "refused upstream", "refused by shardadopt")
@@ -111,8 +111,8 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
               f"types of the installed releases' Auto mappings)")
         return 0
     if not recorded:
-        print(f"  no recorded matrix in this installation (looked in {MATRIX_DIR}; an editable install of the "
-              f"repository has it)")
+        print(f"  no recorded matrix in this installation (looked in {MATRIX_DIR}: the package data "
+              f"is missing; reinstall shardadopt)")
     layouts = [layout] if layout else list(sweep.LAYOUTS)
     bad = False
     for name in layouts:

@@ -2,7 +2,7 @@
 on the installed release, and ``shardadopt doctor --model`` reports it.
 
 ``tools/arch_sweep.py`` records one verdict per model type and layout for each release line
-(``tests/data/arch_matrix/transformers-<minor>.json``). Re-running the whole sweep takes far longer than CI has;
+(``shardadopt/data/arch_matrix/transformers-<minor>.json``). Re-running the whole sweep takes far longer than CI has;
 the sample below (a few types per 2-rank layout, chosen for what they exercise) must give its recorded verdict on
 the installed release, so a recorded ``verified`` cell that stops holding fails CI.
 """
@@ -45,7 +45,7 @@ def test_readme_coverage_section_is_what_the_matrices_derive():
     block = tool.readme_block((REPO / "README.md").read_text())
     assert block is not None, f"README.md lacks the {tool.BEGIN} ... {tool.END} block"
     assert block == tool.readme_section(tool.load_matrices()), (
-        "the README's architecture coverage differs from tests/data/arch_matrix; run "
+        "the README's architecture coverage differs from shardadopt/data/arch_matrix; run "
         "`python tools/arch_sweep.py --readme`")
 
 

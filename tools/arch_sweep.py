@@ -5,7 +5,7 @@ each model type it applies to (every causal LM for FSDP/HSDP; those with a tenso
 TP/2-D/EP), a tiny random model derived from the type's default config runs the ordinary accelerate loop after
 ``shardadopt.enable()`` against one process (``shardadopt/testing/sweep.py`` states the check and its
 tolerances). All types of one layout share one process group. The verdicts go to
-``tests/data/arch_matrix/transformers-<minor>.json`` (one file per release line, cells merged, written after each
+``shardadopt/data/arch_matrix/transformers-<minor>.json`` (one file per release line, cells merged, written after each
 type so a long run keeps its progress); ``tests/test_arch_sweep.py`` checks the README against them and re-runs a
 fixed sample in CI.
 
@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO / "tests" / "data" / "arch_matrix"
+DATA = REPO / "shardadopt" / "data" / "arch_matrix"
 README = REPO / "README.md"
 BEGIN, END = "<!-- arch-sweep:begin -->", "<!-- arch-sweep:end -->"
 LAYOUT_ORDER = ("fsdp", "tp", "ep", "hsdp", "2d")
