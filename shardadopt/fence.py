@@ -195,9 +195,9 @@ def _parse(value: bytes | str) -> tuple[int, str, list[int], str]:
     return int(rank), kind, [int(r) for r in hung.split(",") if r], message
 
 
-def _connect() -> Any:
-    """A store connection of this thread's own to the default group's TCPStore, or None (another store type)."""
-    base = _store()
+def _connect(base: Any) -> Any:
+    """A store connection of this thread's own to ``base`` (the default group's base store, read by the main thread:
+    a thread that reads it itself may run while a rebuild has destroyed the group), or None (not a TCPStore)."""
     if not isinstance(base, dist.TCPStore):
         return None
     return dist.TCPStore(base.host, base.port, None, False, timeout=timedelta(seconds=60), wait_for_workers=False)
@@ -385,14 +385,17 @@ class _Watcher:
 
     def _watch(self) -> None:
         try:
-            connection = _connect()
+            connection = _connect(self.store)
         except Exception:  # noqa: BLE001  (store unreachable: the job is ending)
             return
+        # This thread never asks torch.distributed for the rank or the store: between a rebuild's destroy and init
+        # the default group does not exist, and the rank and the base store are the same in every generation.
+        store, blocking = (connection, True) if connection is not None else (self.store, False)
         while not self.exiting:
             generation = _STATE["generation"]
-            if not _wait_for_wake(connection, generation) or self.exiting:  # the store is gone, or exit
+            if not _wait_for_wake(store, blocking, generation, self.rank) or self.exiting:  # store gone, or exit
                 return
-            value = _read_trip(connection, generation)
+            value = _read_trip(store, generation)
             if value is not None:
                 self._tripped(generation, value, connection)
             with self.generation_changed:
@@ -430,8 +433,8 @@ class _Watcher:
     def _resolve_hang(self, generation: int, hung: list[int], message: str, connection: Any) -> None:
         settings = self.hang_settings()
         ack = max(5.0, settings[1] if settings else 5.0)
-        store = connection if connection is not None else _store()
-        rank = dist.get_rank()
+        store = connection if connection is not None else self.store
+        rank = self.rank
         if rank in hung:
             if self.handler_installed:
                 self.interrupted.clear()
@@ -450,11 +453,11 @@ class _Watcher:
 
     def _monitor(self, stop: threading.Event, generation: int) -> None:
         try:
-            connection = _connect()
+            connection = _connect(self.store)
         except Exception:  # noqa: BLE001
             return
-        store = connection if connection is not None else _store()
-        rank, world = dist.get_rank(), dist.get_world_size()
+        store = connection if connection is not None else self.store
+        rank, world = self.rank, dist.get_world_size()
         count, changed, beat = _PROGRESS[0], time.monotonic(), 0
         seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (its last beat, when it changed, my clock)
         settings = self.hang_settings()
@@ -509,16 +512,15 @@ class _Watcher:
         _wake_all(store, generation)
 
 
-def _wait_for_wake(connection: Any, generation: int) -> bool:
-    """Block until this rank's wake key of ``generation`` is written (a trip, a rebuild, exit); False when the
-    store is gone."""
-    wake, trip = _key(generation, "wake", dist.get_rank()), _trip_key(generation)
+def _wait_for_wake(store: Any, blocking: bool, generation: int, rank: int) -> bool:
+    """Block until ``rank``'s wake key of ``generation`` is written (a trip, a rebuild, exit): a ``store.wait`` when
+    ``blocking`` (the watcher's own TCPStore connection), else polled; False when the store is gone."""
+    wake, trip = _key(generation, "wake", rank), _trip_key(generation)
     while True:
         try:
-            if connection is not None:
-                connection.wait([wake], _FOREVER)
+            if blocking:
+                store.wait([wake], _FOREVER)
                 return True
-            store = _store()
             if store.check([wake]) or store.check([trip]):
                 return True
         except Exception as exc:  # noqa: BLE001
@@ -528,8 +530,7 @@ def _wait_for_wake(connection: Any, generation: int) -> bool:
         time.sleep(POLL_INTERVAL)
 
 
-def _read_trip(connection: Any, generation: int) -> bytes | None:
-    store = connection if connection is not None else _store()
+def _read_trip(store: Any, generation: int) -> bytes | None:
     key = _trip_key(generation)
     try:
         return store.get(key) if store.check([key]) else None

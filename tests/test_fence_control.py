@@ -7,7 +7,8 @@ raising inside an ``optimize`` trial (``time.sleep`` in user code after a traini
 be interrupted (``os.read`` on a pipe with the hang signal blocked: every rank exits with ``HANG_EXIT_CODE`` within
 the bound); a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in the rebuild
 decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once its world
-is destroyed (``shardadopt.cleanexit`` at exit).
+is destroyed (``shardadopt.cleanexit`` at exit); the fence watcher survives a rebuild that it starts into (a late
+thread start while the default group is destroyed).
 """
 
 from __future__ import annotations
@@ -233,6 +234,64 @@ def test_a_rank_whose_close_raises_still_rebuilds_with_the_others(pool2):
     assert [r["rebuilt"] for r in results] == [1, 1], results
     after = pool2.run(scenario._search, None, (), 1, timeout=120)  # the rebuilt world trains on both ranks
     assert [state for _, state, _, _ in after[0]["table"]] == ["COMPLETE"]
+
+
+def trip_rebuild_trip() -> dict:
+    """A fenced section that rank 1 fails at once, ``rebuild_world``, then a second section that rank 0 fails. Rank
+    1's watcher thread starts late, while its main thread is in the rebuild with the default group destroyed."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt import fence
+
+    rank = dist.get_rank()
+    watcher_errors: list[str] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: watcher_errors.append(f"{args.thread.name}: {args.exc_value!r}")
+    errors, alive = [], []
+    connect = fence._connect
+    initialise = dist.init_process_group
+    if rank == 1:  # test instrumentation: a slow watcher start and a slow initialisation (a loaded machine, many ranks)
+        def slow_connect(*args):
+            if threading.current_thread().name == "shardadopt-fence watcher":
+                time.sleep(0.3)
+            return connect(*args)
+
+        fence._connect = slow_connect
+        dist.init_process_group = lambda *args, **kwargs: (time.sleep(1.0), initialise(*args, **kwargs))[1]
+    try:
+        for failing in (1, 0):
+            try:
+                with fence.fenced("a section"):
+                    dist.all_reduce(torch.ones(2))
+                    if rank == failing:
+                        raise scenario._Fault(f"injected on rank {failing}")
+                    dist.all_reduce(torch.ones(2))  # blocked: the failing rank never comes
+            except (scenario._Fault, fence.PeerFailedError) as exc:
+                errors.append(type(exc).__name__)
+            fence.rebuild_world()
+            time.sleep(0.5)  # the watcher's delayed start is over
+            alive.append(fence._WATCHER.thread.is_alive())
+        total = torch.ones(2)
+        dist.all_reduce(total)
+    finally:
+        threading.excepthook = hook
+        fence._connect = connect
+        dist.init_process_group = initialise
+    return {"errors": errors, "watcher_errors": watcher_errors, "alive": alive, "sum": total.tolist()}
+
+
+def test_the_fence_watcher_survives_a_rebuild(tmp_path):
+    ranks = base.launch("trip_rebuild_trip", 2, tmp_path, timeout=120, module="test_fence_control")
+    assert [r["returncode"] for r in ranks] == [0, 0], [r["error"] for r in ranks]
+    results = [r["result"] for r in ranks]
+    assert results[0]["errors"] == ["PeerFailedError", "_Fault"], results
+    assert results[1]["errors"] == ["_Fault", "PeerFailedError"], results
+    assert [r["watcher_errors"] for r in results] == [[], []], results  # it never asks for the destroyed group
+    assert [r["alive"] for r in results] == [[True, True]] * 2, results  # watching the rebuilt generation
+    assert [r["sum"] for r in results] == [[2.0, 2.0]] * 2
 
 
 # -- a given control group; the control group's lifetime -----------------------------------------------------------
