@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,8 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
         from shardadopt.adapters import check_adapters
 
         check_adapters(model)
+    if "trl" in sys.modules:
+        refuse_fused_lm_head_on_plain_shards(model)
     if accelerator.num_processes != topo.world_size:
         # accelerate on a machine without GPUs and without cpu=True treats each torchrun process as a job of its
         # own: every rank would see the whole dataset, write every checkpoint and log as rank 0.
@@ -153,6 +156,49 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     for loader in upstream.accelerator_dataloaders(accelerator):
         shard_dataloader(loader, topo, state.dp_ranks)
     return model
+
+
+def _fused_lm_head_forwards(model: nn.Module) -> Iterator[nn.Module]:
+    """Modules of ``model`` whose forward TRL's ``add_fused_lm_head`` replaced.
+
+    TRL sets an instance ``forward`` made with ``functools.wraps(type(model).forward)``, which copies the original's
+    ``__module__`` and ``__qualname__``: only its code object, one of ``add_fused_lm_head``'s nested functions, says
+    where it comes from."""
+    try:
+        from trl.trainer import add_fused_lm_head
+    except ImportError:  # a TRL without the fused head
+        return
+    nested = {c for c in add_fused_lm_head.__code__.co_consts if isinstance(c, types.CodeType)}
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if getattr(getattr(forward, "__func__", None), "__code__", None) in nested:
+            yield module
+
+
+def refuse_fused_lm_head_on_plain_shards(model: nn.Module) -> None:
+    """Refuse (:class:`AdoptionError`) a model whose LM head is a plain local TP shard (transformers 5.15/5.16) when
+    TRL's fused LM head reads it (SFTTrainer, DPOTrainer, KTO, GRPO, RLOO install it on the model they train).
+
+    The fused head projects hidden states through ``lm_head.weight`` itself and gathers the weight only when it is
+    a DTensor; a plain shard holds this rank's slice of the vocabulary, so every token would be scored against part
+    of the vocabulary: wrong loss and gradients without an error. Local: no collective."""
+    from torch.distributed.tensor import DTensor
+
+    for module in _fused_lm_head_forwards(model):
+        weight = getattr(module.get_output_embeddings(), "weight", None)
+        vocab = getattr(module.config.get_text_config(), "vocab_size", None)
+        if weight is None or isinstance(weight, DTensor) or vocab is None or weight.shape[0] >= vocab:
+            continue
+        import transformers
+
+        raise AdoptionError(
+            f"TRL's fused LM head (trl add_fused_lm_head, installed by SFTTrainer, DPOTrainer and the other TRL "
+            f"trainers) reads lm_head.weight directly, and on this model it is a plain tensor-parallel shard of "
+            f"{tuple(weight.shape)} rows of the {vocab}-token vocabulary (transformers {transformers.__version__} "
+            f"keeps TP shards as plain tensors, 5.15 and 5.16): every rank would score tokens against its own slice "
+            f"of the vocabulary and train silently wrong. Upgrade transformers to 5.17 or newer (TP shards are "
+            f"DTensors there, which TRL gathers), or load the model with DistributedConfig(fsdp_size=...) instead "
+            f"of tp_size. TRL has no option to turn its fused LM head off.")
 
 
 def _world_dp_ranks(topo: Topology) -> list[int]:

@@ -25,3 +25,20 @@ def pool2():
 def pool4():
     with RankPool(4) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def trl_tokenizer(tiny_models) -> str:
+    """A word-level tokenizer for the tiny models (TRL's trainers need a ``processing_class``)."""
+    from shardadopt.testing.text import tiny_tokenizer
+
+    return tiny_tokenizer(os.path.dirname(tiny_models["qwen3"]))
+
+
+@pytest.fixture(scope="module")
+def trl_ddp(pool2, tiny_models, trl_tokenizer):
+    """``get(kind, model, bf16=False, lora=None)``: the TRL run on the plain checkpoint under DDP on this module's
+    2-rank pool (``shardadopt.testing.trl.ddp_reference``)."""
+    from shardadopt.testing.trl import ddp_reference
+
+    return ddp_reference(pool2, tiny_models, trl_tokenizer)

@@ -1,0 +1,256 @@
+"""TRL's trainers (and Trainer with LoRA) on load-time-sharded models, and their DDP reference: workers for
+``tests/test_trl*.py`` (importable by RankPool workers).
+
+:func:`trl_log` is what a TRL user writes: load (sharded per ``layout``, or plain under DDP), optionally add LoRA
+(TRL's ``peft_config=`` or ``get_peft_model`` first), ``SFTConfig``/``SFTTrainer`` on a ``datasets`` text dataset or
+``DPOConfig``/``DPOTrainer`` on prompt/chosen/rejected with TRL's default reference model, a local tokenizer as
+``processing_class`` (no downloads), ``train()``. The same global batch on every layout: a run with ``dp``
+data-parallel ranks takes ``GLOBAL_BATCH // dp`` per device. TRL's configs default to ``bf16=True``, on CPU too: the
+fp32 runs set ``bf16=False`` as a user comparing in fp32 does. :func:`resume_log` trains an adapter run with
+checkpoints, stops it after one and resumes it in a new trainer (``trainer.train(resume_from_checkpoint=True)``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+STEPS = 3
+GLOBAL_BATCH = 4
+MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe", "2d": "qwen3"}
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+LORA_SEED = 0  # every rank seeded the same before the adapters are added, as a user does
+LR = {"full": 1e-3, "lora": 1e-2}
+# fp32: TP pads the whole global batch where DDP pads per rank, and sharded matmuls sum in another order
+FP32_RTOL = 1e-4
+# Qwen3-MoE: Adam's normalised update turns that reduction-order noise on near-zero expert gradients into visible
+# steps (transformers 5.15, EP on the TP mesh: DPO grad norm 1.9e-4 off at step 3)
+MOE_RTOL = 5e-4
+BF16_RTOL = 2e-2  # bf16 autocast: ~3 significant digits per matmul
+# What shardadopt's refusals say, by cause (the tests assert the refusal of each combination names it and the fix)
+REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"),
+            "lora-tp": ("tensor parallelism on transformers before 5.17", "Upgrade transformers to 5.17")}
+
+
+def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
+    """``n`` samples: a "text" column for SFT, "prompt"/"chosen"/"rejected" for DPO."""
+    from datasets import Dataset
+
+    from shardadopt.testing.text import sentences
+
+    if kind == "sft":
+        return Dataset.from_dict({"text": sentences(n, seed=1)})
+    return Dataset.from_dict({"prompt": sentences(n, seed=2, max_words=6), "chosen": sentences(n, seed=3, max_words=6),
+                              "rejected": sentences(n, seed=4, max_words=6)})
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+
+
+def _load(path: str, layout: str | None, world: int):
+    """The model (fp32), sharded per ``layout`` over ``world`` ranks or plain (DDP); and the data-parallel size."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardadopt import upstream
+    from shardadopt.selftest.trainer import distributed_sizes
+
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    dp = world
+    if layout is not None:
+        from transformers.distributed import DistributedConfig
+
+        sizes, dp = distributed_sizes(layout, world)
+        kwargs["distributed_config"] = DistributedConfig(**sizes)
+    network = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    upstream.reset_accelerate_state()  # pooled ranks run several trainers in one process
+    return network, dp
+
+
+def plain_head_shard(network) -> bool:
+    """Whether the LM head is a plain tensor holding part of the vocabulary (TP on transformers 5.15/5.16)."""
+    from torch.distributed.tensor import DTensor
+
+    head = network.get_output_embeddings().weight
+    return not isinstance(head, DTensor) and head.shape[0] < network.config.vocab_size
+
+
+def _trl_trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra):
+    from transformers import AutoTokenizer, PrinterCallback
+
+    processing_class = AutoTokenizer.from_pretrained(tokenizer)
+    if kind == "sft":
+        from trl import SFTConfig, SFTTrainer
+
+        trainer = SFTTrainer(model=network, args=SFTConfig(**common), train_dataset=dataset("sft"),
+                             processing_class=processing_class, **extra)
+    else:
+        from trl import DPOConfig, DPOTrainer
+
+        trainer = DPOTrainer(model=network, args=DPOConfig(**common), train_dataset=dataset("dpo"),
+                             processing_class=processing_class, **extra)
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def logged_steps(trainer) -> list[dict[str, float]]:
+    """Per optimizer step {"loss", "grad_norm"} as the trainer logged them."""
+    return [{"loss": row["loss"], "grad_norm": float(row["grad_norm"])}
+            for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
+
+
+def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
+            world: int = 2, bf16: bool = False, lora: str | None = None) -> dict[str, Any]:
+    """``kind`` ("sft" or "dpo") for STEPS steps on ``model`` sharded per ``layout`` over ``world`` ranks, or
+    (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added ``lora`` ("peft_config":
+    by TRL, "wrapped": ``get_peft_model`` first). ``{"log": [{"loss", "grad_norm"} per step]}`` or
+    ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model)."""
+    import tempfile
+
+    import torch
+
+    import shardadopt
+    from shardadopt.adapters import AdapterLayoutError
+    from shardadopt.adopt import AdoptionError
+
+    shardadopt.enable()
+    try:
+        network, dp = _load(models[model], layout, world)
+        result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network)}
+        extra: dict[str, Any] = {}
+        with tempfile.TemporaryDirectory(prefix="shardadopt-trl-") as out:
+            common = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=STEPS,
+                          learning_rate=LR["lora" if lora else "full"], lr_scheduler_type="constant",
+                          logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=bf16, seed=0,
+                          max_length=32, disable_tqdm=True)
+            try:
+                if lora is not None:
+                    torch.manual_seed(LORA_SEED)
+                    if lora == "wrapped":
+                        from peft import get_peft_model
+
+                        network = get_peft_model(network, lora_config())
+                    else:
+                        extra["peft_config"] = lora_config()
+                trainer = _trl_trainer(kind, network, common, tokenizer, **extra)
+                trainer.train()
+            except (AdapterLayoutError, AdoptionError) as exc:
+                return {**result, "refused": f"{type(exc).__name__}: {exc}"}
+        return {**result, "log": logged_steps(trainer)}
+    finally:
+        shardadopt.disable()
+
+
+def compare(result: dict[str, Any], expected: list[dict[str, float]], rtol: float) -> str | None:
+    """What differs between a :func:`trl_log` run and the DDP run's log (None: every step within ``rtol``)."""
+    if "log" not in result:
+        return f"not trained: {result.get('refused')}"
+    got = result["log"]
+    if len(got) != len(expected) or len(expected) != STEPS:
+        return f"{len(got)} logged steps, the DDP run logged {len(expected)} (of {STEPS})"
+    for step, (have, want) in enumerate(zip(got, expected), start=1):
+        for key in ("loss", "grad_norm"):
+            if not math.isclose(have[key], want[key], rel_tol=rtol):
+                return f"step {step}: {key} {have[key]!r} vs DDP {want[key]!r} (rtol {rtol})"
+    return None
+
+
+def refusal_problem(result: dict[str, Any], cause: str) -> str | None:
+    """What is wrong with ``result`` as shardadopt's refusal for ``cause`` (a key of REFUSALS), or None."""
+    if "refused" not in result:
+        return f"trained instead of being refused for {cause}"
+    missing = [part for part in REFUSALS[cause] if part not in result["refused"]]
+    return f"the refusal does not name {missing}: {result['refused']}" if missing else None
+
+
+def ddp_reference(pool, tiny_models: dict[str, str], tokenizer: str):
+    """``get(kind, model, bf16=False, lora=None)``: :func:`trl_log` on the plain checkpoint under DDP on ``pool``
+    (its ranks must log the same values), computed once per argument set."""
+    cache: dict[tuple, list[dict[str, float]]] = {}
+
+    def get(kind: str, model: str, bf16: bool = False, lora: str | None = None) -> list[dict[str, float]]:
+        key = (kind, model, bf16, lora)
+        if key not in cache:
+            runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, bf16=bf16, lora=lora, timeout=300)
+            assert "log" in runs[0], runs[0]
+            assert runs[0]["log"] == runs[1]["log"], "DDP ranks log the same values"
+            cache[key] = runs[0]["log"]
+        return cache[key]
+
+    return get
+
+
+def _lora_tensors(network) -> dict[str, Any]:
+    """Every LoRA factor of ``network`` as its full tensor (a collective on sharded factors)."""
+    from shardadopt.testing import full
+
+    return {n: full(p).detach().clone() for n, p in network.named_parameters() if "lora_" in n}
+
+
+def resume_log(models: dict[str, str], tokenizer: str, how: str, layout: str, model: str, directory: str, *,
+               steps: int = 4, stop_after: int = 2) -> dict[str, Any]:
+    """An adapter run with a checkpoint every 2 steps, three ways on ``model`` sharded per ``layout`` over 2 ranks:
+    ``steps`` steps straight; the same stopped after ``checkpoint-{stop_after}`` (a callback setting
+    ``control.should_training_stop``, as examples/trainer_finetune.py does); and a new trainer on a fresh load, its
+    adapters initialised from another seed, resuming with ``train(resume_from_checkpoint=True)``. ``how``: "sft"
+    (``SFTTrainer(peft_config=...)``) or "trainer" (``Trainer`` on a ``get_peft_model`` model, a tokenized dataset
+    and ``DataCollatorForLanguageModeling``). Per run its log, its final adapter factors (full tensors), and the
+    files of ``checkpoint-{stop_after}``; or ``{"refused": ...}``."""
+    import os
+
+    import torch
+    from peft import get_peft_model
+    from transformers import (
+        AutoTokenizer,
+        DataCollatorForLanguageModeling,
+        PrinterCallback,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    import shardadopt
+    from shardadopt.adapters import AdapterLayoutError
+
+    class StopAfter(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == stop_after:
+                control.should_training_stop = True
+
+    def run(seed: int, out: str, *, stop: bool, resume: bool) -> dict[str, Any]:
+        network, dp = _load(models[model], layout, 2)
+        common = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=steps,
+                      learning_rate=LR["lora"], lr_scheduler_type="constant", logging_steps=1,
+                      save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, bf16=False, seed=0,
+                      disable_tqdm=True)
+        callbacks = [StopAfter()] if stop else []
+        torch.manual_seed(seed)
+        if how == "sft":
+            trainer = _trl_trainer("sft", network, {**common, "max_length": 32}, tokenizer,
+                                   peft_config=lora_config(), callbacks=callbacks)
+        else:
+            processing_class = AutoTokenizer.from_pretrained(tokenizer)
+            data = dataset("sft").map(lambda batch: processing_class(batch["text"], truncation=True, max_length=32),
+                                      batched=True, remove_columns=["text"])
+            trainer = Trainer(model=get_peft_model(network, lora_config()), args=TrainingArguments(**common),
+                              train_dataset=data, callbacks=callbacks,
+                              data_collator=DataCollatorForLanguageModeling(processing_class, mlm=False))
+            trainer.remove_callback(PrinterCallback)
+        trainer.train(resume_from_checkpoint=True if resume else None)
+        checkpoint = os.path.join(out, f"checkpoint-{stop_after}")
+        return {"log": logged_steps(trainer), "adapter": _lora_tensors(trainer.model),
+                "checkpoint": sorted(os.listdir(checkpoint)), "global_step": trainer.state.global_step}
+
+    shardadopt.enable()
+    try:
+        straight = run(LORA_SEED, os.path.join(directory, "straight"), stop=False, resume=False)
+        stopped = run(LORA_SEED, os.path.join(directory, "resumed"), stop=True, resume=False)
+        resumed = run(LORA_SEED + 1, os.path.join(directory, "resumed"), stop=False, resume=True)
+        return {"straight": straight, "stopped": stopped, "resumed": resumed}
+    except AdapterLayoutError as exc:
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    finally:
+        shardadopt.disable()
