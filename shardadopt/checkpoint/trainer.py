@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -94,6 +95,16 @@ def model_resolved(trainer: Any, model: Any) -> None:
 
 # -- save / load ---------------------------------------------------------------------------------------------------
 
+def _adapter_run(model: Any) -> bool:
+    """A PEFT model (adapters on a frozen base): upstream's Trainer writes its adapter (``save_pretrained``:
+    ``adapter_config.json``, ``adapter_model.safetensors``) into each checkpoint and as the final model."""
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
 def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
     """Upstream's ``Trainer._save_checkpoint`` with the state written by DCP into an atomically published folder.
 
@@ -130,6 +141,10 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
     with staged(output_dir, step=state.global_step, models=[trainer.model],
                 metadata={"writer": "transformers.Trainer"}, after_publish=after_publish) as stage:
         save_sharded_state(stage, trainer.model, [getattr(o, "optimizer", o) for o in optimizers])
+        if _adapter_run(trainer.model):
+            # what upstream's checkpoint holds, so PeftModel.from_pretrained(base, "checkpoint-N") works as there:
+            # every rank calls it (peft-sharded-adapters gathers the factors), rank 0 writes full tensors
+            trainer.model.save_pretrained(stage)
         if not targs.save_only_model:
             if targs.should_save and trainer.lr_scheduler is not None:
                 with warnings.catch_warnings(record=True):
@@ -179,11 +194,15 @@ def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
 # -- final export --------------------------------------------------------------------------------------------------
 
 def export_full_model(trainer: Any, output_dir: str) -> None:
-    """Consolidated safetensors + config, processing class and training args; every rank must call it."""
+    """Consolidated safetensors + config (an adapter run: its PEFT adapter, as upstream's ``save_model`` writes it),
+    processing class and training args; every rank must call it."""
     import torch
     from transformers import trainer as trainer_module
 
-    save_full(trainer.model, output_dir)
+    if _adapter_run(trainer.model):
+        trainer.model.save_pretrained(output_dir)  # full adapter tensors, written by rank 0 (peft-sharded-adapters)
+    else:
+        save_full(trainer.model, output_dir)
     if trainer.args.should_save:
         tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
         if tokenizer is not None:

@@ -197,8 +197,9 @@ def resume_log(models: dict[str, str], tokenizer: str, how: str, layout: str, mo
     ``control.should_training_stop``, as examples/trainer_finetune.py does); and a new trainer on a fresh load, its
     adapters initialised from another seed, resuming with ``train(resume_from_checkpoint=True)``. ``how``: "sft"
     (``SFTTrainer(peft_config=...)``) or "trainer" (``Trainer`` on a ``get_peft_model`` model, a tokenized dataset
-    and ``DataCollatorForLanguageModeling``). Per run its log, its final adapter factors (full tensors), and the
-    files of ``checkpoint-{stop_after}``; or ``{"refused": ...}``."""
+    and ``DataCollatorForLanguageModeling``). Per run its log, its adapter factors (full tensors) at the end,
+    ``checkpoint-{stop_after}`` (path and files) and what ``trainer.save_model`` wrote at the end (``"final"``); or
+    ``{"refused": ...}``."""
     import os
 
     import torch
@@ -240,9 +241,11 @@ def resume_log(models: dict[str, str], tokenizer: str, how: str, layout: str, mo
                               data_collator=DataCollatorForLanguageModeling(processing_class, mlm=False))
             trainer.remove_callback(PrinterCallback)
         trainer.train(resume_from_checkpoint=True if resume else None)
+        trainer.save_model(os.path.join(out, "final"))  # an adapter run's final model: its adapter, as upstream
         checkpoint = os.path.join(out, f"checkpoint-{stop_after}")
-        return {"log": logged_steps(trainer), "adapter": _lora_tensors(trainer.model),
-                "checkpoint": sorted(os.listdir(checkpoint)), "global_step": trainer.state.global_step}
+        return {"log": logged_steps(trainer), "adapter": _lora_tensors(trainer.model), "checkpoint": checkpoint,
+                "files": sorted(os.listdir(checkpoint)), "final": os.path.join(out, "final"),
+                "global_step": trainer.state.global_step}
 
     shardadopt.enable()
     try:
