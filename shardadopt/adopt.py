@@ -40,8 +40,8 @@ from shardadopt.optimizer_ready import make_shards_contiguous
 from shardadopt.topology import Topology, TopologyError, topology
 
 __all__ = ["AdoptionKwargs", "AdoptionError", "DataParallelSource", "adopt_model", "adopted", "adoption_kwargs",
-           "dispatch_per_mesh_dp_group", "is_sharded_model", "shard_dataloader", "gather_for_metrics", "no_sync",
-           "clip_grad_norm_"]
+           "dispatch_per_mesh_dp_group", "is_sharded_model", "refuse_fused_lm_head_on_plain_shards",
+           "shard_dataloader", "gather_for_metrics", "no_sync", "clip_grad_norm_"]
 
 _STATE_ATTR = "_shardadopt_adoption"
 _KWARGS_ATTR = "_shardadopt_kwargs"

@@ -40,6 +40,7 @@ def test_adapter_run_resumes_exactly(pool2, tiny_models, trl_tokenizer, tmp_path
     import torch
 
     from shardadopt.adapters import dtensor_tensor_parallel
+    from shardadopt.checkpoint.state import _saved_shapes as saved_shapes
     from shardadopt.testing.trl import resume_log
 
     results = pool2.run(resume_log, tiny_models, trl_tokenizer, how, layout, MODELS[layout], str(tmp_path),
@@ -70,6 +71,9 @@ def test_adapter_run_resumes_exactly(pool2, tiny_models, trl_tokenizer, tmp_path
         for name, value in adapter.items():
             assert torch.equal(loaded[name], value), f"{run}: {name} differs from the trained adapter"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(first["stopped"]["files"])
+    # and, as upstream's adapter checkpoints, not the frozen base weights (the resume loads them from the model)
+    weights = [k for k in saved_shapes(first["stopped"]["checkpoint"]) if k.startswith("model")]
+    assert weights and all("lora_" in k for k in weights), [k for k in weights if "lora_" not in k][:3]
 
 
 def one_process_adapter(path: str, directory: str) -> dict:

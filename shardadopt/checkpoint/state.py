@@ -49,12 +49,22 @@ def _key(kind: str, i: int, model: torch.nn.Module) -> str:
     return f"{key}@rank{_world()[1]}" if rank_local(model) else key
 
 
-def _state_dicts(models: list[torch.nn.Module], optimizers: list) -> dict[str, Any]:
+def _options(frozen: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # without the frozen parameters the model state is partial: loading it must leave the others as they are
+    return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
+
+
+def _state_dicts(models: list[torch.nn.Module], optimizers: list, frozen: bool = True) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     state: dict[str, Any] = {}
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
-        model_sd, optim_sd = get_state_dict(model, opts)
+        model_sd, optim_sd = get_state_dict(model, opts, options=_options(frozen))
+        if not frozen:  # torch drops frozen parameters by their first name only: a tied alias (lm_head) stays
+            aliases = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            model_sd = {k: v for k, v in model_sd.items() if k not in aliases}
         state[_key("model", i, model)] = model_sd
         if opts:
             state[_key("optimizer", i, model)] = optim_sd
@@ -62,11 +72,14 @@ def _state_dicts(models: list[torch.nn.Module], optimizers: list) -> dict[str, A
 
 
 def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch.nn.Module,
-                       optimizers: Sequence[Any] | Any = None) -> None:
-    """Write models' and optimizers' (sharded) state into ``directory/state`` with DCP. A collective."""
+                       optimizers: Sequence[Any] | Any = None, *, frozen: bool = True) -> None:
+    """Write models' and optimizers' (sharded) state into ``directory/state`` with DCP. A collective.
+
+    ``frozen=False`` leaves out the parameters that do not require gradients (an adapter run's base weights, which
+    the model loads from its own checkpoint): what upstream's Trainer leaves out of a PEFT model's checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state_dicts(_as_list(models), _as_list(optimizers)),
+    dcp.save(_state_dicts(_as_list(models), _as_list(optimizers), frozen),
              checkpoint_id=os.path.join(directory, _STATE_DIR))
 
 
@@ -91,16 +104,17 @@ def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, tuple[int
 
 
 def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch.nn.Module,
-                       optimizers: Sequence[Any] | Any = None, *, weights: bool = True) -> None:
+                       optimizers: Sequence[Any] | Any = None, *, weights: bool = True, frozen: bool = True) -> None:
     """Read models' and optimizers' state written by ``save_sharded_state`` into them, resharding as needed.
 
     ``weights=False`` reads the optimizers' state only (the models' weights were loaded already: the Trainer loads
-    the model, then the optimizer)."""
+    the model, then the optimizer). ``frozen=False`` reads the trainable parameters only (the others keep what the
+    model holds), from a checkpoint written either way."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
     models, optimizers = _as_list(models), _as_list(optimizers)
-    state = _state_dicts(models, optimizers)
+    state = _state_dicts(models, optimizers, frozen)
     if not weights:
         state = {key: value for key, value in state.items() if not key.startswith("model")}
     saved = _saved_shapes(directory)
@@ -119,9 +133,10 @@ def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         if weights:
             set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],
-                           optim_state_dict=state.get(_key("optimizer", i, model), {}))
+                           optim_state_dict=state.get(_key("optimizer", i, model), {}), options=_options(frozen))
         elif opts:
-            set_optimizer_state_dict(model, opts, optim_state_dict=state[_key("optimizer", i, model)])
+            set_optimizer_state_dict(model, opts, optim_state_dict=state[_key("optimizer", i, model)],
+                                     options=_options(frozen))
 
 
 

@@ -140,8 +140,11 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
     optimizers = [] if targs.save_only_model else [trainer.optimizer]
     with staged(output_dir, step=state.global_step, models=[trainer.model],
                 metadata={"writer": "transformers.Trainer"}, after_publish=after_publish) as stage:
-        save_sharded_state(stage, trainer.model, [getattr(o, "optimizer", o) for o in optimizers])
-        if _adapter_run(trainer.model):
+        adapters = _adapter_run(trainer.model)
+        # an adapter run's frozen base is what the model loads from its own checkpoint: left out, as upstream does
+        save_sharded_state(stage, trainer.model, [getattr(o, "optimizer", o) for o in optimizers],
+                           frozen=not adapters)
+        if adapters:
             # what upstream's checkpoint holds, so PeftModel.from_pretrained(base, "checkpoint-N") works as there:
             # every rank calls it (peft-sharded-adapters gathers the factors), rank 0 writes full tensors
             trainer.model.save_pretrained(stage)
@@ -173,7 +176,7 @@ def load_model(trainer: Any, directory: str) -> None:
         warnings.warn(f"{directory} was saved with world size {info.world_size} and layouts {info.layouts}; the "
                       f"weights and optimizer state are resharded, the data order and RNG cannot continue exactly",
                       stacklevel=3)
-    load_sharded_state(info.directory, trainer.model)
+    load_sharded_state(info.directory, trainer.model, frozen=not _adapter_run(trainer.model))
 
 
 def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
@@ -184,7 +187,7 @@ def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
 
     read_info(directory)
     load_sharded_state(directory, trainer.model, [getattr(trainer.optimizer, "optimizer", trainer.optimizer)],
-                       weights=False)
+                       weights=False, frozen=not _adapter_run(trainer.model))
     scheduler_file = os.path.join(directory, trainer_module.SCHEDULER_NAME)
     if os.path.isfile(scheduler_file):
         with warnings.catch_warnings(record=True):
