@@ -259,7 +259,9 @@ FIX = Fix(
         Not in this diff (shardadopt's runtime patch does it): a completion marker with the saved layout, and a
         warning when a checkpoint is resharded on load; streaming the final save_model one parameter at a time
         (5.15 .. 5.23 gather a sharded model on the main process only); per-rank checkpoints of 5.15's
-        tensor-parallel shards, which are plain tensors, not DTensors (DCP would keep one rank's copy of each).
+        tensor-parallel shards, which are plain tensors, not DTensors (DCP would keep one rank's copy of each); for
+        an adapter run (a PeftModel), the adapter files in each checkpoint and as the final model, written on every
+        process (peft gathers the sharded factors), and the frozen base weights left out of the DCP state.
 
         Before 5.19 the Trainer cannot train a model sharded at load time at all (accelerate DDP-wraps it:
         "aten.cat.default got mixed torch.Tensor and DTensor"), so there the test passes only together with the adoption fixes

@@ -49,7 +49,7 @@ def _key(kind: str, i: int, model: torch.nn.Module) -> str:
     return f"{key}@rank{_world()[1]}" if rank_local(model) else key
 
 
-def _options(frozen: bool):
+def _options(frozen: bool) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # without the frozen parameters the model state is partial: loading it must leave the others as they are

@@ -28,6 +28,9 @@ outside accelerate's own FSDP and DeepSpeed plugins (every other model keeps ups
   (refusing a partial one with a clear message; resharding when the layout differs, with a warning).
 - ``save_model`` (the final export) streams consolidated safetensors with ``shardadopt.checkpoint.save_full`` on
   every rank, plus the processing class and training arguments.
+- An adapter run (a ``PeftModel``): each checkpoint and the final ``save_model`` also hold (the final one: only) the
+  PEFT adapter as upstream writes it (``save_pretrained`` on every rank, full tensors), and the checkpoint's DCP
+  state leaves the frozen base weights out, as upstream's adapter checkpoints do.
 """
 
 from __future__ import annotations
