@@ -56,6 +56,7 @@ merge in one process).
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 from collections.abc import Iterator
@@ -187,10 +188,7 @@ def _refusal(name: str | None, what: str, fix: str) -> AdapterLayoutError:
 
 def check_config(config: Any) -> None:
     """Refuse, before peft injects anything, a ``LoraConfig`` whose options cannot be laid out on a sharded model
-    (peft would run them on shards: DoRA's weight norm and weight-based initialisations read the base weight)."""
-    if getattr(config, "use_dora", False):
-        raise _refusal(None, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
-                       "Use plain LoRA (use_dora=False) on the sharded model.")
+    (peft would run them on shards: weight-based initialisations read the whole base weight)."""
     init = getattr(config, "init_lora_weights", True)
     if init not in _WEIGHT_FREE_INITS:
         raise _refusal(None, f"init_lora_weights={init!r} (computed from the whole base weight)",
@@ -222,9 +220,6 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model
                        "of an experts module)", "Leave expert projections out of target_modules (e.g. target "
                        "attention only: [\"q_proj\", \"v_proj\", \"o_proj\"]).")
     base = layer.get_base_layer()
-    if layer.use_dora.get(adapter, False) or adapter in layer.lora_magnitude_vector:
-        raise _refusal(name, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
-                       "Use plain LoRA (use_dora=False) on the sharded model.")
     if topo.tp_size > 1 and not dtensor_tensor_parallel():
         raise _refusal(name, "tensor parallelism on transformers before 5.17 (TP shards are plain tensors there)",
                        "Upgrade transformers to 5.17 or newer, or load with fsdp_size instead of tp_size.")
@@ -247,6 +242,8 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model
         raise _refusal(name, f"a tensor-parallel base layer laid out as {style} (plan {plan!r})",
                        "Only colwise and rowwise TP plans are supported: leave this module out of target_modules, "
                        "or load with fsdp_size instead of tp_size.")
+    if adapter in layer.lora_magnitude_vector:
+        _check_dora(name, layer, adapter, base)
     if style == "rowwise" and layer.lora_bias.get(adapter, False):
         raise _refusal(name, "lora_bias=True on a rowwise base", "Use lora_bias=False.")
     found = (_placement_name(layer.lora_A[adapter].weight), _placement_name(layer.lora_B[adapter].weight))
@@ -259,6 +256,24 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model
                        "Add adapters after shardadopt.enable(), or inside shardadopt.adapters.global_adapter_shapes() "
                        "followed by lay_out_adapters(model).")
     return style
+
+
+def _check_dora(name: str, layer: Any, adapter: str, base: nn.Module) -> None:
+    """Refuse DoRA where its weight norm is not laid out: a base both tensor parallel and FSDP-sharded (fsdp x tp),
+    where the norm would need both reductions (untested)."""
+    names = tuple(getattr(getattr(base.weight, "device_mesh", None), "mesh_dim_names", None) or ())
+    if "tp" in names and len(names) > 1:
+        raise _refusal(name, f"DoRA (use_dora=True) on a base sharded over the mesh {names} (fsdp x tp)",
+                       "Use plain LoRA (use_dora=False) on this layout, or load with tp_size or fsdp_size alone.")
+
+
+def _adapter_modules(layer: Any, adapter: str) -> list[nn.Module]:
+    """The trainable modules of ``adapter`` on ``layer``: its LoRA factors and, with DoRA, its magnitude vector
+    (one entry per output feature)."""
+    modules = [layer.lora_A[adapter], layer.lora_B[adapter]]
+    if adapter in layer.lora_magnitude_vector:
+        modules.append(layer.lora_magnitude_vector[adapter])
+    return modules
 
 
 def _lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
@@ -312,6 +327,55 @@ def _shard_factor(factor: nn.Module, style: str, mesh: Any) -> None:
     for name, _ in list(factor.named_parameters(recurse=False)):
         tp_style.shard_param(factor, name, mesh)
     tp_style.install_forward(factor, mesh)
+
+
+def whole_weight(weight: Any) -> Any:
+    """``weight`` whole (collective for a DTensor): what peft's DoRA computes the initial magnitude from."""
+    return _full(weight) if getattr(weight, "device_mesh", None) is not None else weight
+
+
+def _lay_out_dora(dora: nn.Module, style: str, mesh: Any) -> None:
+    """DoRA on a tensor-parallel base: the magnitude (identical on every rank, one entry per output feature) is
+    sharded like the output features on a colwise base and stays whole on a rowwise one; its forward computes the
+    weight norm from the local shards (:func:`_tensor_parallel_dora`). On FSDP (and HSDP, EP's attention) nothing
+    changes: peft's forward runs inside FSDP's, on the unsharded weight."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if style == "colwise":
+        magnitude = dora.weight
+        dora.weight = nn.Parameter(distribute_tensor(magnitude.data, mesh, [Shard(0)], src_data_rank=None),
+                                   requires_grad=magnitude.requires_grad)
+    dora.forward = functools.partial(_tensor_parallel_dora, dora, style, mesh.get_group())
+
+
+def _local_tensor(tensor: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _tensor_parallel_dora(dora: nn.Module, style: str, tp_group: Any, x: torch.Tensor, *, lora_A: nn.Module,
+                          lora_B: nn.Module, scaling: float, base_layer: nn.Module,
+                          base_result: torch.Tensor | None = None, adapter_name: str = "default") -> torch.Tensor:
+    """peft's ``DoraLinearLayer.forward`` on a TP base, on this rank's shards: the weight norm runs over the input
+    dim of W + scaling * B @ A, whole rows on a colwise base (this rank's output features), partial sums of squares
+    added over the TP group on a rowwise one; like peft, the norm is detached (DoRA paper, section 4.3)."""
+    weight = _local_tensor(base_layer.weight).to(x.dtype)
+    with torch.no_grad():
+        combined = weight + scaling * (_local_tensor(lora_B.weight) @ _local_tensor(lora_A.weight)).to(x.dtype)
+        if style == "colwise":
+            norm = torch.linalg.norm(combined, dim=1)
+        else:
+            squares = combined.pow(2).sum(dim=1)
+            dist.all_reduce(squares, group=tp_group)
+            norm = squares.sqrt()
+    scale = (_local_tensor(dora.weight) / norm).view(1, -1)
+    if base_result is None:  # lora_dropout in training: peft passes the dropped-out input, the base reruns on it
+        base_result = base_layer(x)
+    bias = getattr(base_layer, "bias", None)
+    if bias is not None:  # on this rank's output features (colwise) or all of them (rowwise: replicated)
+        base_result = base_result - _local_tensor(bias)
+    return (scale - 1) * base_result + scale * lora_B(lora_A(x)) * scaling
 
 
 _groups: dict[tuple, Any] = {}
@@ -374,7 +438,7 @@ def lay_out_adapters(model: nn.Module) -> int:
         laid_out = layer.__dict__.setdefault(_LAID_OUT, set())
         for adapter in [a for a in layer.lora_A if a not in laid_out]:
             style = _check_layer(name, layer, adapter, topo, base)
-            for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+            for factor in _adapter_modules(layer, adapter):
                 for param in factor.parameters():
                     if param.is_meta:
                         raise _refusal(name, "adapters created on the meta device (low_cpu_mem_usage=True)",
@@ -383,6 +447,8 @@ def lay_out_adapters(model: nn.Module) -> int:
             if style != "none":
                 _shard_factor(layer.lora_B[adapter] if style == "colwise" else layer.lora_A[adapter], style,
                               _tp_mesh(layer.get_base_layer().weight))
+                if adapter in layer.lora_magnitude_vector:
+                    _lay_out_dora(layer.lora_magnitude_vector[adapter], style, _tp_mesh(layer.get_base_layer().weight))
             laid_out.add(adapter)
             done += 1
         if topo.dp_size > 1:
@@ -398,7 +464,7 @@ def _hook_trainable(layer: Any) -> None:
     if dp is None:
         return
     for adapter in layer.__dict__.get(_LAID_OUT, ()):
-        for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+        for factor in _adapter_modules(layer, adapter):
             for param in factor.parameters():
                 _average_over_dp(param, *dp)
 

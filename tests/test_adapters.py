@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.selftest.trainer import distributed_sizes
-from shardadopt.testing.lora import check_lora_training, reference_cache
+from shardadopt.testing.lora import TARGETS, check_lora_training, reference_cache
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.multiproc
 
 # EP: Qwen3-MoE with adapters on attention (its down_proj are expert tensors: refused, see the refusal tests)
 MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe"}
+DORA = {"use_dora": True}
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,17 @@ def test_lora_training_matches_single_process(pool2, tiny_models, references, tm
     sizes, dp = distributed_sizes(layout, 2)
     model = MODELS[layout]
     check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_dora_training_matches_single_process(pool2, tiny_models, references, tmp_path, layout):
+    """DoRA (``use_dora=True``): the magnitude vector (one entry per output feature; colwise TP: sharded like the
+    output, rowwise: whole, its weight norm summed over the TP group; FSDP: peft's own forward on the unsharded
+    weight) trains like one process, its initial value (the whole base weight's norm) included."""
+    sizes, dp = distributed_sizes(layout, 2)
+    model = MODELS[layout]
+    assert any("lora_magnitude_vector" in n for n in references(model, dp, TARGETS, DORA)["init"])
+    check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), DORA)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
@@ -69,7 +81,6 @@ def test_adapters_equal_one_process_init_whatever_each_rank_seeded(pool2, tiny_m
 
 REFUSED = [  # (case, layout, what the error names)
     ("expert-tensors", "ep", "fused expert tensors"),
-    ("dora", "fsdp", "DoRA (use_dora=True"),
     ("pissa", "fsdp", "init_lora_weights='pissa'"),
     ("modules-to-save", "fsdp", "LoraConfig: modules_to_save=['lm_head'] (trainable copies of sharded modules)"),
     ("gather-output-plan", "tp", "tensor-parallel plan 'colwise_gather_output'"),

@@ -18,6 +18,8 @@ patch wraps:
   :func:`shardadopt.adapters.lay_out_adapters` lays them out and hooks their data-parallel averaging, or refuses;
 - ``LoraLayer._get_in_out_features``: the global shape, inside that injection only; ``get_tp_plan_and_mesh``: no
   plan there, so peft leaves the factors whole (each rank's own init) for shardadopt to broadcast and shard;
+- ``DoraLinearLayer.get_weight_norm``: inside that injection, on the whole base weight (DoRA's initial magnitude;
+  peft would add a DTensor shard and a plain tensor);
 - ``PeftModel.save_pretrained``: full tensors, written by global rank 0 only, every rank leaving after it wrote;
 - ``BaseTuner.merge_and_unload`` / ``merge_adapter``: refused on sharded models (:data:`adapters.MERGE_REFUSAL`).
 
@@ -65,6 +67,17 @@ def _tp_plan_and_mesh(wrapped, instance, args, kwargs):
 
     # shardadopt.adapters lays the factors out itself, after rank 0's values are everywhere
     return (None, None) if global_shape_requested() else wrapped(*args, **kwargs)
+
+
+def _dora_weight_norm(wrapped, instance, args, kwargs):
+    from shardadopt.adapters import global_shape_requested, whole_weight
+
+    if global_shape_requested():  # DoRA's initial magnitude: the norm of the whole base weight, not of a shard
+        names = ("weight", "lora_weight", "scaling", "adapter_name")
+        kwargs = {**dict(zip(names, args)), **kwargs}
+        kwargs["weight"] = whole_weight(kwargs["weight"])
+        return wrapped(**kwargs)
+    return wrapped(*args, **kwargs)
 
 
 def _save_pretrained(wrapped, instance, args, kwargs):
@@ -116,6 +129,7 @@ PATCH = Patch(
     wrappers={Target(_TUNERS, "BaseTuner.inject_adapter"): _inject_adapter,
               upstream.PEFT_LORA_IN_OUT_FEATURES: _in_out_features,
               Target("peft.tuners.lora.model", "get_tp_plan_and_mesh"): _tp_plan_and_mesh,
+              Target("peft.tuners.lora.dora", "DoraLinearLayer.get_weight_norm"): _dora_weight_norm,
               Target(_PEFT_MODEL, "PeftModel.save_pretrained"): _save_pretrained,
               Target(_TUNERS, "BaseTuner.merge_and_unload"): _refuse_merge,
               Target(_TUNERS, "BaseTuner.merge_adapter"): _refuse_merge},
