@@ -194,9 +194,6 @@ def check_config(config: Any) -> None:
         raise _refusal(None, f"init_lora_weights={init!r} (computed from the whole base weight)",
                        "Use init_lora_weights=True or \"gaussian\", or initialise in one process, save it, and load "
                        "it onto the sharded model with PeftModel.from_pretrained.")
-    if getattr(config, "modules_to_save", None):
-        raise _refusal(None, f"modules_to_save={config.modules_to_save!r} (trainable copies of sharded "
-                       "modules)", "Leave modules_to_save out and target their Linear layers with LoRA instead.")
     if getattr(config, "target_parameters", None):
         raise _refusal(None, f"target_parameters={config.target_parameters!r} (parameters such as fused "
                        "expert tensors; peft also lands here when a target_modules name matches an experts "
@@ -289,16 +286,48 @@ def _peft_configs(model: nn.Module) -> dict[str, Any]:
     return dict(getattr(model, "peft_config", None) or {})
 
 
-def _refuse_modules_to_save(model: nn.Module) -> None:
-    from peft.utils.other import ModulesToSaveWrapper
-    from torch.distributed.tensor import DTensor
+# TP plans under which a module computes what its plain copy computes from the same (replicated) input
+_WHOLE_OUTPUT_PLANS = (None, "colwise_gather_output")
 
-    for name, module in model.named_modules():
-        if isinstance(module, ModulesToSaveWrapper):
-            sharded = [n for n, p in module.original_module.named_parameters() if isinstance(p, DTensor)]
+
+def whole_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` (peft's ``modules_to_save``) with every sharded parameter whole and plain (collective)
+    and without transformers' TP forwards: a replicated trainable module, like the LoRA factors. peft's own
+    ``copy.deepcopy`` cannot copy the shards (FSDP's and TP's DTensors), and a copied TP forward would still run
+    the original module."""
+    import copy
+
+    memo: dict[int, Any] = {id(p): nn.Parameter(_full(p).clone(), requires_grad=p.requires_grad)
+                            for p in module.parameters() if getattr(p, "device_mesh", None) is not None}
+    whole = copy.deepcopy(module, memo)
+    for sub in whole.modules():
+        sub.__dict__.pop("forward", None)  # transformers installs TP forwards as instance attributes
+    return whole
+
+
+def _modules_to_save(model: nn.Module, topo: Topology, base_model: nn.Module) -> list[nn.Module]:
+    """The trainable copies of ``modules_to_save`` (their parameters averaged over the data-parallel ranks), after
+    refusing those that are not whole copies or whose TP plan changes what the module outputs."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    copies = []
+    for name, wrapper in base_model.named_modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        for sub, _ in wrapper.original_module.named_modules():
+            plan = _plan(base_model, f"{name}.{sub}".rstrip(".")) if topo.tp_size > 1 else None
+            if plan not in _WHOLE_OUTPUT_PLANS:
+                raise _refusal(name, f"modules_to_save of a module with tensor-parallel plan {plan!r} (its copy "
+                               "would compute on whole weights what the model expects sharded)", "Save only "
+                               "modules that are not tensor parallel or gather their output (lm_head, a score "
+                               "head), or target this module's Linear layers with LoRA instead.")
+        for adapter, copied in wrapper.modules_to_save.items():
+            sharded = [n for n, p in copied.named_parameters() if getattr(p, "device_mesh", None) is not None]
             if sharded:
-                raise _refusal(name, f"modules_to_save of a sharded module (parameters {sharded} are shards)",
-                               "Leave it out of modules_to_save and target its Linear layers with LoRA instead.")
+                raise _refusal(name, f"modules_to_save copy {adapter!r} holding shards ({sharded})", "Add "
+                               "adapters after shardadopt.enable() (peft's copy of a sharded module is not whole).")
+            copies.append(copied)
+    return copies
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -428,7 +457,7 @@ def lay_out_adapters(model: nn.Module) -> int:
     topo = topology(base)
     if not topo.is_sharded:
         return 0
-    _refuse_modules_to_save(model)
+    copies = _modules_to_save(model, topo, base)
     for config in _peft_configs(model).values():
         check_config(config)
     group = _dp_group(topo) if topo.dp_size > 1 else None
@@ -454,7 +483,19 @@ def lay_out_adapters(model: nn.Module) -> int:
         if topo.dp_size > 1:
             layer.__dict__[_DP] = (group, topo.dp_size, fsdp_modules)
             _hook_trainable(layer)
+    for copied in copies:
+        if topo.dp_size > 1:
+            copied.__dict__[_DP] = (group, topo.dp_size, fsdp_modules)
+        _hook_copy(copied)
     return done
+
+
+def _hook_copy(copied: nn.Module) -> None:
+    """Average the gradients of a trainable ``modules_to_save`` copy over the data-parallel group."""
+    dp = copied.__dict__.get(_DP)
+    if dp is not None:
+        for param in copied.parameters():
+            _average_over_dp(param, *dp)
 
 
 def _hook_trainable(layer: Any) -> None:
@@ -481,7 +522,8 @@ def check_adapters(model: nn.Module) -> None:
     topo = topology(base)
     if not topo.is_sharded:
         return
-    _refuse_modules_to_save(model)
+    for copied in _modules_to_save(model, topo, base):
+        _hook_copy(copied)
     for name, layer in _lora_layers(base):
         missing = [a for a in layer.lora_A if a not in layer.__dict__.get(_LAID_OUT, ())]
         if missing:

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.multiproc
 # EP: Qwen3-MoE with adapters on attention (its down_proj are expert tensors: refused, see the refusal tests)
 MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe"}
 DORA = {"use_dora": True}
+SAVE_HEAD = {"modules_to_save": ["lm_head"]}
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,17 @@ def test_dora_training_matches_single_process(pool2, tiny_models, references, tm
     model = MODELS[layout]
     assert any("lora_magnitude_vector" in n for n in references(model, dp, TARGETS, DORA)["init"])
     check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), DORA)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_modules_to_save_train_like_one_process(pool2, tiny_models, references, tmp_path, layout):
+    """``modules_to_save=["lm_head"]``: peft's trainable copy holds the head whole (FSDP: lm_head is its own FSDP
+    unit and tied to the embedding; TP: plan ``colwise_gather_output``), its gradient averaged over the
+    data-parallel ranks, exported whole."""
+    sizes, dp = distributed_sizes(layout, 2)
+    model = MODELS[layout]
+    assert any(".modules_to_save." in n for n in references(model, dp, TARGETS, SAVE_HEAD)["grads"])
+    check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), SAVE_HEAD)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
@@ -82,7 +94,6 @@ def test_adapters_equal_one_process_init_whatever_each_rank_seeded(pool2, tiny_m
 REFUSED = [  # (case, layout, what the error names)
     ("expert-tensors", "ep", "fused expert tensors"),
     ("pissa", "fsdp", "init_lora_weights='pissa'"),
-    ("modules-to-save", "fsdp", "LoraConfig: modules_to_save=['lm_head'] (trainable copies of sharded modules)"),
     ("gather-output-plan", "tp", "tensor-parallel plan 'colwise_gather_output'"),
     ("added-before-enable", "fsdp", "were added without shardadopt laying them out"),
     ("merge", "fsdp", "merging LoRA adapters into a model sharded at load time is not supported"),

@@ -15,7 +15,6 @@ pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft
 @pytest.mark.parametrize("overrides, named", [
     ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
     ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
     ({"target_modules": [], "target_parameters": ["experts.down_proj"]}, "target_parameters=['experts.down_proj']"),
 ])
 def test_configs_that_cannot_be_laid_out_are_refused_by_name(overrides, named):

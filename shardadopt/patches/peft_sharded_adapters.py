@@ -20,6 +20,8 @@ patch wraps:
   plan there, so peft leaves the factors whole (each rank's own init) for shardadopt to broadcast and shard;
 - ``DoraLinearLayer.get_weight_norm``: inside that injection, on the whole base weight (DoRA's initial magnitude;
   peft would add a DTensor shard and a plain tensor);
+- ``ModulesToSaveWrapper.update``: inside that injection, the trainable copy of a sharded module is made whole
+  (:func:`shardadopt.adapters.whole_copy`; peft's ``deepcopy`` of FSDP/TP shards fails);
 - ``PeftModel.save_pretrained``: full tensors, written by global rank 0 only, every rank leaving after it wrote;
 - ``BaseTuner.merge_and_unload`` / ``merge_adapter``: refused on sharded models (:data:`adapters.MERGE_REFUSAL`).
 
@@ -80,6 +82,20 @@ def _dora_weight_norm(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _modules_to_save_update(wrapped, instance, args, kwargs):
+    from shardadopt.adapters import AdapterLayoutError, global_shape_requested, whole_copy
+
+    adapter_name = args[0] if args else kwargs["adapter_name"]
+    sharded = any(getattr(p, "device_mesh", None) is not None for p in instance.original_module.parameters())
+    if global_shape_requested() and sharded and adapter_name not in instance.modules_to_save:
+        if kwargs.get("tied_module") is not None or len(args) > 1:
+            raise AdapterLayoutError("modules_to_save with ensure_weight_tying=True on a model sharded at load time "
+                                     "is not supported by shardadopt (the tied copy would hold shards). Leave "
+                                     "ensure_weight_tying unset.")
+        instance.modules_to_save[adapter_name] = whole_copy(instance.original_module)  # peft skips its deepcopy
+    return wrapped(*args, **kwargs)
+
+
 def _save_pretrained(wrapped, instance, args, kwargs):
     import torch.distributed as dist
 
@@ -130,6 +146,7 @@ PATCH = Patch(
               upstream.PEFT_LORA_IN_OUT_FEATURES: _in_out_features,
               Target("peft.tuners.lora.model", "get_tp_plan_and_mesh"): _tp_plan_and_mesh,
               Target("peft.tuners.lora.dora", "DoraLinearLayer.get_weight_norm"): _dora_weight_norm,
+              Target("peft.utils.other", "ModulesToSaveWrapper.update"): _modules_to_save_update,
               Target(_PEFT_MODEL, "PeftModel.save_pretrained"): _save_pretrained,
               Target(_TUNERS, "BaseTuner.merge_and_unload"): _refuse_merge,
               Target(_TUNERS, "BaseTuner.merge_adapter"): _refuse_merge},

@@ -45,16 +45,22 @@ def _load(path: str, sizes: dict[str, Any] | None):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` is trained by the adapter: LoRA factors, DoRA magnitudes, ``modules_to_save``
+    copies."""
+    return "lora_" in name or ".modules_to_save." in name
+
+
 def _adapter_params(model) -> dict[str, Any]:
     from shardadopt.testing import full
 
-    return {n: full(p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {n: full(p).detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
 
 
 def _adapter_grads(model) -> dict[str, Any]:
     from shardadopt.testing import full
 
-    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
 
 
 def probe_batch():
@@ -118,7 +124,7 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
         except AdapterLayoutError as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         init = _adapter_params(model)
-        frozen = {n: _local(p) for n, p in model.named_parameters() if "lora_" not in n}
+        frozen = {n: _local(p) for n, p in model.named_parameters() if not is_adapter(n)}
         # foreach: one kernel over plain and DTensor factors, which needs per-mesh groups (split at prepare)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, accum)), batch_size=PER_DP_BATCH)
@@ -171,7 +177,7 @@ def reference_cache(tiny_models: dict[str, str]):
     cache: dict[tuple, dict[str, Any]] = {}
 
     def get(model: str, dp: int, targets: tuple[str, ...], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-        key = (model, dp, targets, tuple(sorted((overrides or {}).items())))
+        key = (model, dp, targets, repr(sorted((overrides or {}).items())))
         if key not in cache:
             cache[key] = train_lora_reference(tiny_models[model], dp, targets, overrides=overrides)
         return cache[key]
@@ -208,7 +214,7 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
     first = results[0]
     for rank, result in enumerate(results):
         assert result["base_unchanged"], f"rank {rank}: a base weight changed"
-        assert result["trainable"] and all("lora_" in n for n in result["trainable"]), result["trainable"]
+        assert result["trainable"] and all(is_adapter(n) for n in result["trainable"]), result["trainable"]
         for key in ("init", "params", "grads"):
             for name, value in result[key].items():
                 assert torch.equal(value, first[key][name]), f"{key} {name} differs between rank 0 and {rank}"
@@ -283,7 +289,6 @@ def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: 
 REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the adapter to a sharded model
     "expert-tensors": {},  # Qwen3-MoE: down_proj matches the experts' fused tensors
     "pissa": {"init_lora_weights": "pissa"},
-    "modules-to-save": {"modules_to_save": ["lm_head"]},
     "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
 }
 
