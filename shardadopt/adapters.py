@@ -305,6 +305,18 @@ def whole_copy(module: nn.Module) -> nn.Module:
     return whole
 
 
+def refuse_fsdp_unit_copy(module: nn.Module) -> None:
+    """Refuse ``modules_to_save`` of a module that is (or holds) an FSDP unit of its own: FSDP refuses to be copied,
+    and the copy would have to leave FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [n or type(module).__name__ for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if units:
+        raise _refusal(None, f"modules_to_save of a module that is an FSDP unit of its own ({units})", "Save only "
+                       "modules inside a larger FSDP unit (lm_head, a score head), or target this module's Linear "
+                       "layers with LoRA instead.")
+
+
 def _modules_to_save(model: nn.Module, topo: Topology, base_model: nn.Module) -> list[nn.Module]:
     """The trainable copies of ``modules_to_save`` (their parameters averaged over the data-parallel ranks), after
     refusing those that are not whole copies or whose TP plan changes what the module outputs."""

@@ -95,6 +95,8 @@ REFUSED = [  # (case, layout, what the error names)
     ("expert-tensors", "ep", "fused expert tensors"),
     ("pissa", "fsdp", "init_lora_weights='pissa'"),
     ("gather-output-plan", "tp", "tensor-parallel plan 'colwise_gather_output'"),
+    ("save-sharded-module", "tp", "modules_to_save of a module with tensor-parallel plan 'colwise'"),
+    ("save-fsdp-unit", "fsdp", "modules_to_save of a module that is an FSDP unit of its own"),
     ("added-before-enable", "fsdp", "were added without shardadopt laying them out"),
     ("merge", "fsdp", "merging LoRA adapters into a model sharded at load time is not supported"),
 ]

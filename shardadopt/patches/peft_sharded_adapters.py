@@ -83,16 +83,15 @@ def _dora_weight_norm(wrapped, instance, args, kwargs):
 
 
 def _modules_to_save_update(wrapped, instance, args, kwargs):
-    from shardadopt.adapters import AdapterLayoutError, global_shape_requested, whole_copy
+    from shardadopt.adapters import global_shape_requested, refuse_fsdp_unit_copy, whole_copy
 
     adapter_name = args[0] if args else kwargs["adapter_name"]
     sharded = any(getattr(p, "device_mesh", None) is not None for p in instance.original_module.parameters())
     if global_shape_requested() and sharded and adapter_name not in instance.modules_to_save:
-        if kwargs.get("tied_module") is not None or len(args) > 1:
-            raise AdapterLayoutError("modules_to_save with ensure_weight_tying=True on a model sharded at load time "
-                                     "is not supported by shardadopt (the tied copy would hold shards). Leave "
-                                     "ensure_weight_tying unset.")
-        instance.modules_to_save[adapter_name] = whole_copy(instance.original_module)  # peft skips its deepcopy
+        refuse_fsdp_unit_copy(instance.original_module)
+        # peft then skips its deepcopy; a copy tied to a sharded module (ensure_weight_tying) is refused after
+        if kwargs.get("tied_module") is None and len(args) < 2:
+            instance.modules_to_save[adapter_name] = whole_copy(instance.original_module)
     return wrapped(*args, **kwargs)
 
 

@@ -290,6 +290,8 @@ REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the
     "expert-tensors": {},  # Qwen3-MoE: down_proj matches the experts' fused tensors
     "pissa": {"init_lora_weights": "pissa"},
     "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
+    "save-sharded-module": {"modules_to_save": ["gate_proj"]},  # TP plan colwise: its copy would output whole
+    "save-fsdp-unit": {"modules_to_save": ["embed_tokens"]},
 }
 
 
