@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.selftest.trainer import distributed_sizes
-from shardadopt.testing.lora import TARGETS, check_lora_training, reference_cache
+from shardadopt.testing.lora import ATTENTION, TARGETS, check_lora_training, reference_cache
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 
@@ -20,8 +20,7 @@ pytestmark = pytest.mark.multiproc
 
 # EP: Qwen3-MoE with adapters on attention (its down_proj are expert tensors: refused, see the refusal tests)
 MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe"}
-DORA = {"use_dora": True}
-SAVE_HEAD = {"modules_to_save": ["lm_head"]}
+DORA_HEAD = {"use_dora": True, "modules_to_save": ["lm_head"]}
 
 
 @pytest.fixture(scope="module")
@@ -36,26 +35,18 @@ def test_lora_training_matches_single_process(pool2, tiny_models, references, tm
     check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path))
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_dora_training_matches_single_process(pool2, tiny_models, references, tmp_path, layout):
-    """DoRA (``use_dora=True``): the magnitude vector (one entry per output feature; colwise TP: sharded like the
-    output, rowwise: whole, its weight norm summed over the TP group; FSDP: peft's own forward on the unsharded
-    weight) trains like one process, its initial value (the whole base weight's norm) included."""
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep"])
+def test_dora_and_modules_to_save_train_like_one_process(pool2, tiny_models, references, tmp_path, layout):
+    """DoRA (``use_dora=True``) with ``modules_to_save=["lm_head"]``. DoRA's magnitude vector (one entry per output
+    feature; colwise TP: sharded like the output, rowwise: whole, its weight norm summed over the TP group; FSDP:
+    peft's own forward on the unsharded weight) starts as the whole base weight's norm; peft's trainable copy of
+    the head (FSDP: lm_head, tied to the embedding, in an FSDP unit; TP: plan ``colwise_gather_output``) is whole;
+    both are averaged over the data-parallel ranks and exported whole."""
     sizes, dp = distributed_sizes(layout, 2)
     model = MODELS[layout]
-    assert any("lora_magnitude_vector" in n for n in references(model, dp, TARGETS, DORA)["init"])
-    check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), DORA)
-
-
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
-def test_modules_to_save_train_like_one_process(pool2, tiny_models, references, tmp_path, layout):
-    """``modules_to_save=["lm_head"]``: peft's trainable copy holds the head whole (FSDP: lm_head is its own FSDP
-    unit and tied to the embedding; TP: plan ``colwise_gather_output``), its gradient averaged over the
-    data-parallel ranks, exported whole."""
-    sizes, dp = distributed_sizes(layout, 2)
-    model = MODELS[layout]
-    assert any(".modules_to_save." in n for n in references(model, dp, TARGETS, SAVE_HEAD)["grads"])
-    check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), SAVE_HEAD)
+    expected = references(model, dp, ATTENTION if model == "qwen3moe" else TARGETS, DORA_HEAD)["grads"]
+    assert any("lora_magnitude_vector" in n for n in expected) and any(".modules_to_save." in n for n in expected)
+    check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), DORA_HEAD)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
