@@ -27,22 +27,10 @@ import sys
 import tempfile
 import time
 
+from _timing import timed_accelerate_loop, write_llama
+
 LR = 1e-3
 MAX_GRAD_NORM = 1.0
-
-
-def _write_model(root: str, hidden: int, layers: int, vocab: int) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = os.path.join(root, f"llama-h{hidden}-l{layers}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=1024)
-        LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def _dataset(n: int, seq: int, vocab: int) -> list[dict]:
@@ -83,19 +71,7 @@ def accelerate_steps(path: str, steps: int, batch: int, accum: int, seq: int, vo
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         loader = torch.utils.data.DataLoader(_dataset(steps * accum * batch * 2, seq, vocab), batch_size=batch)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        model.train()
-        ends = []
-        for data in loader:
-            with accelerator.accumulate(model):
-                loss = model(**data).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-                optimizer.step()
-                optimizer.zero_grad()
-            if accelerator.sync_gradients:
-                ends.append(time.perf_counter())
-        return ends
+        return timed_accelerate_loop(accelerator, model, optimizer, loader, MAX_GRAD_NORM, lambda data: data)[0]
     finally:
         shardadopt.disable()
 
@@ -161,7 +137,7 @@ def main() -> None:
                  f"(needs >= 5.19 for the upstream side of this comparison)")
     from shardadopt.testing import RankPool
 
-    path = _write_model(args.models, args.hidden, args.layers, args.vocab)
+    path = write_llama(args.models, args.hidden, args.layers, args.vocab)
     shape = (path, args.steps, args.batch, args.accum, args.seq, args.vocab)
     times: dict[str, list[float]] = {"accelerate": [], "trainer": []}
     with RankPool(2) as pool:

@@ -24,26 +24,13 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
+
+from _timing import timed_accelerate_loop, write_llama
 
 LR = 1e-3
 MAX_GRAD_NORM = 1.0
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 SIDES = ("ddp-full", "ddp-lora", "sharded-lora")
-
-
-def _write_model(root: str, hidden: int, layers: int, vocab: int) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = os.path.join(root, f"llama-h{hidden}-l{layers}-v{vocab}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=1024)
-        LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 def _local_bytes(tensor) -> int:
@@ -88,26 +75,18 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
         per_rank = batch * dist.get_world_size() // dp
         loader = torch.utils.data.DataLoader(list(rows), batch_size=per_rank)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        model.train()
+
+        def memory() -> dict[str, int]:  # after the last update: gradients and AdamW state are there
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            return {"model": sum(_local_bytes(p) for p in model.parameters()),
+                    "trainable+grads+adam": sum(_local_bytes(p) + _local_bytes(p.grad) for p in trainable)
+                    + sum(_local_bytes(v) for s in optimizer.optimizer.state.values()
+                          for v in s.values() if torch.is_tensor(v) and v.dim() > 0)}
+
         dist.barrier()
-        ends = []
-        for data in loader:
-            with accelerator.accumulate(model):
-                loss = model(input_ids=data, labels=data).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
-                optimizer.step()
-                if len(ends) + 1 == steps and accelerator.sync_gradients:
-                    trainable = [p for p in model.parameters() if p.requires_grad]
-                    memory = {"model": sum(_local_bytes(p) for p in model.parameters()),
-                              "trainable+grads+adam": sum(_local_bytes(p) + _local_bytes(p.grad) for p in trainable)
-                              + sum(_local_bytes(v) for s in optimizer.optimizer.state.values()
-                                    for v in s.values() if torch.is_tensor(v) and v.dim() > 0)}
-                optimizer.zero_grad()
-            if accelerator.sync_gradients:
-                ends.append(time.perf_counter())
-        return {"steps": [b - a for a, b in zip(ends, ends[1:])], "memory": memory}
+        ends, measured = timed_accelerate_loop(accelerator, model, optimizer, loader, MAX_GRAD_NORM,
+                                               lambda data: {"input_ids": data, "labels": data}, memory)
+        return {"steps": [b - a for a, b in zip(ends, ends[1:])], "memory": measured}
     finally:
         shardadopt.disable()
 
@@ -132,7 +111,7 @@ def main() -> None:
 
     from shardadopt.testing import RankPool
 
-    path = _write_model(args.models, args.hidden, args.layers, args.vocab)
+    path = write_llama(args.models, args.hidden, args.layers, args.vocab)
     shape = (path, args.layout, args.steps, args.batch, args.accum, args.seq, args.vocab, args.lora_rank)
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     memory: dict[str, list[dict]] = {}

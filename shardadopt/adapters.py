@@ -20,12 +20,21 @@ trains exactly like one process on the same global batch:
   Averaging an accumulated gradient again would be exact too (the part every rank shares averages to itself), but
   under FSDP2 ``no_sync`` (accelerate's ``accumulate()``) the reduction waits for the synchronised backward, like
   FSDP's own. TP factors get their TP reductions from DTensor. Base weights stay frozen (peft's marking);
+- **DoRA** (``use_dora=True``): the initial magnitude is the norm of the whole base weight (gathered once at
+  injection) plus rank 0's B @ A, then broadcast from rank 0; on a colwise base the magnitude is sharded like the
+  output features and the weight norm taken over this rank's rows, on a rowwise base it stays whole and the
+  squared norm is summed over the TP group (:func:`_tensor_parallel_dora`); on FSDP peft's own forward runs inside
+  FSDP's, on the unsharded weight. Its gradient is averaged over the data-parallel group like the factors';
+- **modules_to_save**: peft's trainable copy of a sharded module is made whole and plain (:func:`whole_copy`: peft's
+  deepcopy of FSDP/TP shards fails) and averaged over the data-parallel group, for modules inside a larger FSDP
+  unit and modules that are not tensor parallel or gather their output (``lm_head``'s ``colwise_gather_output``);
 - **refused**, naming the layer or option and the way out (:class:`AdapterLayoutError`), before peft touches a
-  shard where possible (:func:`check_config`): DoRA, initialisations computed from the base weight (PiSSA, OLoRA,
-  LoftQ, EVA, CorDA, LoRA-GA), ``modules_to_save``, ``target_parameters`` and target modules that match fused
-  expert tensors, base layers on the expert mesh or with a TP plan other than colwise/rowwise, LoRA on sharded
-  non-Linear layers, ``lora_bias`` on a rowwise base, adapters on the meta device, and tensor parallelism on
-  transformers without DTensor TP (before 5.17).
+  shard where possible (:func:`check_config`, :func:`check_layout_options`): initialisations computed from the base
+  weight (PiSSA, OLoRA, LoftQ, EVA, CorDA, LoRA-GA), DoRA and ``modules_to_save`` on HSDP and fsdp x tp loads
+  (untested), ``modules_to_save`` of an FSDP unit of its own or of a module with another TP plan,
+  ``target_parameters`` and target modules that match fused expert tensors, base layers on the expert mesh or with a
+  TP plan other than colwise/rowwise, LoRA on sharded non-Linear layers, ``lora_bias`` on a rowwise base, adapters
+  on the meta device, and tensor parallelism on transformers without DTensor TP (before 5.17).
 
 Adapters are fixed when peft injects them (``get_peft_model``, ``PeftModel.from_pretrained``, ``add_adapter``,
 ``load_adapter``: the ``peft-sharded-adapters`` patch wraps peft's ``BaseTuner.inject_adapter``), so an optimizer
@@ -40,8 +49,11 @@ every rank):
   adapter) pairs); without the patch: ``with global_adapter_shapes(): model = get_peft_model(...)``, then
   ``lay_out_adapters(model)`` (likewise around ``add_adapter`` / ``load_adapter``);
 - ``global_adapter_shapes()``: the context manager in which peft sizes LoRA factors by the global shape;
-- ``check_config(lora_config)`` / ``check_adapters(model)``: raise :class:`AdapterLayoutError` for what cannot be
-  laid out / for LoRA layers that are not laid out;
+- ``check_config(lora_config)``, ``check_layout_options(lora_config, model)`` / ``check_adapters(model)``: raise
+  :class:`AdapterLayoutError` for what cannot be laid out (on this model's layout) / for LoRA layers that are not
+  laid out;
+- ``whole_copy(module)``, ``whole_weight(weight)``: what the patch gives peft's ``modules_to_save`` copy and DoRA's
+  initial norm on a sharded base (collectives);
 - ``adapter_state_dict(peft_model, adapter_name="default") -> dict``: the adapter's full tensors in PEFT's format
   (what ``save_pretrained`` writes), on every rank; ``full_adapter_tensors(peft_model)``: the model's state dict
   with the LoRA factors whole;
@@ -56,6 +68,7 @@ merge in one process).
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 from collections.abc import Iterator
@@ -68,8 +81,9 @@ from torch import nn
 from shardadopt import upstream
 from shardadopt.topology import Topology, topology
 
-__all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_adapters", "global_adapter_shapes",
-           "adapter_state_dict", "full_adapter_tensors", "is_sharded_base", "dtensor_tensor_parallel", "MERGE_REFUSAL"]
+__all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_layout_options", "check_adapters",
+           "global_adapter_shapes", "adapter_state_dict", "full_adapter_tensors", "is_sharded_base",
+           "dtensor_tensor_parallel", "whole_copy", "whole_weight", "MERGE_REFUSAL"]
 
 _LAID_OUT = "_shardadopt_adapters"  # on a LoRA layer: the adapter names laid out
 _HOOKED = "_shardadopt_dp_average"  # on a factor parameter: the dp-averaging hook handle
@@ -187,18 +201,12 @@ def _refusal(name: str | None, what: str, fix: str) -> AdapterLayoutError:
 
 def check_config(config: Any) -> None:
     """Refuse, before peft injects anything, a ``LoraConfig`` whose options cannot be laid out on a sharded model
-    (peft would run them on shards: DoRA's weight norm and weight-based initialisations read the base weight)."""
-    if getattr(config, "use_dora", False):
-        raise _refusal(None, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
-                       "Use plain LoRA (use_dora=False) on the sharded model.")
+    (peft would run them on shards: weight-based initialisations read the whole base weight)."""
     init = getattr(config, "init_lora_weights", True)
     if init not in _WEIGHT_FREE_INITS:
         raise _refusal(None, f"init_lora_weights={init!r} (computed from the whole base weight)",
                        "Use init_lora_weights=True or \"gaussian\", or initialise in one process, save it, and load "
                        "it onto the sharded model with PeftModel.from_pretrained.")
-    if getattr(config, "modules_to_save", None):
-        raise _refusal(None, f"modules_to_save={config.modules_to_save!r} (trainable copies of sharded "
-                       "modules)", "Leave modules_to_save out and target their Linear layers with LoRA instead.")
     if getattr(config, "target_parameters", None):
         raise _refusal(None, f"target_parameters={config.target_parameters!r} (parameters such as fused "
                        "expert tensors; peft also lands here when a target_modules name matches an experts "
@@ -222,9 +230,6 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model
                        "of an experts module)", "Leave expert projections out of target_modules (e.g. target "
                        "attention only: [\"q_proj\", \"v_proj\", \"o_proj\"]).")
     base = layer.get_base_layer()
-    if layer.use_dora.get(adapter, False) or adapter in layer.lora_magnitude_vector:
-        raise _refusal(name, "DoRA (use_dora=True: its magnitude needs the whole base weight)",
-                       "Use plain LoRA (use_dora=False) on the sharded model.")
     if topo.tp_size > 1 and not dtensor_tensor_parallel():
         raise _refusal(name, "tensor parallelism on transformers before 5.17 (TP shards are plain tensors there)",
                        "Upgrade transformers to 5.17 or newer, or load with fsdp_size instead of tp_size.")
@@ -261,6 +266,30 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model
     return style
 
 
+def check_layout_options(config: Any, model: nn.Module) -> None:
+    """Refuse DoRA and ``modules_to_save`` on the layouts they are not tested on (HSDP, fsdp x tp), before peft
+    injects anything; fsdp, tp and ep+fsdp loads train them like one process."""
+    topo = topology(_base_model(model))
+    layout = ("HSDP (dp_replicate_size > 1)" if topo.dp_replicate_size > 1
+              else "fsdp x tp" if topo.tp_size > 1 and topo.dp_shard_size > 1 else None)
+    options = [o for o, on in (("DoRA (use_dora=True)", getattr(config, "use_dora", False)),
+                               (f"modules_to_save={getattr(config, 'modules_to_save', None)!r}",
+                                getattr(config, "modules_to_save", None))) if on]
+    if layout and options:
+        sizes = f"dp_replicate {topo.dp_replicate_size} x dp_shard {topo.dp_shard_size} x tp {topo.tp_size}"
+        raise _refusal(None, f"{' and '.join(options)} on a {layout} load ({sizes})",
+                       "Use plain LoRA on this layout, or load with fsdp_size or tp_size alone.")
+
+
+def _adapter_modules(layer: Any, adapter: str) -> list[nn.Module]:
+    """The trainable modules of ``adapter`` on ``layer``: its LoRA factors and, with DoRA, its magnitude vector
+    (one entry per output feature)."""
+    modules = [layer.lora_A[adapter], layer.lora_B[adapter]]
+    if adapter in layer.lora_magnitude_vector:
+        modules.append(layer.lora_magnitude_vector[adapter])
+    return modules
+
+
 def _lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
     from peft.tuners.lora import LoraLayer
 
@@ -274,16 +303,60 @@ def _peft_configs(model: nn.Module) -> dict[str, Any]:
     return dict(getattr(model, "peft_config", None) or {})
 
 
-def _refuse_modules_to_save(model: nn.Module) -> None:
-    from peft.utils.other import ModulesToSaveWrapper
-    from torch.distributed.tensor import DTensor
+# TP plans under which a module computes what its plain copy computes from the same (replicated) input
+_WHOLE_OUTPUT_PLANS = (None, "colwise_gather_output")
 
-    for name, module in model.named_modules():
-        if isinstance(module, ModulesToSaveWrapper):
-            sharded = [n for n, p in module.original_module.named_parameters() if isinstance(p, DTensor)]
+
+def whole_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` (peft's ``modules_to_save``) with every sharded parameter whole and plain (collective)
+    and without transformers' TP forwards: a replicated trainable module, like the LoRA factors. peft's own
+    ``copy.deepcopy`` cannot copy the shards (FSDP's and TP's DTensors), and a copied TP forward would still run
+    the original module."""
+    import copy
+
+    memo: dict[int, Any] = {id(p): nn.Parameter(_full(p).clone(), requires_grad=p.requires_grad)
+                            for p in module.parameters() if getattr(p, "device_mesh", None) is not None}
+    whole = copy.deepcopy(module, memo)
+    for sub in whole.modules():
+        sub.__dict__.pop("forward", None)  # transformers installs TP forwards as instance attributes
+    return whole
+
+
+def refuse_fsdp_unit_copy(module: nn.Module) -> None:
+    """Refuse ``modules_to_save`` of a module that is (or holds) an FSDP unit of its own: FSDP refuses to be copied,
+    and the copy would have to leave FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [n or type(module).__name__ for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if units:
+        raise _refusal(None, f"modules_to_save of a module that is an FSDP unit of its own ({units})", "Save only "
+                       "modules inside a larger FSDP unit (lm_head, a score head), or target this module's Linear "
+                       "layers with LoRA instead.")
+
+
+def _modules_to_save(model: nn.Module, topo: Topology, base_model: nn.Module) -> list[nn.Module]:
+    """The trainable copies of ``modules_to_save`` (their parameters averaged over the data-parallel ranks), after
+    refusing those that are not whole copies or whose TP plan changes what the module outputs."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    copies = []
+    for name, wrapper in base_model.named_modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        for sub, _ in wrapper.original_module.named_modules():
+            plan = _plan(base_model, f"{name}.{sub}".rstrip(".")) if topo.tp_size > 1 else None
+            if plan not in _WHOLE_OUTPUT_PLANS:
+                raise _refusal(name, f"modules_to_save of a module with tensor-parallel plan {plan!r} (its copy "
+                               "would compute on whole weights what the model expects sharded)", "Save only "
+                               "modules that are not tensor parallel or gather their output (lm_head, a score "
+                               "head), or target this module's Linear layers with LoRA instead.")
+        for adapter, copied in wrapper.modules_to_save.items():
+            sharded = [n for n, p in copied.named_parameters() if getattr(p, "device_mesh", None) is not None]
             if sharded:
-                raise _refusal(name, f"modules_to_save of a sharded module (parameters {sharded} are shards)",
-                               "Leave it out of modules_to_save and target its Linear layers with LoRA instead.")
+                raise _refusal(name, f"modules_to_save copy {adapter!r} holding shards ({sharded})", "Add "
+                               "adapters after shardadopt.enable() (peft's copy of a sharded module is not whole).")
+            copies.append(copied)
+    return copies
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -312,6 +385,55 @@ def _shard_factor(factor: nn.Module, style: str, mesh: Any) -> None:
     for name, _ in list(factor.named_parameters(recurse=False)):
         tp_style.shard_param(factor, name, mesh)
     tp_style.install_forward(factor, mesh)
+
+
+def whole_weight(weight: Any) -> Any:
+    """``weight`` whole (collective for a DTensor): what peft's DoRA computes the initial magnitude from."""
+    return _full(weight) if getattr(weight, "device_mesh", None) is not None else weight
+
+
+def _lay_out_dora(dora: nn.Module, style: str, mesh: Any) -> None:
+    """DoRA on a tensor-parallel base: the magnitude (identical on every rank, one entry per output feature) is
+    sharded like the output features on a colwise base and stays whole on a rowwise one; its forward computes the
+    weight norm from the local shards (:func:`_tensor_parallel_dora`). On FSDP (and HSDP, EP's attention) nothing
+    changes: peft's forward runs inside FSDP's, on the unsharded weight."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if style == "colwise":
+        magnitude = dora.weight
+        dora.weight = nn.Parameter(distribute_tensor(magnitude.data, mesh, [Shard(0)], src_data_rank=None),
+                                   requires_grad=magnitude.requires_grad)
+    dora.forward = functools.partial(_tensor_parallel_dora, dora, style, mesh.get_group())
+
+
+def _local_tensor(tensor: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _tensor_parallel_dora(dora: nn.Module, style: str, tp_group: Any, x: torch.Tensor, *, lora_A: nn.Module,
+                          lora_B: nn.Module, scaling: float, base_layer: nn.Module,
+                          base_result: torch.Tensor | None = None, adapter_name: str = "default") -> torch.Tensor:
+    """peft's ``DoraLinearLayer.forward`` on a TP base, on this rank's shards: the weight norm runs over the input
+    dim of W + scaling * B @ A, whole rows on a colwise base (this rank's output features), partial sums of squares
+    added over the TP group on a rowwise one; like peft, the norm is detached (DoRA paper, section 4.3)."""
+    weight = _local_tensor(base_layer.weight).to(x.dtype)
+    with torch.no_grad():
+        combined = weight + scaling * (_local_tensor(lora_B.weight) @ _local_tensor(lora_A.weight)).to(x.dtype)
+        if style == "colwise":
+            norm = torch.linalg.norm(combined, dim=1)
+        else:
+            squares = combined.pow(2).sum(dim=1)
+            dist.all_reduce(squares, group=tp_group)
+            norm = squares.sqrt()
+    scale = (_local_tensor(dora.weight) / norm).view(1, -1)
+    if base_result is None:  # lora_dropout in training: peft passes the dropped-out input, the base reruns on it
+        base_result = base_layer(x)
+    bias = getattr(base_layer, "bias", None)
+    if bias is not None:  # on this rank's output features (colwise) or all of them (rowwise: replicated)
+        base_result = base_result - _local_tensor(bias)
+    return (scale - 1) * base_result + scale * lora_B(lora_A(x)) * scaling
 
 
 _groups: dict[tuple, Any] = {}
@@ -364,9 +486,10 @@ def lay_out_adapters(model: nn.Module) -> int:
     topo = topology(base)
     if not topo.is_sharded:
         return 0
-    _refuse_modules_to_save(model)
+    copies = _modules_to_save(model, topo, base)
     for config in _peft_configs(model).values():
         check_config(config)
+        check_layout_options(config, model)
     group = _dp_group(topo) if topo.dp_size > 1 else None
     fsdp_modules = [m for m in base.modules() if isinstance(m, FSDPModule)][:1]
     done = 0
@@ -374,7 +497,7 @@ def lay_out_adapters(model: nn.Module) -> int:
         laid_out = layer.__dict__.setdefault(_LAID_OUT, set())
         for adapter in [a for a in layer.lora_A if a not in laid_out]:
             style = _check_layer(name, layer, adapter, topo, base)
-            for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+            for factor in _adapter_modules(layer, adapter):
                 for param in factor.parameters():
                     if param.is_meta:
                         raise _refusal(name, "adapters created on the meta device (low_cpu_mem_usage=True)",
@@ -383,12 +506,26 @@ def lay_out_adapters(model: nn.Module) -> int:
             if style != "none":
                 _shard_factor(layer.lora_B[adapter] if style == "colwise" else layer.lora_A[adapter], style,
                               _tp_mesh(layer.get_base_layer().weight))
+                if adapter in layer.lora_magnitude_vector:
+                    _lay_out_dora(layer.lora_magnitude_vector[adapter], style, _tp_mesh(layer.get_base_layer().weight))
             laid_out.add(adapter)
             done += 1
         if topo.dp_size > 1:
             layer.__dict__[_DP] = (group, topo.dp_size, fsdp_modules)
             _hook_trainable(layer)
+    for copied in copies:
+        if topo.dp_size > 1:
+            copied.__dict__[_DP] = (group, topo.dp_size, fsdp_modules)
+        _hook_copy(copied)
     return done
+
+
+def _hook_copy(copied: nn.Module) -> None:
+    """Average the gradients of a trainable ``modules_to_save`` copy over the data-parallel group."""
+    dp = copied.__dict__.get(_DP)
+    if dp is not None:
+        for param in copied.parameters():
+            _average_over_dp(param, *dp)
 
 
 def _hook_trainable(layer: Any) -> None:
@@ -398,7 +535,7 @@ def _hook_trainable(layer: Any) -> None:
     if dp is None:
         return
     for adapter in layer.__dict__.get(_LAID_OUT, ()):
-        for factor in (layer.lora_A[adapter], layer.lora_B[adapter]):
+        for factor in _adapter_modules(layer, adapter):
             for param in factor.parameters():
                 _average_over_dp(param, *dp)
 
@@ -415,7 +552,8 @@ def check_adapters(model: nn.Module) -> None:
     topo = topology(base)
     if not topo.is_sharded:
         return
-    _refuse_modules_to_save(model)
+    for copied in _modules_to_save(model, topo, base):
+        _hook_copy(copied)
     for name, layer in _lora_layers(base):
         missing = [a for a in layer.lora_A if a not in layer.__dict__.get(_LAID_OUT, ())]
         if missing:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.selftest.trainer import distributed_sizes
-from shardadopt.testing.lora import check_lora_training, reference_cache
+from shardadopt.testing.lora import ATTENTION, TARGETS, check_lora_training, reference_cache
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 
@@ -20,6 +20,8 @@ pytestmark = pytest.mark.multiproc
 
 # EP: Qwen3-MoE with adapters on attention (its down_proj are expert tensors: refused, see the refusal tests)
 MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe"}
+DORA = {"use_dora": True}
+DORA_HEAD = {**DORA, "modules_to_save": ["lm_head"]}
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +34,23 @@ def test_lora_training_matches_single_process(pool2, tiny_models, references, tm
     sizes, dp = distributed_sizes(layout, 2)
     model = MODELS[layout]
     check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path))
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep"])
+def test_dora_and_modules_to_save_train_like_one_process(pool2, tiny_models, references, tmp_path, layout):
+    """DoRA (``use_dora=True``) with ``modules_to_save=["lm_head"]`` (EP: DoRA alone). DoRA's magnitude vector (one
+    entry per output feature; colwise TP: sharded like the output, rowwise: whole, its weight norm summed over the TP
+    group; FSDP: peft's own forward on the unsharded weight) starts as the whole base weight's norm; peft's copy of
+    the head (FSDP: lm_head, tied to the embedding, in an FSDP unit; TP: plan ``colwise_gather_output``) is whole;
+    both are averaged over the data-parallel ranks and exported whole."""
+    sizes, dp = distributed_sizes(layout, 2)
+    model = MODELS[layout]
+    # Qwen3-MoE's lm_head (not tied) is an FSDP unit of its own: refused in modules_to_save (the refusal tests)
+    overrides = DORA if model == "qwen3moe" else DORA_HEAD
+    expected = references(model, dp, ATTENTION if model == "qwen3moe" else TARGETS, overrides)["grads"]
+    assert any("lora_magnitude_vector" in n for n in expected)
+    assert any(".modules_to_save." in n for n in expected) == ("modules_to_save" in overrides)
+    check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), overrides)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
@@ -69,10 +88,10 @@ def test_adapters_equal_one_process_init_whatever_each_rank_seeded(pool2, tiny_m
 
 REFUSED = [  # (case, layout, what the error names)
     ("expert-tensors", "ep", "fused expert tensors"),
-    ("dora", "fsdp", "DoRA (use_dora=True"),
     ("pissa", "fsdp", "init_lora_weights='pissa'"),
-    ("modules-to-save", "fsdp", "LoraConfig: modules_to_save=['lm_head'] (trainable copies of sharded modules)"),
     ("gather-output-plan", "tp", "tensor-parallel plan 'colwise_gather_output'"),
+    ("save-sharded-module", "tp", "modules_to_save of a module with tensor-parallel plan 'colwise'"),
+    ("save-fsdp-unit", "fsdp", "modules_to_save of a module that is an FSDP unit of its own"),
     ("added-before-enable", "fsdp", "were added without shardadopt laying them out"),
     ("merge", "fsdp", "merging LoRA adapters into a model sharded at load time is not supported"),
 ]

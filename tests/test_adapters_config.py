@@ -13,10 +13,8 @@ pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"use_dora": True}, "DoRA (use_dora=True"),
     ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
     ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
-    ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head']"),
     ({"target_modules": [], "target_parameters": ["experts.down_proj"]}, "target_parameters=['experts.down_proj']"),
 ])
 def test_configs_that_cannot_be_laid_out_are_refused_by_name(overrides, named):
@@ -26,8 +24,9 @@ def test_configs_that_cannot_be_laid_out_are_refused_by_name(overrides, named):
 
 
 @pytest.mark.parametrize("init", [True, False, "gaussian"])
-def test_weight_free_configs_pass(init):
-    check_config(lora_config(init_lora_weights=init))
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_weight_free_configs_pass(init, use_dora):
+    check_config(lora_config(init_lora_weights=init, use_dora=use_dora))
 
 
 def test_plain_model_takes_peft_exact_path(tiny_models):

@@ -29,3 +29,21 @@ def test_lora_four_ranks_match_single_process(request, tiny_models, references, 
         pytest.skip(f"{layout}: {exc}")
     pool = request.getfixturevalue("pool4")  # started only when a layout can load
     check_lora_training(pool, tiny_models[model], model, sizes, dp, references, str(tmp_path))
+
+
+@pytest.mark.parametrize("case, layout, message", [
+    ("dora", "2d", "DoRA (use_dora=True) on a fsdp x tp load"),
+    ("modules-to-save", "hsdp", "modules_to_save=['lm_head'] on a HSDP (dp_replicate_size > 1) load"),
+])
+def test_dora_and_modules_to_save_refused_on_untested_layouts(request, tiny_models, case, layout, message):
+    from shardadopt.testing.lora import adapter_case
+
+    try:
+        sizes, _ = distributed_sizes(layout, world=4)
+    except LayoutUnsupported as exc:
+        pytest.skip(f"{layout}: {exc}")
+    pool = request.getfixturevalue("pool4")
+    model = "qwen3" if layout == "2d" else "llama"
+    for result in pool.run(adapter_case, tiny_models[model], sizes, case):
+        assert result["error"] and result["error"].startswith("AdapterLayoutError: LoraConfig: "), result
+        assert message in result["error"], result

@@ -18,6 +18,10 @@ patch wraps:
   :func:`shardadopt.adapters.lay_out_adapters` lays them out and hooks their data-parallel averaging, or refuses;
 - ``LoraLayer._get_in_out_features``: the global shape, inside that injection only; ``get_tp_plan_and_mesh``: no
   plan there, so peft leaves the factors whole (each rank's own init) for shardadopt to broadcast and shard;
+- ``DoraLinearLayer.get_weight_norm``: inside that injection, on the whole base weight (DoRA's initial magnitude;
+  peft would add a DTensor shard and a plain tensor);
+- ``ModulesToSaveWrapper.update``: inside that injection, the trainable copy of a sharded module is made whole
+  (:func:`shardadopt.adapters.whole_copy`; peft's ``deepcopy`` of FSDP/TP shards fails);
 - ``PeftModel.save_pretrained``: full tensors, written by global rank 0 only, every rank leaving after it wrote;
 - ``BaseTuner.merge_and_unload`` / ``merge_adapter``: refused on sharded models (:data:`adapters.MERGE_REFUSAL`).
 
@@ -37,13 +41,20 @@ _REDUCTIONS = {"all_reduce", "register_post_accumulate_grad_hook", "fully_shard"
 
 
 def _inject_adapter(wrapped, instance, args, kwargs):
-    from shardadopt.adapters import check_config, global_adapter_shapes, is_sharded_base, lay_out_adapters
+    from shardadopt.adapters import (
+        check_config,
+        check_layout_options,
+        global_adapter_shapes,
+        is_sharded_base,
+        lay_out_adapters,
+    )
 
     model = args[0] if args else kwargs.get("model")
     if not is_sharded_base(model):
         return wrapped(*args, **kwargs)
     adapter_name = args[1] if len(args) > 1 else kwargs.get("adapter_name")
-    check_config(instance.peft_config.get(adapter_name))  # before peft runs DoRA or a weight-based init on shards
+    check_config(instance.peft_config.get(adapter_name))  # before peft runs a weight-based init on shards
+    check_layout_options(instance.peft_config.get(adapter_name), model)
     with global_adapter_shapes():
         result = wrapped(*args, **kwargs)
     lay_out_adapters(instance)
@@ -65,6 +76,30 @@ def _tp_plan_and_mesh(wrapped, instance, args, kwargs):
 
     # shardadopt.adapters lays the factors out itself, after rank 0's values are everywhere
     return (None, None) if global_shape_requested() else wrapped(*args, **kwargs)
+
+
+def _dora_weight_norm(wrapped, instance, args, kwargs):
+    from shardadopt.adapters import global_shape_requested, whole_weight
+
+    if global_shape_requested():  # DoRA's initial magnitude: the norm of the whole base weight, not of a shard
+        names = ("weight", "lora_weight", "scaling", "adapter_name")
+        kwargs = {**dict(zip(names, args)), **kwargs}
+        kwargs["weight"] = whole_weight(kwargs["weight"])
+        return wrapped(**kwargs)
+    return wrapped(*args, **kwargs)
+
+
+def _modules_to_save_update(wrapped, instance, args, kwargs):
+    from shardadopt.adapters import global_shape_requested, refuse_fsdp_unit_copy, whole_copy
+
+    adapter_name = args[0] if args else kwargs["adapter_name"]
+    sharded = any(getattr(p, "device_mesh", None) is not None for p in instance.original_module.parameters())
+    if global_shape_requested() and sharded and adapter_name not in instance.modules_to_save:
+        refuse_fsdp_unit_copy(instance.original_module)
+        # peft then skips its deepcopy; a copy tied to a sharded module (ensure_weight_tying) is refused after
+        if kwargs.get("tied_module") is None and len(args) < 2:
+            instance.modules_to_save[adapter_name] = whole_copy(instance.original_module)
+    return wrapped(*args, **kwargs)
 
 
 def _save_pretrained(wrapped, instance, args, kwargs):
@@ -116,6 +151,8 @@ PATCH = Patch(
     wrappers={Target(_TUNERS, "BaseTuner.inject_adapter"): _inject_adapter,
               upstream.PEFT_LORA_IN_OUT_FEATURES: _in_out_features,
               Target("peft.tuners.lora.model", "get_tp_plan_and_mesh"): _tp_plan_and_mesh,
+              Target("peft.tuners.lora.dora", "DoraLinearLayer.get_weight_norm"): _dora_weight_norm,
+              Target("peft.utils.other", "ModulesToSaveWrapper.update"): _modules_to_save_update,
               Target(_PEFT_MODEL, "PeftModel.save_pretrained"): _save_pretrained,
               Target(_TUNERS, "BaseTuner.merge_and_unload"): _refuse_merge,
               Target(_TUNERS, "BaseTuner.merge_adapter"): _refuse_merge},

@@ -45,16 +45,22 @@ def _load(path: str, sizes: dict[str, Any] | None):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
 
+def is_adapter(name: str) -> bool:
+    """Whether parameter ``name`` is trained by the adapter: LoRA factors, DoRA magnitudes, ``modules_to_save``
+    copies."""
+    return "lora_" in name or ".modules_to_save." in name
+
+
 def _adapter_params(model) -> dict[str, Any]:
     from shardadopt.testing import full
 
-    return {n: full(p).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {n: full(p).detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
 
 
 def _adapter_grads(model) -> dict[str, Any]:
     from shardadopt.testing import full
 
-    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    return {n: full(p.grad).detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
 
 
 def probe_batch():
@@ -64,14 +70,15 @@ def probe_batch():
 
 
 def train_lora_reference(path: str, dp_size: int, targets: tuple[str, ...] = TARGETS, steps: int = STEPS,
-                         accum: int = ACCUM) -> dict[str, Any]:
-    """One process, the same global batches: each step sees ``accum`` micro-batches of dp_size * PER_DP_BATCH."""
+                         accum: int = ACCUM, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One process, the same global batches: each step sees ``accum`` micro-batches of dp_size * PER_DP_BATCH.
+    ``overrides``: more ``LoraConfig`` options (e.g. ``use_dora``)."""
     import torch
     from peft import get_peft_model
 
     base = _load(path, None)
     torch.manual_seed(SEED)
-    model = get_peft_model(base, lora_config(target_modules=list(targets)))
+    model = get_peft_model(base, lora_config(target_modules=list(targets), **(overrides or {})))
     init = _adapter_params(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     rows = _rows(dp_size, steps, accum)
@@ -96,7 +103,8 @@ def train_lora_reference(path: str, dp_size: int, targets: tuple[str, ...] = TAR
 
 
 def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: str,
-                    targets: tuple[str, ...] = TARGETS, steps: int = STEPS, accum: int = ACCUM) -> dict[str, Any]:
+                    targets: tuple[str, ...] = TARGETS, steps: int = STEPS, accum: int = ACCUM,
+                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The user's accelerate loop with LoRA on a sharded load, then ``save_pretrained`` and a sharded reload."""
     import torch
     import torch.distributed as dist
@@ -112,11 +120,11 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
         base = _load(path, sizes)
         torch.manual_seed(SEED)
         try:
-            model = get_peft_model(base, lora_config(target_modules=list(targets)))
+            model = get_peft_model(base, lora_config(target_modules=list(targets), **(overrides or {})))
         except AdapterLayoutError as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         init = _adapter_params(model)
-        frozen = {n: _local(p) for n, p in model.named_parameters() if "lora_" not in n}
+        frozen = {n: _local(p) for n, p in model.named_parameters() if not is_adapter(n)}
         # foreach: one kernel over plain and DTensor factors, which needs per-mesh groups (split at prepare)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, accum)), batch_size=PER_DP_BATCH)
@@ -165,21 +173,24 @@ def _close(got, want) -> bool:
 
 
 def reference_cache(tiny_models: dict[str, str]):
-    """``get(model, dp, targets)``: :func:`train_lora_reference`, computed once per argument set."""
+    """``get(model, dp, targets, overrides)``: :func:`train_lora_reference`, computed once per argument set."""
     cache: dict[tuple, dict[str, Any]] = {}
 
-    def get(model: str, dp: int, targets: tuple[str, ...]) -> dict[str, Any]:
-        if (model, dp, targets) not in cache:
-            cache[model, dp, targets] = train_lora_reference(tiny_models[model], dp, targets)
-        return cache[model, dp, targets]
+    def get(model: str, dp: int, targets: tuple[str, ...], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        key = (model, dp, targets, repr(sorted((overrides or {}).items())))
+        if key not in cache:
+            cache[key] = train_lora_reference(tiny_models[model], dp, targets, overrides=overrides)
+        return cache[key]
 
     return get
 
 
-def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: int, references, workdir: str) -> None:
+def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: int, references, workdir: str,
+                        overrides: dict[str, Any] | None = None) -> None:
     """Run :func:`train_lora_rank` on ``pool`` and assert it equals the one-process run (test helper): losses, grad
-    norms, last-step adapter gradients, initial and final adapters, identical on every rank, base unchanged; the
-    export loads in this process with equal outputs and back onto a sharded base with equal outputs."""
+    norms, last-step adapter gradients (DoRA: magnitudes too, ``lora_magnitude_vector``), initial and final
+    adapters, identical on every rank, base unchanged; the export loads in this process with equal outputs and back
+    onto a sharded base with equal outputs. ``overrides``: more ``LoraConfig`` options on both sides."""
     import json
     import os
 
@@ -191,19 +202,19 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
 
     targets = ATTENTION if model == "qwen3moe" else TARGETS
     export = os.path.join(workdir, "adapter")
-    results = pool.run(train_lora_rank, path, sizes, dp, export, targets, timeout=600)
+    results = pool.run(train_lora_rank, path, sizes, dp, export, targets, STEPS, ACCUM, overrides, timeout=600)
     if sizes.get("tp_size", 1) > 1 and not dtensor_tensor_parallel():
         for result in results:  # refused at get_peft_model, naming the fix
             assert "tensor parallelism on transformers before 5.17" in result["error"], result
             assert "Upgrade transformers to 5.17" in result["error"]
         return
     assert "error" not in results[0], results[0]["error"]
-    expected = references(model, dp, targets)
+    expected = references(model, dp, targets, overrides)
     assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
     first = results[0]
     for rank, result in enumerate(results):
         assert result["base_unchanged"], f"rank {rank}: a base weight changed"
-        assert result["trainable"] and all("lora_" in n for n in result["trainable"]), result["trainable"]
+        assert result["trainable"] and all(is_adapter(n) for n in result["trainable"]), result["trainable"]
         for key in ("init", "params", "grads"):
             for name, value in result[key].items():
                 assert torch.equal(value, first[key][name]), f"{key} {name} differs between rank 0 and {rank}"
@@ -277,10 +288,12 @@ def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: 
 
 REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the adapter to a sharded model
     "expert-tensors": {},  # Qwen3-MoE: down_proj matches the experts' fused tensors
-    "dora": {"use_dora": True},
     "pissa": {"init_lora_weights": "pissa"},
-    "modules-to-save": {"modules_to_save": ["lm_head"]},
     "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
+    "save-sharded-module": {"modules_to_save": ["gate_proj"]},  # TP plan colwise: its copy would output whole
+    "save-fsdp-unit": {"modules_to_save": ["embed_tokens"]},
+    "dora": {"use_dora": True},  # on the layouts DoRA is not tested on (HSDP, fsdp x tp)
+    "modules-to-save": {"modules_to_save": ["lm_head"]},  # likewise
 }
 
 
