@@ -150,14 +150,17 @@ def install_partial_gradient_sums(model: nn.Module, on_partial: Callable[[str], 
     rank's shard of the activations (a parameter inside a colwise -> rowwise region that the TP plan leaves out,
     e.g. Apertus' xIELU ``mlp.act_fn.alpha_p``/``alpha_n``).
 
-    Which ones is found by comparing, not by name: at a parameter's first backward, its gradient copies on the TP
-    ranks (which see the same batch) are compared; copies that differ (by more than ``PARTIAL_THRESHOLD``
-    relative) are partial, and from then on each backward's gradient is summed over the group once (so gradient
-    accumulation stays right). Whole copies are left alone. The decision is the same on every rank (a MAX
-    all-reduce). DTensor parameters (TP shards and what a plan placed itself), plain shards of older releases and
-    modules hooked by ``replicated_with_grad_allreduce`` (transformers' or :func:`install_replicated_grad_allreduce`)
-    are not considered. ``on_partial(name)`` is called once per parameter found partial. Call on every rank before
-    the first forward; a model without tensor parallelism is left as it is. Idempotent.
+    Which ones is found by comparing, not by name: at a parameter's first backward with a non-zero gradient, its
+    gradient copies on the TP ranks (which see the same batch) are compared; copies that differ (by more than
+    ``PARTIAL_THRESHOLD`` relative) are partial, and from then on each backward's gradient is summed over the group
+    once (so gradient accumulation stays right). Whole copies are left alone. While every rank's copy is exactly
+    zero (a zero-initialised ``down_proj`` behind the parameter, a gate not yet open) nothing tells the two apart
+    and the sum of the copies is zero either way, so the parameter stays undecided and is compared again at its next
+    backward. The decision is the same on every rank (a MAX all-reduce). DTensor parameters (TP shards and what a
+    plan placed itself), plain shards of older releases and modules hooked by ``replicated_with_grad_allreduce``
+    (transformers' or :func:`install_replicated_grad_allreduce`) are not considered. ``on_partial(name)`` is called
+    once per parameter found partial. Call on every rank before the first forward; a model without tensor
+    parallelism is left as it is. Idempotent.
     """
     if getattr(model, _PARTIAL_MARK, None) is not None:
         return model
@@ -203,8 +206,11 @@ def _hook_whole_parameters(module_name: str, not_whole: set[str], group: Any, de
     def sum_if_partial(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if name not in decisions:
-                decisions[name] = _differs_across(grad, group)
-                if decisions[name] and on_partial is not None:
+                partial = _differs_across(grad, group)
+                if partial is None:  # zero on every rank: summed or not, it is zero; decide at a later backward
+                    return grad
+                decisions[name] = partial
+                if partial and on_partial is not None:
                     on_partial(name)
             if not decisions[name]:
                 return grad
@@ -228,12 +234,15 @@ def _hook_whole_parameters(module_name: str, not_whole: set[str], group: Any, de
     return hook_parameters
 
 
-def _differs_across(grad: torch.Tensor, group: Any) -> bool:
-    """Whether the TP ranks' copies of ``grad`` differ (collective on ``group``; the same answer everywhere)."""
+def _differs_across(grad: torch.Tensor, group: Any) -> bool | None:
+    """Whether the TP ranks' copies of ``grad`` differ, or None when every copy is exactly zero (no evidence either
+    way); a collective on ``group``, the same answer everywhere."""
     local = grad.detach().float()
     mean = local.clone()
     dist.all_reduce(mean, group=group)
     mean /= dist.get_world_size(group)
     spread = torch.stack([(local - mean).abs().max(), mean.abs().max()]) if local.numel() else torch.zeros(2)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
+    if not spread.any():  # no deviation and a zero mean: every copy is zero (+x/-x copies deviate: partial)
+        return None
     return bool(spread[0] > PARTIAL_THRESHOLD * spread[1])

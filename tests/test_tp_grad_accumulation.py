@@ -276,3 +276,58 @@ def test_probe_not_needed_with_the_upstream_diff(monkeypatch):
     monkeypatch.setattr(importlib.import_module(MODULE), "ReplicatedWithGradAllReduce", fixed)
     found = patch.probe()
     assert not found.needed, found.reason
+
+
+# -- transformers-tp-partial-grad: a whole parameter whose first gradient is zero ----------------------------------
+
+def sgd_step_grads(path: str, sizes: dict | None, steps: int, shapes: dict[str, torch.Size]):
+    """``steps`` SGD steps on ``path`` (loaded with ``DistributedConfig(**sizes)`` after ``enable()``, or in one
+    process), one token batch each; every step's full gradients."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from shardadopt.testing import token_batch
+
+    shardadopt.enable()
+    try:
+        extra = {} if sizes is None else {"distributed_config": DistributedConfig(**sizes)}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        per_step = []
+        for seed in SEEDS[:steps]:
+            batch = token_batch(seed, BATCH)
+            model(input_ids=batch, labels=batch).loss.backward()
+            per_step.append(gathered(model, shapes) if sizes else
+                            {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            optimizer.step()
+            optimizer.zero_grad()
+        return per_step
+    finally:
+        shardadopt.disable()
+
+
+@pytest.fixture(scope="module")
+def zero_down_apertus(tmp_path_factory) -> str:
+    """A tiny Apertus whose MLP output projections start at zero (zero-initialised residual branches): at step 0
+    nothing flows back into the xIELU activation, whose scalars ``alpha_p``/``alpha_n`` then get an exactly zero
+    gradient on every TP rank; from step 1 on their gradients are partial (each rank sees half the features)."""
+    from shardadopt.testing.archs import build_tiny
+
+    model = build_tiny("apertus", seed=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.zero_()
+    path = tmp_path_factory.mktemp("apertus-zero-down")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_partial_gradient_first_zero_then_partial_is_summed(pool2, zero_down_apertus):
+    reference = sgd_step_grads(zero_down_apertus, None, 2, {})
+    activations = sorted(n for n in reference[0] if ".act_fn." in n)
+    assert activations and all(not reference[0][n].any() for n in activations), "step 0 must give them no gradient"
+    assert all(reference[1][n].any() for n in activations), "step 1 must give them a gradient"
+    per_rank = pool2.run(sgd_step_grads, zero_down_apertus, {"tp_size": 2}, 2, shapes_of(reference[0]), timeout=120)
+    for rank, steps in enumerate(per_rank):
+        for step, (grads, want) in enumerate(zip(steps, reference)):
+            assert mismatched(grads, want) == [], f"rank {rank}, step {step}"
