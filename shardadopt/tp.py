@@ -24,7 +24,8 @@ from torch import nn
 
 from shardadopt import upstream
 
-__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "install_partial_gradient_sums"]
+__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "install_partial_gradient_sums",
+           "localize_padding_idx", "stash_rowwise_bias", "add_stashed_bias"]
 
 # Upstream's installer lives on this class in every release since 5.15; its hooks are recognised by qualname.
 _UPSTREAM_STYLE = "ReplicatedWithGradAllReduce."
@@ -246,3 +247,42 @@ def _differs_across(grad: torch.Tensor, group: Any) -> bool | None:
     if not spread.any():  # no deviation and a zero mean: every copy is zero (+x/-x copies deviate: partial)
         return None
     return bool(spread[0] > PARTIAL_THRESHOLD * spread[1])
+
+
+_GLOBAL_PADDING = "_shardadopt_global_padding_idx"
+_STASHED_BIAS = "_shardadopt_rowwise_bias"
+
+
+def localize_padding_idx(embedding: nn.Module, rank: int) -> None:
+    """Make a vocab-parallel embedding's ``padding_idx`` index this rank's shard of the table.
+
+    A vocabulary shard of ``n`` rows holds global rows ``rank * n`` .. ``rank * n + n - 1`` at local rows 0 ..
+    ``n - 1``. ``nn.Embedding`` zeroes the gradient of row ``padding_idx`` and ``F.embedding`` refuses one past the
+    table, so the global id kept on every rank gives rank 1's first real token no gradient (the padding id being 0)
+    or raises (a padding id beyond the shard). The global id is remembered on the module; ranks whose shard does not
+    hold it get None. Idempotent.
+    """
+    global_idx = embedding.__dict__.setdefault(_GLOBAL_PADDING, getattr(embedding, "padding_idx", None))
+    if global_idx is None:
+        return
+    rows = embedding.weight.shape[0]
+    start = rank * rows
+    embedding.padding_idx = global_idx - start if start <= global_idx < start + rows else None
+
+
+def stash_rowwise_bias(module: nn.Module) -> None:
+    """Before a rowwise projection's forward: take its bias out of the matmul (it must be added once, after the
+    all-reduce), without renaming the parameter (kept outside ``_parameters`` for this forward only)."""
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, nn.Parameter):
+        module.__dict__[_STASHED_BIAS] = bias
+        module.bias = None  # a registered parameter set to None stays registered under its name
+
+
+def add_stashed_bias(module: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    """After the all-reduce of a rowwise projection: add the stashed bias once and put the parameter back."""
+    bias = module.__dict__.pop(_STASHED_BIAS, None)
+    if bias is None:
+        return outputs
+    module.bias = bias
+    return outputs + bias
