@@ -57,9 +57,18 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
         "layers' router gates, whose gradient is 1e-10 of the model's, i.e. zero up to rounding); after 3 Adam "
         "steps a hyper-connection parameter (`attn_hc.base`) is beyond 10x the reorder noise",
     ("hrm_text", "tp", "fails"):
-        "not explained: losses match while the first-step gradients differ by up to 2x relative, with or without "
-        "transformers-tp-partial-grad; HRM's recurrent modules keep their default 14+ layers (the shrink does not "
-        "know `H_layers`/`L_layers`)",
+        "upstream bug, silently wrong, not fixed or refused yet: HRM checkpoints store each attention's "
+        "gate/q/k/v as one fused `attn.gqkv_proj` (and `mlp.gate_up_proj`), which transformers' conversion "
+        "mapping chunks into the four projections at load; under TP the loader shards the fused tensor with the "
+        "first target's colwise placement before chunking (core_model_loading: the shard op runs in "
+        "spawn_materialize, the Chunk after it), so each rank's q/k/v/gate hold the wrong rows: the first "
+        "attention's output is 100 % off in the first forward (measured layer by layer on 5.24; 5.15 fails with "
+        "the same numbers). A load that converts a fused tensor into TP-sharded targets should shard each chunk "
+        "instead",
+    ("llama4_text", "ep", "fails"):
+        "loud, not silent: transformers 5.15's Llama4 EP plan puts `ep_router` on `feed_forward.router`, whose "
+        "output hook unpacks (logits, scores, indices) while Llama4Router returns (scores, logits): the first forward "
+        "raises; 5.24 has no EP plan for llama4_text",
 }
 
 

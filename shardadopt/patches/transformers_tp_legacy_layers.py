@@ -55,23 +55,21 @@ def probe() -> Probe:
                     "layers without them")
 
 
-def _embedding_input(wrapped, instance, args, kwargs):
-    from shardadopt.tp import localize_padding_idx
+def _prepare_input_fn(wrapped, instance, args, kwargs):
+    """Both layers' input hook (named after the hooks it wraps): the embedding's padding row made local, the
+    rowwise bias taken out of the matmul before upstream would rename it."""
+    from shardadopt.tp import localize_padding_idx, stash_rowwise_bias
 
     mod, _, device_mesh = args[:3]
-    if getattr(instance, "embedding_dim_sharding", None) == 0:
-        localize_padding_idx(mod, device_mesh.get_local_rank())
+    if hasattr(instance, "embedding_dim_sharding"):
+        if instance.embedding_dim_sharding == 0:
+            localize_padding_idx(mod, device_mesh.get_local_rank())
+    else:
+        stash_rowwise_bias(mod)  # upstream then finds no bias to move
     return wrapped(*args, **kwargs)
 
 
-def _rowwise_input(wrapped, instance, args, kwargs):
-    from shardadopt.tp import stash_rowwise_bias
-
-    stash_rowwise_bias(args[0])  # upstream then finds no bias to move
-    return wrapped(*args, **kwargs)
-
-
-def _rowwise_output(wrapped, instance, args, kwargs):
+def _prepare_output_fn(wrapped, instance, args, kwargs):
     from shardadopt.tp import add_stashed_bias
 
     return add_stashed_bias(args[0], wrapped(*args, **kwargs))
@@ -85,8 +83,8 @@ PATCH = Patch(
     upstream="backport: transformers 5.16 replaced these layers with DTensor ones; "
              "patches/transformers-tp-legacy-layers.diff",
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "EmbeddingParallel._prepare_input_fn"): _embedding_input,
-              Target(MODULE, "RowwiseParallel._prepare_input_fn"): _rowwise_input,
-              Target(MODULE, "RowwiseParallel._prepare_output_fn"): _rowwise_output},
+    wrappers={Target(MODULE, "EmbeddingParallel._prepare_input_fn"): _prepare_input_fn,
+              Target(MODULE, "RowwiseParallel._prepare_input_fn"): _prepare_input_fn,
+              Target(MODULE, "RowwiseParallel._prepare_output_fn"): _prepare_output_fn},
     probe=probe,
 )
