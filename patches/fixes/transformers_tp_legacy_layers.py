@@ -118,7 +118,7 @@ FIX = Fix(
     id="transformers-tp-legacy-layers",
     distribution="transformers",
     kind="backport",
-    upstream="the DTensor tensor-parallel layers of huggingface/transformers 5.16.0 (distributed/tensor_parallel.py)",
+    upstream="the DTensor tensor-parallel layers (distributed/tensor_parallel.py; PR not identified), released in 5.16",
     summary="""
         Two problems of the local-tensor TP layers. EmbeddingParallel (vocab-parallel, which every tied-embedding
         model gets) shifts token ids into the rank's shard but leaves padding_idx global: with pad_token_id=0 rank
