@@ -24,7 +24,8 @@ from torch import nn
 
 from shardadopt import upstream
 
-__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "install_partial_gradient_sums"]
+__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "install_partial_gradient_sums",
+           "localize_padding_idx", "stash_rowwise_bias", "add_stashed_bias"]
 
 # Upstream's installer lives on this class in every release since 5.15; its hooks are recognised by qualname.
 _UPSTREAM_STYLE = "ReplicatedWithGradAllReduce."
@@ -150,14 +151,17 @@ def install_partial_gradient_sums(model: nn.Module, on_partial: Callable[[str], 
     rank's shard of the activations (a parameter inside a colwise -> rowwise region that the TP plan leaves out,
     e.g. Apertus' xIELU ``mlp.act_fn.alpha_p``/``alpha_n``).
 
-    Which ones is found by comparing, not by name: at a parameter's first backward, its gradient copies on the TP
-    ranks (which see the same batch) are compared; copies that differ (by more than ``PARTIAL_THRESHOLD``
-    relative) are partial, and from then on each backward's gradient is summed over the group once (so gradient
-    accumulation stays right). Whole copies are left alone. The decision is the same on every rank (a MAX
-    all-reduce). DTensor parameters (TP shards and what a plan placed itself), plain shards of older releases and
-    modules hooked by ``replicated_with_grad_allreduce`` (transformers' or :func:`install_replicated_grad_allreduce`)
-    are not considered. ``on_partial(name)`` is called once per parameter found partial. Call on every rank before
-    the first forward; a model without tensor parallelism is left as it is. Idempotent.
+    Which ones is found by comparing, not by name: at a parameter's first backward with a non-zero gradient, its
+    gradient copies on the TP ranks (which see the same batch) are compared; copies that differ (by more than
+    ``PARTIAL_THRESHOLD`` relative) are partial, and from then on each backward's gradient is summed over the group
+    once (so gradient accumulation stays right). Whole copies are left alone. While every rank's copy is exactly
+    zero (a zero-initialised ``down_proj`` behind the parameter, a gate not yet open) nothing tells the two apart
+    and the sum of the copies is zero either way, so the parameter stays undecided and is compared again at its next
+    backward. The decision is the same on every rank (a MAX all-reduce). DTensor parameters (TP shards and what a
+    plan placed itself), plain shards of older releases and modules hooked by ``replicated_with_grad_allreduce``
+    (transformers' or :func:`install_replicated_grad_allreduce`) are not considered. ``on_partial(name)`` is called
+    once per parameter found partial. Call on every rank before the first forward; a model without tensor
+    parallelism is left as it is. Idempotent.
     """
     if getattr(model, _PARTIAL_MARK, None) is not None:
         return model
@@ -203,8 +207,11 @@ def _hook_whole_parameters(module_name: str, not_whole: set[str], group: Any, de
     def sum_if_partial(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if name not in decisions:
-                decisions[name] = _differs_across(grad, group)
-                if decisions[name] and on_partial is not None:
+                partial = _differs_across(grad, group)
+                if partial is None:  # zero on every rank: summed or not, it is zero; decide at a later backward
+                    return grad
+                decisions[name] = partial
+                if partial and on_partial is not None:
                     on_partial(name)
             if not decisions[name]:
                 return grad
@@ -228,12 +235,54 @@ def _hook_whole_parameters(module_name: str, not_whole: set[str], group: Any, de
     return hook_parameters
 
 
-def _differs_across(grad: torch.Tensor, group: Any) -> bool:
-    """Whether the TP ranks' copies of ``grad`` differ (collective on ``group``; the same answer everywhere)."""
+def _differs_across(grad: torch.Tensor, group: Any) -> bool | None:
+    """Whether the TP ranks' copies of ``grad`` differ, or None when every copy is exactly zero (no evidence either
+    way); a collective on ``group``, the same answer everywhere."""
     local = grad.detach().float()
     mean = local.clone()
     dist.all_reduce(mean, group=group)
     mean /= dist.get_world_size(group)
     spread = torch.stack([(local - mean).abs().max(), mean.abs().max()]) if local.numel() else torch.zeros(2)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=group)
+    if not spread.any():  # no deviation and a zero mean: every copy is zero (+x/-x copies deviate: partial)
+        return None
     return bool(spread[0] > PARTIAL_THRESHOLD * spread[1])
+
+
+_GLOBAL_PADDING = "_shardadopt_global_padding_idx"
+_STASHED_BIAS = "_shardadopt_rowwise_bias"
+
+
+def localize_padding_idx(embedding: nn.Module, rank: int) -> None:
+    """Make a vocab-parallel embedding's ``padding_idx`` index this rank's shard of the table.
+
+    A vocabulary shard of ``n`` rows holds global rows ``rank * n`` .. ``rank * n + n - 1`` at local rows 0 ..
+    ``n - 1``. ``nn.Embedding`` zeroes the gradient of row ``padding_idx`` and ``F.embedding`` refuses one past the
+    table, so the global id kept on every rank gives rank 1's first real token no gradient (the padding id being 0)
+    or raises (a padding id beyond the shard). The global id is remembered on the module; ranks whose shard does not
+    hold it get None. Idempotent.
+    """
+    global_idx = embedding.__dict__.setdefault(_GLOBAL_PADDING, getattr(embedding, "padding_idx", None))
+    if global_idx is None:
+        return
+    rows = embedding.weight.shape[0]
+    start = rank * rows
+    embedding.padding_idx = global_idx - start if start <= global_idx < start + rows else None
+
+
+def stash_rowwise_bias(module: nn.Module) -> None:
+    """Before a rowwise projection's forward: take its bias out of the matmul (it must be added once, after the
+    all-reduce), without renaming the parameter (kept outside ``_parameters`` for this forward only)."""
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, nn.Parameter):
+        module.__dict__[_STASHED_BIAS] = bias
+        module.bias = None  # a registered parameter set to None stays registered under its name
+
+
+def add_stashed_bias(module: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    """After the all-reduce of a rowwise projection: add the stashed bias once and put the parameter back."""
+    bias = module.__dict__.pop(_STASHED_BIAS, None)
+    if bias is None:
+        return outputs
+    module.bias = bias
+    return outputs + bias

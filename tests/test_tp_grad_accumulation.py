@@ -276,3 +276,122 @@ def test_probe_not_needed_with_the_upstream_diff(monkeypatch):
     monkeypatch.setattr(importlib.import_module(MODULE), "ReplicatedWithGradAllReduce", fixed)
     found = patch.probe()
     assert not found.needed, found.reason
+
+
+# -- transformers-tp-partial-grad: a whole parameter whose first gradient is zero ----------------------------------
+
+def sgd_step_grads(path: str, sizes: dict | None, steps: int, shapes: dict[str, torch.Size]):
+    """``steps`` SGD steps on ``path`` (loaded with ``DistributedConfig(**sizes)`` after ``enable()``, or in one
+    process), one token batch each; every step's full gradients."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from shardadopt.testing import token_batch
+
+    shardadopt.enable()
+    try:
+        extra = {} if sizes is None else {"distributed_config": DistributedConfig(**sizes)}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        per_step = []
+        for seed in SEEDS[:steps]:
+            batch = token_batch(seed, BATCH)
+            model(input_ids=batch, labels=batch).loss.backward()
+            per_step.append(gathered(model, shapes) if sizes else
+                            {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            optimizer.step()
+            optimizer.zero_grad()
+        return per_step
+    finally:
+        shardadopt.disable()
+
+
+@pytest.fixture(scope="module")
+def zero_down_apertus(tmp_path_factory) -> str:
+    """A tiny Apertus whose MLP output projections start at zero (zero-initialised residual branches): at step 0
+    nothing flows back into the xIELU activation, whose scalars ``alpha_p``/``alpha_n`` then get an exactly zero
+    gradient on every TP rank; from step 1 on their gradients are partial (each rank sees half the features)."""
+    from shardadopt.testing.archs import build_tiny
+
+    model = build_tiny("apertus", seed=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.zero_()
+    path = tmp_path_factory.mktemp("apertus-zero-down")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_partial_gradient_first_zero_then_partial_is_summed(pool2, zero_down_apertus):
+    reference = sgd_step_grads(zero_down_apertus, None, 2, {})
+    activations = sorted(n for n in reference[0] if ".act_fn." in n)
+    assert activations and all(not reference[0][n].any() for n in activations), "step 0 must give them no gradient"
+    assert all(reference[1][n].any() for n in activations), "step 1 must give them a gradient"
+    per_rank = pool2.run(sgd_step_grads, zero_down_apertus, {"tp_size": 2}, 2, shapes_of(reference[0]), timeout=120)
+    for rank, steps in enumerate(per_rank):
+        for step, (grads, want) in enumerate(zip(steps, reference)):
+            assert mismatched(grads, want) == [], f"rank {rank}, step {step}"
+
+
+# -- transformers-tp-legacy-layers: vocab-parallel padding row and rowwise bias names (5.15's TP layers) ------------
+
+LEGACY_ID = "transformers-tp-legacy-layers"
+# token 32 is the first row of rank 1's half of the 64-token table: the row a global padding_idx=0 hits there
+LEGACY_IDS = [[1, 32, 5, 40, 32, 9, 33, 2], [32, 3, 60, 32, 31, 0, 7, 32]]
+
+
+def legacy_grads(path: str, sizes: dict | None, exclude: list[str], shapes: dict[str, torch.Size]):
+    """Names and full gradients after one backward, loaded after ``enable(exclude=...)`` (``shapes``: the full
+    shapes, by name, for putting 5.15's plain shards together)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    shardadopt.enable(exclude=exclude)
+    try:
+        extra = {} if sizes is None else {"distributed_config": DistributedConfig(**sizes)}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
+        batch = torch.tensor(LEGACY_IDS)
+        model(input_ids=batch, labels=batch).loss.backward()
+        names = sorted(n for n, _ in model.named_parameters())
+        if sizes is None:
+            return names, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        return names, gathered(model, {n: shapes.get(n, p.shape) for n, p in model.named_parameters()})
+    finally:
+        shardadopt.disable()
+
+
+@pytest.fixture(scope="module")
+def tied_biased_llama(tmp_path_factory) -> str:
+    """A tiny Llama with tied embeddings (5.15 makes the table vocab-parallel), ``pad_token_id=0`` and biases on
+    the rowwise ``o_proj``/``down_proj``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, tie_word_embeddings=True,
+                         attention_bias=True, mlp_bias=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tied-biased-llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_tp_vocab_parallel_padding_row_and_rowwise_bias_names(pool2, tied_biased_llama):
+    names, reference = legacy_grads(tied_biased_llama, None, [], {})
+    assert reference["model.embed_tokens.weight"][32].abs().max() > 0, "token 32 must get an embedding gradient"
+    shapes = shapes_of(reference)
+    for rank, (got_names, grads) in enumerate(pool2.run(legacy_grads, tied_biased_llama, {"tp_size": 2}, [],
+                                                         shapes, timeout=120)):
+        assert got_names == names, f"rank {rank}: parameter names differ from one process"
+        assert mismatched(grads, reference) == [], f"rank {rank}"
+    importlib.import_module("transformers.integrations.tensor_parallel")
+    try:
+        (state,) = [s for s in shardadopt.enable(only=[LEGACY_ID]) if s.id == LEGACY_ID]
+    finally:
+        shardadopt.disable()
+    if state.state == APPLIED:  # transformers 5.15: without the patch, both problems are back
+        broken_names, broken = pool2.run(legacy_grads, tied_biased_llama, {"tp_size": 2}, [LEGACY_ID], shapes,
+                                         timeout=120)[1]
+        assert any(n.endswith("._bias") for n in broken_names), broken_names
+        assert not torch.allclose(broken["model.embed_tokens.weight"][32], reference["model.embed_tokens.weight"][32])

@@ -22,6 +22,7 @@ from shardadopt.patches import (
                                 transformers_reuse_device_mesh,
                                 transformers_sharded_clean_exit,
                                 transformers_sharding_sizes,
+                                transformers_tp_legacy_layers,
                                 transformers_tp_partial_grad,
                                 transformers_tp_replicated_grad_accumulation,
 )
@@ -39,6 +40,7 @@ ALL_PATCHES: list[Patch] = [
     trainer_hpo_optuna.PATCH,
     transformers_tp_replicated_grad_accumulation.PATCH,
     transformers_tp_partial_grad.PATCH,
+    transformers_tp_legacy_layers.PATCH,
     transformers_ep_router_grad_post_forward.PATCH,
     transformers_ep_expert_grad_scale.PATCH,
     transformers_fsdp_tp_refused.PATCH,

@@ -9,7 +9,8 @@ parameters' gradients are partial sums that nothing adds up: Apertus' xIELU acti
 tolerance and training diverges from one process (silently). Upstream's own fix would list the module as
 ``replicated_with_grad_allreduce`` in the model's plan (the diff); shardadopt cannot know every model's plan
 gaps, so it detects them: :func:`shardadopt.tp.install_partial_gradient_sums` compares each whole parameter's
-gradient copies across the TP group at its first backward and sums those that differ, each backward once.
+gradient copies across the TP group at its first backward with a non-zero gradient (an all-zero one is no
+evidence) and sums those that differ, each backward once.
 
 The wrapper installs it on every model ``DistributedMixin.maybe_distribute_model`` shards with a tensor-parallel
 mesh (the model's first forward computes its layout). The probe reads Apertus' plan (upstream's data): no entry

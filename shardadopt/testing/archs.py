@@ -21,7 +21,10 @@ KV_HEADS = 2
 HEAD_DIM = 16
 MAX_PARAMS = 4_000_000  # a tiny config above this missed a size field: report it instead of training it slowly
 
-_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers")
+# the first one present is the stack's layer count; the others are shortened with it (an encoder-decoder's second
+# stack, HRM's ``num_layers_per_stack``: the real depth of each recurrent stack, ``num_hidden_layers`` counting cache
+# slots)
+_LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "decoder_layers", "num_layers_per_stack")
 # fields read as "how many / which layers": kept within the shortened stack
 _DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "n_dense_layers", "first_k_dense")
 _LAYER_STEPS = ("decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_freq", "no_rope_layer_interval",
