@@ -84,6 +84,13 @@ class _Adoption:
         return next(iter(self.topologies.values()), None)
 
 
+def forget_adopted(accelerator: Any) -> None:
+    """Drop ``accelerator``'s record of the models it adopted (what ``Accelerator.free_memory``/``clear`` calls, so
+    that the models they release are not kept alive by it: a search's earlier trials' models, say)."""
+    if getattr(accelerator, _STATE_ATTR, None) is not None:
+        setattr(accelerator, _STATE_ATTR, None)
+
+
 def adoption_kwargs(accelerator: Any) -> AdoptionKwargs:
     return getattr(accelerator, _KWARGS_ATTR, None) or AdoptionKwargs()
 

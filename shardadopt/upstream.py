@@ -135,6 +135,15 @@ def reset_accelerate_state() -> None:
     _attribute(GradientState, "_reset_state", "reset_accelerate_state", "accelerate")()
 
 
+def reset_accelerator_state() -> None:
+    """``AcceleratorState._reset_state()``: forget accelerate's process-wide accelerator state (its
+    ``ParallelismConfig`` and plugins) but keep the process state (``PartialState``: ranks and backend), so the
+    next ``Accelerator()`` takes its own ``parallelism_config``. Checked on accelerate 1.13-1.15."""
+    from accelerate.state import AcceleratorState
+
+    _attribute(AcceleratorState, "_reset_state", "reset_accelerator_state", "accelerate")()
+
+
 # -- transformers ----------------------------------------------------------------------------------------------------
 
 TRAINER_MODULE = "transformers.trainer"

@@ -114,6 +114,20 @@ def test_reset_accelerate_state():
     upstream.reset_accelerate_state()
 
 
+def test_reset_accelerator_state():
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+
+    upstream.reset_accelerate_state()
+    Accelerator(cpu=True)
+    process = PartialState().num_processes
+    upstream.reset_accelerator_state()
+    # the accelerator state takes a new configuration, the process state is kept
+    assert Accelerator(cpu=True, mixed_precision="bf16").mixed_precision == "bf16"
+    assert PartialState().initialized and PartialState().num_processes == process
+    upstream.reset_accelerate_state()
+
+
 def test_missing_name_raises_upstream_changed():
     with pytest.raises(upstream.UpstreamChanged, match=r"accelerator_models: object\._models does not exist in "
                                                        rf"accelerate {installed_version('accelerate')}"):

@@ -34,6 +34,7 @@ steps x total train batch size over data-parallel ranks), ``"epochs"`` (whole ep
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -177,12 +178,12 @@ def last_complete_checkpoint(run_dir: str) -> str | None:
 
 def _objective(trainer: Any, trial: DistributedTrial) -> Any:
     import optuna
-    from accelerate.utils.memory import release_memory
 
     trainer.objective = None
     watch = getattr(trainer, _WATCH_ATTRIBUTE)
     watch.started = False
     seeds = (trainer.args.seed, trainer.args.data_seed)
+    user_model_init = trainer.model_init
     try:
         if (seed := trial.user_attrs.get(ATTR_SEED)) is not None:  # a re-run: model init and data order follow it
             trainer.args.seed = int(seed)
@@ -195,6 +196,10 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
         # A retry (shardadopt hpo requeue) resumes from the dead trial's last complete checkpoint.
         dead = trial.user_attrs.get(ATTR_RESUME_FROM)
         resume = last_complete_checkpoint(os.path.join(output_dir, dead)) if dead else None
+        # train() builds this trial's model with model_init while the Trainer still holds the model it built at
+        # construction (the first trial): drop it first, so one model at a time is alive.
+        _release_trial(trainer)
+        trainer.model_init = _aligning_accelerate_state(user_model_init, trainer)
         trainer.train(resume_from_checkpoint=resume, trial=trial)
         # If there has been no evaluation during training.
         if getattr(trainer, "objective", None) is None:
@@ -208,9 +213,42 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
         raise
     finally:
         trainer.args.seed, trainer.args.data_seed = seeds
-        # Free accelerator memory on every exit, pruned and failed trials included.
-        trainer.model_wrapped, trainer.model = release_memory(trainer.model_wrapped, trainer.model)
-        trainer.accelerator.clear()
+        trainer.model_init = user_model_init
+        # Free the trial's memory on every exit, pruned and failed trials included.
+        _release_trial(trainer)
+
+
+def _aligning_accelerate_state(model_init: Callable[..., Any], trainer: Any) -> Callable[..., Any]:
+    """``model_init`` that, when its model is tensor parallel (sharded at load time) and accelerate's process-wide
+    state holds no matching ``ParallelismConfig``, forgets that state, so that the accelerator the trial's
+    ``_hp_search_setup`` builds next takes the model's TP and data-parallel sizes. Upstream builds the Trainer's
+    first accelerator before ``model_init`` ran (no model: no ``ParallelismConfig``), and accelerate keeps the
+    first state's config for every later ``Accelerator``: the TP ranks then got different batches and trained
+    silently wrong."""
+
+    @functools.wraps(model_init)
+    def aligned(*args: Any) -> Any:
+        model = model_init(*args)
+        tp_size = getattr(model, "tp_size", None) or 1
+        config = trainer.accelerator.parallelism_config
+        if tp_size > 1 and (config is None or config.tp_size != tp_size):
+            upstream.reset_accelerator_state()
+        return model
+
+    return aligned
+
+
+def _release_trial(trainer: Any) -> None:
+    """Drop the Trainer's references to the last trial's model, optimizer and scheduler (its callback handler's
+    too, which upstream keeps until the next trial's ``train()`` replaces them: after ``model_init`` built the next
+    model, so two trials' models and the old optimizer state were alive at once) and the accelerator's."""
+    from accelerate.utils.memory import release_memory
+
+    trainer.model_wrapped, trainer.model = release_memory(trainer.model_wrapped, trainer.model)
+    trainer.optimizer = trainer.lr_scheduler = None
+    for attr in ("model", "optimizer", "lr_scheduler"):
+        setattr(trainer.callback_handler, attr, None)
+    trainer.accelerator.clear()
 
 
 def report_to_hp_search(trainer: Any, trial: DistributedTrial, step: int, metrics: dict[str, float]) -> None:

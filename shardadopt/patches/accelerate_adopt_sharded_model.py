@@ -18,8 +18,9 @@ optimizers fail on mixed DTensor/plain parameters, and ``clip_grad_norm_`` canno
 
 For a model that ``shardadopt.topology`` finds sharded (and only when accelerate's own FSDP/DeepSpeed/Megatron
 plugins are not in charge) each call is routed to ``shardadopt.adopt``; plain models take upstream's exact path.
-``Accelerator(kwargs_handlers=[shardadopt.AdoptionKwargs(...)])`` is accepted (upstream raises ``KeyError`` on a
-handler class it does not know).
+``Accelerator.free_memory``/``clear`` also forget the adopted models (shardadopt's own record would keep a search's
+earlier trials' models alive). ``Accelerator(kwargs_handlers=[shardadopt.AdoptionKwargs(...)])`` is accepted
+(upstream raises ``KeyError`` on a handler class it does not know).
 """
 
 from __future__ import annotations
@@ -125,6 +126,13 @@ def _gather_for_metrics(wrapped, instance, args, kwargs):
     return gather_for_metrics(instance, *args, **kwargs)
 
 
+def _free_memory(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import forget_adopted
+
+    forget_adopted(instance)  # free_memory releases the accelerator's models: the adoption record's references too
+    return wrapped(*args, **kwargs)
+
+
 def probe() -> Probe:
     """Read ``Accelerator.prepare_model``: the CPU branch of its distribution chain must be the plain DDP wrap."""
     from accelerate.accelerator import Accelerator
@@ -174,6 +182,7 @@ PATCH = Patch(
     wrappers={_target("__init__"): _init, _target("prepare_model"): _prepare_model,
               _target("prepare_data_loader"): _prepare_data_loader,
               _target("prepare_optimizer"): _prepare_optimizer, _target("clip_grad_norm_"): _clip_grad_norm_,
-              _target("no_sync"): _no_sync, _target("gather_for_metrics"): _gather_for_metrics},
+              _target("no_sync"): _no_sync, _target("gather_for_metrics"): _gather_for_metrics,
+              _target("free_memory"): _free_memory},
     probe=probe,
 )
