@@ -677,7 +677,8 @@ def rebuild_world() -> None:
     """Destroy every process group and initialise the default one again on the same store; collective.
 
     Same backend, timeout and bound device. Groups created before (device meshes, ``new_group``) are gone:
-    create them again (``transformers-reuse-device-mesh`` rebuilds a mesh whose groups were destroyed)."""
+    create them again (``transformers-reuse-device-mesh`` rebuilds a mesh whose groups were destroyed). DTensor's
+    sharding-propagation caches are emptied: their entries hold the old meshes."""
     default = upstream.default_group()
     backend = dist.get_backend()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -701,6 +702,10 @@ def rebuild_world() -> None:
             kwargs["device_id"] = device_id
         dist.init_process_group(backend, store=dist.PrefixStore(f"shardadopt-rebuild/{_STATE['generation']}/",
                                                                 base), rank=rank, world_size=world, **kwargs)
+        # DTensor's sharding-propagation caches match meshes by layout, not by process group: a hit would give
+        # the next model's tensors the destroyed mesh of an earlier trial (whose group names are gone, or name
+        # new, unrelated groups: torch numbers groups from 0 again after destroying the default one).
+        upstream.clear_sharding_propagation_caches()
     with _WATCHER.generation_changed:
         _WATCHER.generation_changed.notify_all()
 

@@ -421,6 +421,16 @@ def compiled_original(model: torch.nn.Module) -> torch.nn.Module | None:
     return getattr(model, "_orig_mod", None)
 
 
+def clear_sharding_propagation_caches() -> None:
+    """``torch.distributed.tensor.debug._clear_sharding_prop_cache()``: empty DTensor's sharding-propagation caches
+    (the Python ``lru_cache`` and the C++ fast path's). Their keys hold device meshes, which compare equal by rank
+    layout and dim names alone, so after the process groups were re-initialised a hit hands out the output spec
+    of an earlier generation's mesh, whose group names are gone or name new, unrelated groups. Checked on torch
+    2.13-2.15."""
+    _module_attribute("torch.distributed.tensor.debug", "_clear_sharding_prop_cache",
+                      "clear_sharding_propagation_caches", "torch")()
+
+
 # -- Python ----------------------------------------------------------------------------------------------------------
 
 def module_initializing(module: Any) -> bool:

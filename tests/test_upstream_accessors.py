@@ -480,6 +480,15 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     check("dtensor_local", local_is_the_shard)
 
+    def cache_forgets_meshes():
+        # meshes compare equal by layout: without the clear, the cached output spec carries the first mesh
+        (distribute_tensor(full, mesh, [Shard(0)]) * 2).full_tensor()
+        equal = init_device_mesh("cpu", (world,))
+        upstream.clear_sharding_propagation_caches()
+        return equal == mesh and (distribute_tensor(full, equal, [Shard(0)]) * 2).device_mesh is equal
+
+    check("clear_sharding_propagation_caches", cache_forgets_meshes)
+
     def one_group_on_the_mesh():
         module = torch.nn.Linear(2, 2)
         fully_shard(module, mesh=mesh)
@@ -526,7 +535,7 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
 
 DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "group_timeout",
-                         "backend_device_types", "dtensor_local",
+                         "backend_device_types", "dtensor_local", "clear_sharding_propagation_caches",
                          "fsdp_param_groups", "model_device_mesh", "model_mesh_manager", "set_model_sharding_sizes",
                          "module_hf_device_mesh")
 
