@@ -3,6 +3,7 @@ throughput with 1 vs 2 concurrent jobs.
 
     python benchmarks/hpo_overhead.py [--calls 1000] [--ranks 2 4] [--trials 8] [--skip-trainer]
                                       [--study-trials 16] [--study-storage URL] [--skip-study]
+                                      [--skip-hooks] [--hook-steps 20]
 
 1. Per ``report`` + ``should_prune`` on 2 and 4 gloo ranks (``DistributedTrial`` inside ``shardadopt.hpo.optimize``,
    MedianPruner, in-memory storage): the median wall time per pair on rank 0, side by side with the floor the
@@ -18,12 +19,21 @@ throughput with 1 vs 2 concurrent jobs.
    two concurrent 2-rank jobs attached to the same study; trials/min over the whole study (median of
    ``STUDY_REPEATS`` fresh studies). Ideal scaling is 2x; the gap is storage contention and shared CPU cores.
 
+4. Hang detection's per-step cost (``--skip-hooks`` to leave it out): while a fence watches for hangs every module
+   forward call runs a global forward pre-hook that counts progress (``shardadopt.fence``). One process, a Qwen3
+   causal LM per size in ``HOOK_MODELS`` (the tests' tiny one, and one whose step takes tens of ms on a CPU core),
+   training steps (forward, backward, AdamW step) with and without the fence's progress hooks, interleaved step by
+   step in the same run: median step time of each and the median of the per-pair ratios, with the module calls per
+   step; and, robust to a loaded machine, the hook's cost per module call (fastest of interleaved loops over an
+   ``nn.Identity``) times the calls per step over the plain step time. Target: ratio < 1.02.
+
 Ranks share the machine's cores with everything else running: compare numbers from one run only.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -34,6 +44,8 @@ STEP_VALUE_SEED = 7
 STUDY_STEPS = 5
 STUDY_STEP_SECONDS = 0.02
 STUDY_REPEATS = 3
+# name -> (hidden size, layers, intermediate size, batch, sequence length) of the hook-overhead models
+HOOK_MODELS = {"tiny (tests)": (64, 2, 128, 2, 16), "small": (256, 4, 704, 4, 128)}
 
 
 def _round_trips(calls: int) -> dict:
@@ -180,6 +192,79 @@ def _study_throughput(pools: list, storage: str, n_trials: int) -> float:
     return n_trials / elapsed * 60
 
 
+def hook_overhead(steps: int) -> dict[str, dict[str, float]]:
+    """Per ``HOOK_MODELS`` entry: median step ms without and with the fence's progress hooks (interleaved), the
+    median per-pair ratio, and module forward calls per step."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from shardadopt import fence
+
+    torch.set_num_threads(1)
+    per_call_us = hook_cost_per_call()
+    out = {}
+    for name, (hidden, layers, intermediate, batch, length) in HOOK_MODELS.items():
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=hidden // 4, max_position_embeddings=length)
+        model = Qwen3ForCausalLM(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 512, (batch, length))
+
+        def step(model=model, optimizer=optimizer, ids=ids) -> float:
+            start = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            return time.perf_counter() - start
+
+        step()  # warm-up
+        times: dict[bool, list[float]] = {False: [], True: []}
+        calls = 0
+        for i in range(steps):
+            for hooked in ((False, True) if i % 2 else (True, False)):  # alternate which goes first
+                if hooked:
+                    fence._add_progress_hooks()  # what an armed fence with a finite hang timeout installs
+                    before = fence._PROGRESS[0]
+                try:
+                    times[hooked].append(step())
+                finally:
+                    if hooked:
+                        calls = fence._PROGRESS[0] - before
+                        fence._remove_progress_hooks()
+        ratios = [h / p for p, h in zip(times[False], times[True])]
+        plain = statistics.median(times[False]) * 1e3
+        out[name] = {"plain ms": plain, "hooked ms": statistics.median(times[True]) * 1e3,
+                     "ratio": statistics.median(ratios), "calls": calls,
+                     "estimate": 1 + calls * per_call_us * 1e-3 / plain}
+    return out
+
+
+def hook_cost_per_call(calls: int = 20000, repeats: int = 7) -> float:
+    """Microseconds the progress hook adds to one module call (``nn.Identity``), the fastest of ``repeats``
+    interleaved loops each way: a load-robust figure to multiply by the calls per step."""
+    import torch
+
+    from shardadopt import fence
+
+    module, x = torch.nn.Identity(), torch.zeros(1)
+    best = {False: math.inf, True: math.inf}
+    for _ in range(repeats):
+        for hooked in (False, True):
+            if hooked:
+                fence._add_progress_hooks()
+            try:
+                start = time.perf_counter()
+                for _ in range(calls):
+                    module(x)
+                best[hooked] = min(best[hooked], (time.perf_counter() - start) / calls)
+            finally:
+                if hooked:
+                    fence._remove_progress_hooks()
+    return (best[True] - best[False]) * 1e6
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=1000)
@@ -189,7 +274,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--study-trials", type=int, default=16)
     parser.add_argument("--study-storage", default=None, help="storage URL (default: a journal file in a temp dir)")
     parser.add_argument("--skip-study", action="store_true")
+    parser.add_argument("--skip-hooks", action="store_true")
+    parser.add_argument("--hook-steps", type=int, default=20)
     options = parser.parse_args(argv)
+
+    if not options.skip_hooks:
+        print(f"hang detection's progress hooks, one process, median of {options.hook_steps} interleaved steps; "
+              "target ratio < 1.02")
+        rows = hook_overhead(options.hook_steps)
+        print(f"  hook cost per module call {hook_cost_per_call():.2f} us (fastest of 7 loops each way)")
+        print(f"  {'model':<14} {'calls/step':>10} {'plain ms':>9} {'hooked ms':>10} {'ratio':>7} "
+              f"{'calls x cost':>13}")
+        for name, row in rows.items():
+            print(f"  {name:<14} {row['calls']:>10} {row['plain ms']:>9.2f} {row['hooked ms']:>10.2f} "
+                  f"{row['ratio']:>7.3f} {row['estimate']:>13.4f}", flush=True)
 
     from shardadopt.testing import RankPool, tiny_checkpoints
 

@@ -12,15 +12,20 @@ The mechanism, and why:
   checkpoint save). The rank whose code raises inside it records itself in the rendezvous store with one atomic
   ``compare_set`` on the generation's trip key (first writer wins; a rank dying right after it leaves a complete
   record, never a half-written one), then *breaks its own training process groups*.
-- **Watcher** (every rank). One daemon thread per process waits on its rank's wake key with a blocking
-  ``store.wait`` on a store connection of its own (the main thread's store calls never queue behind it); the
-  tripping rank sets every rank's wake key in one ``multi_set`` right after its record. The store answers the wait
-  the moment the key is written: no polling, one open request per rank for the life of a process-group
-  generation, and detection in the time of one store round trip (a rank dying between its record and the wake-up
-  leaves a complete record: gloo peers fail on its closed connections and trip, reading it). At exit the watcher
-  is woken and joined, so no thread is inside the store client while Python finalises. When a trip wakes it while
-  a fence is armed, the watcher breaks this rank's training groups too: the thread blocked in a collective then
-  raises at once. Stores other than ``TCPStore`` (``FileStore``) are polled every ``POLL_INTERVAL`` instead.
+- **Watcher** (every rank). One daemon thread per process waits on its rank's wake key with a blocking ``store.wait``
+  on a store connection of its own (the main thread's store calls never queue behind it); the tripping rank sets
+  every rank's wake key in one ``multi_set`` right after its record. The watcher opens that connection and the hang
+  monitors' one once per process, and the first fenced section starts only when both are open: a fault is seen only
+  by a watcher that waits, and every rank's watcher must act before a blocked peer gets out (a TCPStore connection
+  can take seconds when many ranks open one at once: 5 s for 14 of 32 here, in torch's client;
+  ``benchmarks/fence_scale.py`` measured 4.7 s from a fault to every rank out at 16 ranks when the first section did
+  not wait for them). The store answers the wait the moment the key is written: no polling, one open request per rank
+  for the life of a process-group generation, and detection in the time of one store round trip (a rank dying between
+  its record and the wake-up leaves a complete record: gloo peers fail on its closed connections and trip, reading
+  it). At exit the watcher is woken and joined, so no thread is inside the store client while Python finalises. When
+  a trip wakes it while a fence is armed, the watcher breaks this rank's training groups too: the thread blocked in a
+  collective then raises at once. Stores other than ``TCPStore`` (``FileStore``) are polled every ``POLL_INTERVAL``
+  instead.
 - **Hangs**. While a fence is armed, each rank counts its progress: module forward calls (a global forward
   pre-hook), optimizer steps (a global step hook), control-plane rounds, the Trainer's step and evaluation events
   (``shardadopt.hpo.trainer_backend``) and ``progress()`` calls from custom code. A monitor thread publishes
@@ -96,7 +101,9 @@ HANG_TIMEOUT_ENV = "SHARDADOPT_HANG_TIMEOUT"
 DEFAULT_HANG_TIMEOUT = 900.0  # seconds without progress: longer than a slow evaluation, a save or a first batch
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: a hung rank could not be interrupted; restart the job (requeue retries the trial)
 HANG_KIND = "hang"  # shardadopt.hpo.failures.HANG (a failure kind; not imported here: fence is lower)
+_FAILURE_KIND = "shardadopt_failure_kind"  # the exception attribute shardadopt.hpo.failures.classify reads
 _HANG_SIGNAL = signal.SIGUSR1
+_CONNECT_TIMEOUT = timedelta(seconds=60)  # a side-channel connection to the store, and how long a fence waits for it
 _FOREVER = timedelta(days=30)  # a watcher's store wait: woken by a trip or a rebuild, never by a timeout
 _LISTEN, _TCP_TABLES = 0x0A, ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 _WILDCARD = {"00000000", "0" * 32}
@@ -121,8 +128,8 @@ class PeerFailedError(RuntimeError):
         self.origin_message = origin_message
         setattr(self, RANK_ATTRIBUTE, rank)
 
-    def __reduce__(self):
-        return (type(self), (self.args[0], self.rank, self.origin_message))
+    def __reduce__(self):  # attributes (the failure kind of a hang) travel too
+        return (type(self), (self.args[0], self.rank, self.origin_message), self.__dict__)
 
 
 class HangError(RuntimeError):
@@ -131,7 +138,7 @@ class HangError(RuntimeError):
 
     def __init__(self, message: str):
         super().__init__(message)
-        self.shardadopt_failure_kind = HANG_KIND
+        _mark_hang(self)
 
     def __reduce__(self):
         return (type(self), (self.args[0],))
@@ -200,7 +207,7 @@ def _connect(base: Any) -> Any:
     a thread that reads it itself may run while a rebuild has destroyed the group), or None (not a TCPStore)."""
     if not isinstance(base, dist.TCPStore):
         return None
-    return dist.TCPStore(base.host, base.port, None, False, timeout=timedelta(seconds=60), wait_for_workers=False)
+    return dist.TCPStore(base.host, base.port, None, False, timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
 
 
 # -- sockets ---------------------------------------------------------------------------------------------------------
@@ -327,6 +334,9 @@ class _Watcher:
         self.exiting = False
         self.store: Any = None  # the base store the watcher watches (kept for the exit wake-up)
         self.rank = 0
+        # The hang monitors' store connection, opened once per process by the watcher thread next to its own.
+        self.monitor_store: Any = None
+        self.ready = threading.Event()  # both connections are open (or the store is unreachable)
 
     # -- arming (main thread) ------------------------------------------------------------------------------------
 
@@ -337,8 +347,13 @@ class _Watcher:
                 if self.thread is None:
                     atexit.register(self.release)
                 self.store, self.rank = _store(), fence.rank
+                self.ready.clear()
                 self.thread = threading.Thread(target=self._watch, name="shardadopt-fence watcher", daemon=True)
                 self.thread.start()
+        # A fault before this rank's watcher waits in the store is seen only once it does: every rank's watcher
+        # must break its side of the gloo pairs before any blocked peer gets out. So the section starts once the
+        # connections are open (once per process: milliseconds, or seconds when many ranks connect at once).
+        self.ready.wait(_CONNECT_TIMEOUT.total_seconds())
         if math.isfinite(fence.hang_timeout):
             self._install_handler()
             if self.monitor is None:
@@ -386,8 +401,11 @@ class _Watcher:
     def _watch(self) -> None:
         try:
             connection = _connect(self.store)
+            self.monitor_store = _connect(self.store)
         except Exception:  # noqa: BLE001  (store unreachable: the job is ending)
             return
+        finally:
+            self.ready.set()
         # This thread never asks torch.distributed for the rank or the store: between a rebuild's destroy and init
         # the default group does not exist, and the rank and the base store are the same in every generation.
         store, blocking = (connection, True) if connection is not None else (self.store, False)
@@ -452,11 +470,7 @@ class _Watcher:
     # -- the hang monitor thread ---------------------------------------------------------------------------------
 
     def _monitor(self, stop: threading.Event, generation: int) -> None:
-        try:
-            connection = _connect(self.store)
-        except Exception:  # noqa: BLE001
-            return
-        store = connection if connection is not None else self.store
+        store = self.monitor_store if self.monitor_store is not None else self.store
         rank, world = self.rank, dist.get_world_size()
         count, changed, beat = _PROGRESS[0], time.monotonic(), 0
         seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (its last beat, when it changed, my clock)
@@ -555,6 +569,13 @@ def _on_hang_signal(signum: int, frame: Any) -> None:
     raise HangError(message)
 
 
+def _mark_hang(exc: BaseException) -> None:
+    try:
+        setattr(exc, _FAILURE_KIND, HANG_KIND)
+    except Exception:  # noqa: BLE001  (an exception type refusing attributes keeps its own kind)
+        pass
+
+
 def _exit_hung(message: str) -> None:
     print(f"shardadopt.fence: {message}; exiting with code {HANG_EXIT_CODE} so the job is restarted",
           file=sys.stderr, flush=True)
@@ -603,7 +624,9 @@ class Fence:
             store = _store()
             mine = f"{self.rank}\nerror\n{_describe(exc)[:2000]}"
             record = store.compare_set(_trip_key(self.generation), "", mine)
-            origin = _parse(record)[0]
+            origin, kind, _, _ = _parse(record)
+            if kind == HANG_KIND:  # whatever this rank raised (DCP wraps errors in its own) follows from the hang
+                _mark_hang(exc)
             _wake_all(store, self.generation)
         except Exception:  # noqa: BLE001  (store unreachable: its host died; break anyway)
             pass
@@ -665,9 +688,12 @@ def fenced(what: str, hang_timeout: float | None = None) -> Iterator[Fence]:
         origin = fence.trip(exc)
         found = fence.origin()
         if origin != fence.rank and found is not None:
-            raise PeerFailedError(f"rank {found[0]} failed during {what}: {found[1]}; this rank's collectives "
-                                  f"were broken so it could leave (the process groups are unusable now)",
-                                  found[0], found[1]) from exc
+            peer = PeerFailedError(f"rank {found[0]} failed during {what}: {found[1]}; this rank's collectives "
+                                   f"were broken so it could leave (the process groups are unusable now)",
+                                   found[0], found[1])
+            if getattr(exc, _FAILURE_KIND, None) == HANG_KIND:
+                _mark_hang(peer)
+            raise peer from exc
         raise
     finally:
         fence.stop()

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.multiproc
 
 BOUND = 30.0  # seconds from the fault (or the hang timeout's expiry) to every rank out; measured: 1-5 s loaded
 HANG_TIMEOUT = 5.0  # seconds; long enough for a first import of torch._dynamo on a loaded machine
+FSDP = {"fsdp_size": 2}
 
 
 def _child() -> None:
@@ -190,6 +191,104 @@ def test_a_rank_hanging_where_python_cannot_interrupt_it_makes_every_rank_exit(t
         assert code == fence.HANG_EXIT_CODE, (rank, code, logs[rank])
         assert at - hang_at < HANG_TIMEOUT + BOUND
     assert "could not be interrupted" in logs[0], logs[0]
+
+
+# -- a hang inside a sharded checkpoint save -----------------------------------------------------------------------
+
+
+def _hang_in_save(path: str, root: str, hanging: int) -> dict:
+    """In trial 0 (FSDP-sharded tiny qwen3): a complete checkpoint at step 1, one more step (the reference loss),
+    then a save at step 2 in which ``os.fsync`` stops answering on rank ``hanging`` (a filesystem that blocks,
+    inside DCP's writes) while the other rank goes on into DCP's closing collectives. Trial 1 resumes from the
+    latest complete checkpoint."""
+    import optuna
+    import torch
+    import torch.distributed as dist
+
+    import shardadopt
+    from shardadopt import checkpoint
+    from shardadopt.hpo import ControlOptions, optimize
+    from shardadopt.selftest import checkpoint as steps
+
+    shardadopt.enable()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
+    marks: dict = {}
+    fsync = os.fsync
+
+    def blocked_fsync(fd: int) -> None:
+        marks.setdefault("hang_at", time.time())
+        time.sleep(10**6)
+
+    def objective(trial):
+        trial.suggest_float("lr", 0.01, 0.1)  # recorded; the model's optimizer has its own
+        torch.manual_seed(0 if trial.number == 0 else 1)  # trial 1: the checkpoint's RNG state must win
+        model, optimizer, scheduler = steps.build(path, FSDP)
+        if trial.number == 1:
+            marks["started"] = time.time()
+            marks["published"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
+            latest = checkpoint.latest(root)
+            marks["latest"] = os.path.basename(latest)
+            checkpoint.load(latest, model, optimizer, scheduler)
+            marks["resumed"] = steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+            return marks["resumed"][-1]
+        steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+        checkpoint.save(f"{root}/step-1", model, optimizer, scheduler, step=1)
+        marks["expected"] = steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+        if rank == hanging:
+            os.fsync = blocked_fsync  # test instrumentation: this rank's filesystem stops answering
+        try:
+            checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
+        finally:
+            os.fsync = fsync
+        return marks["expected"][-1]
+
+    optimize(study, objective, n_trials=2, catch=(RuntimeError,),
+             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
+    table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study else None
+    return {"table": table, **marks}
+
+
+@pytest.mark.parametrize("hanging", [1])
+def test_a_rank_hanging_in_a_sharded_save_fails_the_trial_once_and_loses_nothing(pool2, tiny_models, tmp_path,
+                                                                                 hanging):
+    results = pool2.run(_hang_in_save, tiny_models["qwen3"], str(tmp_path), hanging, timeout=300)
+    table = results[0]["table"]
+    assert [state for _, state, _ in table] == ["FAIL", "COMPLETE"], table
+    attrs = table[0][2]
+    assert attrs["failure_kind"] == "hang" and attrs["failure_rank"] == hanging, attrs
+    hang_at = results[hanging]["hang_at"]
+    for result in results:
+        left = result["started"] - hang_at
+        assert HANG_TIMEOUT <= left < HANG_TIMEOUT + BOUND, f"left the hung save {left:.1f}s after the hang"
+        assert result["published"] == ["step-1"] and result["latest"] == "step-1", result
+        assert result["resumed"] == result["expected"], "the checkpoint before the hung save resumes exactly"
+
+
+# -- the scale benchmark ---------------------------------------------------------------------------------------------
+
+
+def test_the_scale_benchmark_runs_and_counts_the_beats(tmp_path):
+    """``benchmarks/fence_scale.py`` at its smallest (2 forked ranks, one run): every column measured, the fault and
+    the hang within their bounds, and the steady store load what the monitor's beat rate says (one ``set`` per rank
+    per tick of ``hang_timeout / 4``; none in a few seconds with the default 900 s, whose tick is 30 s)."""
+    import json
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fence_scale.py")
+    out = tmp_path / "scale.json"
+    hang_timeout, world = 2.0, 2
+    done = subprocess.run([sys.executable, script, "--ranks", str(world), "--repeats", "1", "--steady", "1",
+                           "--hang-timeout", str(hang_timeout), "--capacity-seconds", "0.2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(out.read_text())["table"][str(world)]
+    tick = max(hang_timeout / 4, 0.25)
+    assert 0 < row["out s"] < BOUND and 0 < row["next s"] < BOUND and 0 < row["rebuild s"] < BOUND, row
+    assert hang_timeout <= row["hang s"] < hang_timeout + 4 * tick + BOUND, row
+    assert row["req/s"] <= world, row  # at most one beat per rank in the window
+    assert 0.5 * world / tick <= row["req/s hang"] <= 1.5 * world / tick, row
 
 
 # -- the end of a trial: one decision for every rank -------------------------------------------------------------------

@@ -9,6 +9,7 @@ layout -> weights and optimizer resharded, per-rank RNG not restored (a warning 
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ import torch
 from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, CheckpointMismatchError, read_info, staged
 from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
 from shardadopt.checkpoint.sharding import layout, rank_local
+from shardadopt.fence import progress
 from shardadopt.topology import _world
 
 _SCHEDULERS = "schedulers.pt"
@@ -79,8 +81,25 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
     the model loads from its own checkpoint): what upstream's Trainer leaves out of a PEFT model's checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state_dicts(_as_list(models), _as_list(optimizers), frozen),
-             checkpoint_id=os.path.join(directory, _STATE_DIR))
+    path = os.path.join(directory, _STATE_DIR)
+    state = _state_dicts(_as_list(models), _as_list(optimizers), frozen)
+    progress()  # this rank's state is collected: a peer still collecting (or hung doing it) is behind
+    dcp.save(state, storage_writer=_progress_writer()(path), checkpoint_id=path)
+
+
+@functools.cache
+def _progress_writer() -> type:
+    """DCP's file writer, counting progress once this rank's files are written, so the hang monitor tells a rank
+    waiting in DCP's closing collectives from one blocked in its writes (a filesystem that stopped answering)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class ProgressWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            written = super().write_data(plan, planner)
+            progress()
+            return written
+
+    return ProgressWriter
 
 
 def _saved_shapes(directory: str) -> dict[str, tuple[int, ...]]:

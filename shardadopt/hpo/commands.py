@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from shardadopt.hpo.storage import resolve_storage
@@ -37,62 +38,86 @@ def add_commands(verbs: Any) -> None:
 
 
 def run(args: Any) -> int:
+    """One verb: its result as JSON (``--json``) or as the lines ``show`` prints."""
     storage = resolve_storage(args.storage, heartbeat_interval=None)
-    if args.hpo_command == "warm-start":
-        from shardadopt.hpo.warmstart import import_space, space_distributions, warm_start
+    compute, show = _VERB_STEPS[args.hpo_command]
+    result = compute(args, storage)
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2, default=str))
+    else:
+        show(result)
+    return 0
 
-        space = space_distributions(import_space(args.space)) if args.space else None
-        result = warm_start(storage, args.source, args.target, args.top, space=space,
-                            out_of_range=args.out_of_range)
-        if args.json:
-            return _print_json(result.as_dict())
-        for number, params in result.enqueued.items():
-            print(f"#{number} of {result.source} enqueued into {result.target}: {params}"
-                  + "".join(f"; {note}" for note in result.notes.get(number, [])))
-        for number, why in result.skipped.items():
-            print(f"#{number} of {result.source} skipped: {why}")
-        if result.present:
-            print(f"already warm-started into {result.target}: " + ", ".join(f"#{n}" for n in result.present))
-        return 0
+
+def _study(args: Any) -> Any:
     from shardadopt.hpo.report import load_study
 
-    study = load_study(args.storage, args.study)
-    if args.hpo_command == "reseed":
-        from shardadopt.hpo.reseed import reseed
+    return load_study(args.storage, args.study)  # a missing study raises its clear error before any work
 
-        result = reseed(storage, args.study, args.top, args.seeds)
-        if args.json:
-            return _print_json(result.as_dict())
-        for number, seeds in result.enqueued.items():
-            print(f"#{number}: enqueued seeds {seeds} into {result.companion}")
-        for number, seeds in result.present.items():
-            print(f"#{number}: seeds {seeds} already in {result.companion}")
-        print(f"run them: attach your jobs to study {result.companion!r} (same script and hp_space)")
-        return 0
-    if args.hpo_command == "check-pruning":
-        from shardadopt.hpo.pruning_check import check_pruning
 
-        result = check_pruning(study, args.rung)
-        if args.json:
-            return _print_json(result.as_dict())
-        print(f"study {result.study}, rung {result.rung}: {len(result.trials)} trials compared, Spearman "
-              f"{result.spearman:.2f}, Kendall {result.kendall:.2f}, final best #{result.final_best} in the top "
-              f"third {result.top_third}: {'yes' if result.best_in_top_third else 'no'}")
-        print(f"verdict: {result.verdict.upper()}: {result.reason}")
-        return 0
+def _warm_start(args: Any, storage: Any) -> Any:
+    from shardadopt.hpo.warmstart import import_space, space_distributions, warm_start
+
+    space = space_distributions(import_space(args.space)) if args.space else None
+    return warm_start(storage, args.source, args.target, args.top, space=space, out_of_range=args.out_of_range)
+
+
+def _show_warm_start(result: Any) -> None:
+    for number, params in result.enqueued.items():
+        print(f"#{number} of {result.source} enqueued into {result.target}: {params}"
+              + "".join(f"; {note}" for note in result.notes.get(number, [])))
+    for number, why in result.skipped.items():
+        print(f"#{number} of {result.source} skipped: {why}")
+    if result.present:
+        print(f"already warm-started into {result.target}: " + ", ".join(f"#{n}" for n in result.present))
+
+
+def _reseed(args: Any, storage: Any) -> Any:
+    from shardadopt.hpo.reseed import reseed
+
+    _study(args)
+    return reseed(storage, args.study, args.top, args.seeds)
+
+
+def _show_reseed(result: Any) -> None:
+    for number, seeds in result.enqueued.items():
+        print(f"#{number}: enqueued seeds {seeds} into {result.companion}")
+    for number, seeds in result.present.items():
+        print(f"#{number}: seeds {seeds} already in {result.companion}")
+    print(f"run them: attach your jobs to study {result.companion!r} (same script and hp_space)")
+
+
+def _check_pruning(args: Any, storage: Any) -> Any:
+    from shardadopt.hpo.pruning_check import check_pruning
+
+    return check_pruning(_study(args), args.rung)
+
+
+def _show_check_pruning(result: Any) -> None:
+    print(f"study {result.study}, rung {result.rung}: {len(result.trials)} trials compared, Spearman "
+          f"{result.spearman:.2f}, Kendall {result.kendall:.2f}, final best #{result.final_best} in the top "
+          f"third {result.top_third}: {'yes' if result.best_in_top_third else 'no'}")
+    print(f"verdict: {result.verdict.upper()}: {result.reason}")
+
+
+def _plot(args: Any, storage: Any) -> Any:
     from shardadopt.hpo.plot import write_plots
     from shardadopt.hpo.reseed import load_companion
 
-    result = write_plots(study, args.out, load_companion(storage, args.study))
-    if args.json:
-        return _print_json(result.as_dict())
+    return write_plots(_study(args), args.out, load_companion(storage, args.study))
+
+
+def _show_plot(result: Any) -> None:
     for name, path in result.written.items():
         print(f"{name}: {path}")
     for name, why in result.skipped.items():
         print(f"{name}: not drawn ({why})")
-    return 0
 
 
-def _print_json(payload: dict[str, Any]) -> int:
-    print(json.dumps(payload, indent=2, default=str))
-    return 0
+# verb -> (what it computes from the arguments and the storage, how its result is printed without --json)
+_VERB_STEPS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[Any], None]]] = {
+    "warm-start": (_warm_start, _show_warm_start),
+    "reseed": (_reseed, _show_reseed),
+    "check-pruning": (_check_pruning, _show_check_pruning),
+    "plot": (_plot, _show_plot),
+}
