@@ -75,6 +75,8 @@ RENAMES = [
      {"self.create_optimizer()": "self.build_optimizer()"}),
     ("trainer-adopt-sharded-model", "transformers.trainer:Trainer", "__init__",
      {"place_model_on_device = False": "place_model_on_device = None"}),
+    ("trainer-model-init-parallelism", "transformers.trainer:Trainer", "__init__",
+     {"self.create_accelerator_and_postprocess()": "self.build_accelerator()"}),
     ("trainer-hpo-optuna", "transformers.integrations.integration_utils", "run_hp_search_optuna",
      {"FixedTrial": "FrozenTrial"}),
     ("transformers-ep-grouped-mm-sentinel", "transformers.integrations.moe", "grouped_mm_experts_forward",

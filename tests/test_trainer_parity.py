@@ -43,6 +43,12 @@ def test_two_ranks_match_single_process(request, tiny_models, layout):
     assert_parity(request, "pool2", tiny_models, layout)
 
 
+def test_model_init_with_tensor_parallel_load_matches_single_process(request, tiny_models):
+    # Upstream builds the accelerator before model_init has a model (no ParallelismConfig): each TP rank then got
+    # its own batch (patch trainer-model-init-parallelism).
+    assert_parity(request, "pool2", tiny_models, "tp", model_init=True)
+
+
 @pytest.mark.parametrize("layout", ["fsdp", "ep"])
 def test_gradient_accumulation_matches_single_process(request, tiny_models, layout):
     # TP is left out on purpose: upstream's `replicated_with_grad_allreduce` (Qwen3 q_norm/k_norm) all-reduces the

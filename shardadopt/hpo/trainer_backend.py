@@ -219,20 +219,18 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
 
 
 def _aligning_accelerate_state(model_init: Callable[..., Any], trainer: Any) -> Callable[..., Any]:
-    """``model_init`` that, when its model is tensor parallel (sharded at load time) and accelerate's process-wide
-    state holds no matching ``ParallelismConfig``, forgets that state, so that the accelerator the trial's
-    ``_hp_search_setup`` builds next takes the model's TP and data-parallel sizes. Upstream builds the Trainer's
-    first accelerator before ``model_init`` ran (no model: no ``ParallelismConfig``), and accelerate keeps the
-    first state's config for every later ``Accelerator``: the TP ranks then got different batches and trained
-    silently wrong."""
+    """``model_init`` whose tensor-parallel model (sharded at load time) the Trainer's accelerator is rebuilt for
+    (:func:`shardadopt.trainer_parallelism.align_accelerator_with_model`). Upstream builds the Trainer's first
+    accelerator before ``model_init`` ran (no model: no ``ParallelismConfig``), and accelerate keeps the first
+    state's config for every later ``Accelerator``: the TP ranks then got different batches and trained silently
+    wrong. Kept here as well as in the patch ``trainer-model-init-parallelism`` so that a search stays right with
+    that patch turned off; the second check finds the accelerator aligned and does nothing."""
+    from shardadopt.trainer_parallelism import align_accelerator_with_model
 
     @functools.wraps(model_init)
     def aligned(*args: Any) -> Any:
         model = model_init(*args)
-        tp_size = getattr(model, "tp_size", None) or 1
-        config = trainer.accelerator.parallelism_config
-        if tp_size > 1 and (config is None or config.tp_size != tp_size):
-            upstream.reset_accelerator_state()
+        align_accelerator_with_model(trainer, model)
         return model
 
     return aligned

@@ -112,12 +112,14 @@ def _fresh_accelerate_state() -> None:
 def train_log(models: dict[str, str], layout: str, steps: int, *, single_process: bool = False,
               world: int | None = None, device: str = "cpu", grad_accum: int = 1, optim: str = "adamw_torch",
               max_grad_norm: float = 1.0,
-              learning_rate: float = 1e-3, enable: bool = True, streamed: bool = False) -> list[dict[str, float]]:
+              learning_rate: float = 1e-3, enable: bool = True, streamed: bool = False,
+              model_init: bool = False) -> list[dict[str, float]]:
     """Train ``steps`` optimizer steps with Trainer; per step ``{"loss", "grad_norm"}`` as Trainer logs them.
 
     Sharded per ``layout`` on every rank of a pool, or, with ``single_process=True``, the control: the same model
     unsharded in one process whose per-device batch is the sharded run's global batch. ``streamed``: the samples
     come from a streamed ``datasets`` dataset (``to_iterable_dataset``), which accelerate dispatches from rank 0.
+    ``model_init``: the Trainer gets ``model_init=`` (a function loading the model as above) instead of ``model=``.
     """
     import torch
     from transformers import AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
@@ -134,7 +136,10 @@ def train_log(models: dict[str, str], layout: str, steps: int, *, single_process
         from transformers.distributed import DistributedConfig
 
         kwargs["distributed_config"] = DistributedConfig(**sizes)
-    model = AutoModelForCausalLM.from_pretrained(models[LAYOUTS[layout].model], **kwargs)
+    def load() -> Any:
+        return AutoModelForCausalLM.from_pretrained(models[LAYOUTS[layout].model], **kwargs)
+
+    model = None if model_init else load()
     per_device = PER_RANK_BATCH * (dp if single_process else 1)
     _fresh_accelerate_state()
     with tempfile.TemporaryDirectory(prefix="shardadopt-trainer-") as out:
@@ -150,7 +155,7 @@ def train_log(models: dict[str, str], layout: str, steps: int, *, single_process
 
             dataset = Dataset.from_list([{k: v.tolist() for k, v in dataset[i].items()} for i in range(len(dataset))]
                                         ).to_iterable_dataset()
-        trainer = Trainer(model=model, args=args, train_dataset=dataset)
+        trainer = Trainer(model=model, model_init=load if model_init else None, args=args, train_dataset=dataset)
         trainer.remove_callback(PrinterCallback)  # every rank would print every step
         trainer.train()
     return [{"loss": row["loss"], "grad_norm": float(row["grad_norm"])}
