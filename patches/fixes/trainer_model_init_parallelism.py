@@ -11,12 +11,12 @@ from transformers.testing_utils import (
     TestCasePlus,
     execute_subprocess_async,
     get_torch_dist_unique_port,
-    require_torch,
+    require_torch_multi_accelerator,
 )
 
 
 class TestTrainerModelInitTensorParallel(TestCasePlus):
-    @require_torch
+    @require_torch_multi_accelerator
     def test_model_init_trains_like_model(self):
         work_dir = self.get_auto_remove_tmp_dir()
         cmd = [
@@ -39,7 +39,7 @@ class TestTrainerModelInitTensorParallel(TestCasePlus):
 
 
 if __name__ == "__main__":
-    # Runs on each of 2 ranks (gloo, CPU): a tiny Qwen3 loaded with tp_size=2, trained once passed as model= and once
+    # Runs on each of 2 ranks (one accelerator each): a tiny Qwen3 loaded with tp_size=2, trained once passed as model= and once
     # built by model_init, on the same data; both ranks of the TP group must see the same batches either way.
     import torch
     import torch.distributed as dist
@@ -49,7 +49,7 @@ if __name__ == "__main__":
     from transformers.distributed import DistributedConfig
 
     work_dir = sys.argv[1]
-    dist.init_process_group("gloo")
+    dist.init_process_group()
     checkpoint = os.path.join(work_dir, "checkpoint")
     if dist.get_rank() == 0:
         torch.manual_seed(0)
@@ -79,7 +79,6 @@ if __name__ == "__main__":
             logging_steps=1,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
             seed=0,
         )
         model_kwargs = {"model": load()} if name == "model" else {"model_init": load}
@@ -130,12 +129,15 @@ FIX = Fix(
         None then. train() calls model_init again without rebuilding the accelerator (only _hp_search_setup does, in
         a hyperparameter search), and accelerate keeps its first process-wide state anyway. A model_init that loads
         with DistributedConfig(tp_size=2) therefore trains with each TP rank fed a different batch: on 2 ranks the
-        grad norms are 5275 / 1239 / 22093 where model= gives 2.26 / 2.17 / 2.09 (5.24), silently.
+        grad norms are 5275 / 1239 / 22093 where model= gives 2.26 / 2.17 / 2.09 (5.24, CPU with shardadopt's other
+        patches), silently.
 
         call_model_init now resets the accelerator state and rebuilds the accelerator from the model when the model
         is tensor parallel and the accelerator's ParallelismConfig is missing or has another tp_size. The test trains
-        the same tensor-parallel Qwen3 (2 ranks, gloo, CPU) once passed as model= and once built by model_init and
-        compares the logged losses and grad norms.
+        the same tensor-parallel Qwen3 (2 ranks) once passed as model= and once built by model_init and compares the
+        logged losses and grad norms. It needs two accelerators: accelerate refuses a ParallelismConfig for CPU
+        processes (shardadopt's accelerate-cpu-parallelism-config lifts that, which is how its own test of this fix
+        runs on CPU), so upstream cannot train with tensor parallelism on CPU at all.
     """,
     edits=(Edit("src/transformers/trainer.py", CALL_MODEL_INIT_OLD, CALL_MODEL_INIT_NEW),),
     new_files=(NewFile("tests/trainer/test_trainer_model_init_tensor_parallel.py", TEST),),
