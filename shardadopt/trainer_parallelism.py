@@ -4,9 +4,9 @@
 ``ParallelismConfig(tp_size, dp_shard_size)``, which upstream derives from ``self.model``, is left out; accelerate
 then keeps that first process-wide state for every later ``Accelerator``. A model sharded at load time with
 ``tp_size > 1`` then trains with every rank taken as its own data-parallel replica: the TP ranks get different
-batches and the run is silently wrong. Both ``Trainer.call_model_init`` (patch ``trainer-model-init-parallelism``)
-and each trial of ``hyperparameter_search`` (``shardadopt.hpo.trainer_backend``) go through
-:func:`align_accelerator_with_model`.
+batches and the run is silently wrong. ``Trainer.call_model_init`` (patch ``trainer-model-init-parallelism``),
+which ``Trainer.__init__`` and ``train()`` call (outside a search and in every trial of ``hyperparameter_search``), goes
+through :func:`align_accelerator_with_model`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ adapters are bit-equal on every rank, only adapters train and the base weights a
 recorded is the eval loss of that trial's adapter recomputed here in one process; and no earlier trial's model is
 alive when the next one is built. On TP this needs the search to rebuild accelerate's state once the model exists
 (upstream builds the Trainer's first accelerator before ``model_init`` ran, without the model's ``ParallelismConfig``,
-and accelerate keeps that first state: the TP ranks trained on different batches; ``shardadopt.hpo.trainer_backend``).
+and accelerate keeps that first state: the TP ranks trained on different batches; patch
+``trainer-model-init-parallelism``).
 """
 
 from __future__ import annotations

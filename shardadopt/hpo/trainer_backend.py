@@ -34,7 +34,6 @@ steps x total train batch size over data-parallel ranks), ``"epochs"`` (whole ep
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import re
@@ -183,7 +182,6 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
     watch = getattr(trainer, _WATCH_ATTRIBUTE)
     watch.started = False
     seeds = (trainer.args.seed, trainer.args.data_seed)
-    user_model_init = trainer.model_init
     try:
         if (seed := trial.user_attrs.get(ATTR_SEED)) is not None:  # a re-run: model init and data order follow it
             trainer.args.seed = int(seed)
@@ -199,7 +197,6 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
         # train() builds this trial's model with model_init while the Trainer still holds the model it built at
         # construction (the first trial): drop it first, so one model at a time is alive.
         _release_trial(trainer)
-        trainer.model_init = _aligning_accelerate_state(user_model_init, trainer)
         trainer.train(resume_from_checkpoint=resume, trial=trial)
         # If there has been no evaluation during training.
         if getattr(trainer, "objective", None) is None:
@@ -213,27 +210,8 @@ def _objective(trainer: Any, trial: DistributedTrial) -> Any:
         raise
     finally:
         trainer.args.seed, trainer.args.data_seed = seeds
-        trainer.model_init = user_model_init
         # Free the trial's memory on every exit, pruned and failed trials included.
         _release_trial(trainer)
-
-
-def _aligning_accelerate_state(model_init: Callable[..., Any], trainer: Any) -> Callable[..., Any]:
-    """``model_init`` whose tensor-parallel model (sharded at load time) the Trainer's accelerator is rebuilt for
-    (:func:`shardadopt.trainer_parallelism.align_accelerator_with_model`). Upstream builds the Trainer's first
-    accelerator before ``model_init`` ran (no model: no ``ParallelismConfig``), and accelerate keeps the first
-    state's config for every later ``Accelerator``: the TP ranks then got different batches and trained silently
-    wrong. Kept here as well as in the patch ``trainer-model-init-parallelism`` so that a search stays right with
-    that patch turned off; the second check finds the accelerator aligned and does nothing."""
-    from shardadopt.trainer_parallelism import align_accelerator_with_model
-
-    @functools.wraps(model_init)
-    def aligned(*args: Any) -> Any:
-        model = model_init(*args)
-        align_accelerator_with_model(trainer, model)
-        return model
-
-    return aligned
 
 
 def _release_trial(trainer: Any) -> None:
