@@ -399,11 +399,37 @@ def _keep_owner_chunks(data: Any, owners: list[int], world: int) -> Any:
     return recursively_apply(select, data)
 
 
-def gather_for_metrics(accelerator: Any, input_data: Any, use_gather_object: bool = False) -> Any:
-    """``Accelerator.gather_for_metrics`` that returns each sample once when several ranks share a batch (TP)."""
+_METRIC_OWNERS_ATTR = "_shardadopt_metric_owners"  # on an Accelerator: (id of the model, owners) last computed
+
+
+def metric_owners(accelerator: Any) -> list[int] | None:
+    """For each data-parallel rank, the global rank whose samples ``gather_for_metrics`` keeps; None when every rank
+    holds a batch of its own. From the adoption record, else from the first sharded model ``accelerator`` prepared
+    for evaluation only (``prepare_model(model, evaluation_mode=True)``: what ``Trainer.evaluate`` does, and
+    Trainer 5.19+ for training too), whose TP ranks share a batch all the same. A collective the first time."""
+    state = adopted(accelerator)
+    if state is not None:
+        return state.owners if state.layout.dp_size < accelerator.num_processes else None
+    override = adoption_kwargs(accelerator).topology
+    model = next((m for m in upstream.accelerator_models(accelerator) if is_sharded_model(m, override)), None)
+    if model is None:
+        return None
+    cached = getattr(accelerator, _METRIC_OWNERS_ATTR, None)
+    if cached is not None and cached[0] == id(model):
+        return cached[1]
+    topo = topology(model, override)
+    owners = _dp_owners(topo, _world_dp_ranks(topo)) if topo.dp_size < topo.world_size else None
+    setattr(accelerator, _METRIC_OWNERS_ATTR, (id(model), owners))
+    return owners
+
+
+def gather_for_metrics(accelerator: Any, input_data: Any, use_gather_object: bool = False,
+                       owners: Sequence[int] | None = None) -> Any:
+    """``Accelerator.gather_for_metrics`` that returns each sample once when several ranks share a batch (TP):
+    only the ``owners``' samples (default :func:`metric_owners`) are kept."""
     from accelerate.utils import recursively_apply
 
-    state = adopted(accelerator)
+    owners = list(owners if owners is not None else metric_owners(accelerator) or range(accelerator.num_processes))
     world = accelerator.num_processes
     try:
         recursively_apply(lambda x: x, input_data, error_on_other_type=True)
@@ -415,11 +441,11 @@ def gather_for_metrics(accelerator: Any, input_data: Any, use_gather_object: boo
         per_rank: list[Any] = [None] * world
         dist.all_gather_object(per_rank, input_data)
         data: Any = []
-        for rank in state.owners:
+        for rank in owners:
             part = per_rank[rank]
             data.extend(part if isinstance(part, (list, tuple)) else [part])
     else:
-        data = _keep_owner_chunks(accelerator.gather(input_data), state.owners, world)
+        data = _keep_owner_chunks(accelerator.gather(input_data), owners, world)
     gradient_state = accelerator.gradient_state
     if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
         remainder = gradient_state.remainder

@@ -18,6 +18,9 @@ optimizers fail on mixed DTensor/plain parameters, and ``clip_grad_norm_`` canno
 
 For a model that ``shardadopt.topology`` finds sharded (and only when accelerate's own FSDP/DeepSpeed/Megatron
 plugins are not in charge) each call is routed to ``shardadopt.adopt``; plain models take upstream's exact path.
+A model prepared for evaluation only (``prepare_model(model, evaluation_mode=True)``: ``Trainer.evaluate``, and
+Trainer 5.19+ for training) keeps upstream's path, but ``gather_for_metrics`` still keeps each sample once when its
+TP ranks share a batch.
 ``Accelerator.free_memory``/``clear`` also forget the adopted models (shardadopt's own record would keep a search's
 earlier trials' models alive). ``Accelerator(kwargs_handlers=[shardadopt.AdoptionKwargs(...)])`` is accepted
 (upstream raises ``KeyError`` on a handler class it does not know).
@@ -118,12 +121,12 @@ def _no_sync(wrapped, instance, args, kwargs):
 
 
 def _gather_for_metrics(wrapped, instance, args, kwargs):
-    from shardadopt.adopt import adopted, gather_for_metrics
+    from shardadopt.adopt import gather_for_metrics, metric_owners
 
-    state = adopted(instance)
-    if state is None or state.layout.dp_size == instance.num_processes:
+    owners = None if _plugin_managed(instance) else metric_owners(instance)
+    if owners is None:
         return wrapped(*args, **kwargs)
-    return gather_for_metrics(instance, *args, **kwargs)
+    return gather_for_metrics(instance, *args, **kwargs, owners=owners)
 
 
 def _free_memory(wrapped, instance, args, kwargs):
