@@ -4,9 +4,9 @@
 and ``DPOTrainer(model=<sharded>, peft_config=...)`` (TRL's reference: the base with the adapter disabled), every
 rank seeded the same before the adapters are added, as TRL's docs call them, on 2 ranks (fsdp, tp, ep+fsdp) and 4
 (HSDP, 2-D); the reference is the same call on the plain checkpoint under DDP over 2 ranks with the same global
-batch (workers: ``shardadopt.testing.trl``). LoRA on
-TP before transformers 5.17 (plain TP shards) is refused when the adapters are added, naming the fix. An adapter
-run stopped after a checkpoint and resumed by a new trainer equals the uninterrupted run.
+batch (workers: ``shardadopt.testing.trl``). LoRA on TP before transformers 5.17 (plain TP shards; EP there is on
+the TP mesh) is refused when the adapters are added, naming the fix. An adapter run stopped after a checkpoint and
+resumed by a new trainer equals the uninterrupted run.
 """
 
 from __future__ import annotations
