@@ -23,15 +23,16 @@ trains exactly like one process on the same global batch:
 - **DoRA** (``use_dora=True``): the initial magnitude is the norm of the whole base weight (gathered once at
   injection) plus rank 0's B @ A, then broadcast from rank 0; on a colwise base the magnitude is sharded like the
   output features and the weight norm taken over this rank's rows, on a rowwise base it stays whole and the
-  squared norm is summed over the TP group (:func:`_tensor_parallel_dora`); on FSDP peft's own forward runs inside
-  FSDP's, on the unsharded weight. Its gradient is averaged over the data-parallel group like the factors';
+  squared norm is summed over the TP group (:func:`_tensor_parallel_dora`; on fsdp x tp on FSDP's unsharded TP
+  shard); on FSDP and HSDP peft's own forward runs inside FSDP's, on the unsharded weight. Its gradient is averaged
+  over the data-parallel group (on fsdp x tp: the ranks with this rank's tp coordinate) like the factors';
 - **modules_to_save**: peft's trainable copy of a sharded module is made whole and plain (:func:`whole_copy`: peft's
   deepcopy of FSDP/TP shards fails) and averaged over the data-parallel group, for modules inside a larger FSDP
   unit and modules that are not tensor parallel or gather their output (``lm_head``'s ``colwise_gather_output``);
 - **refused**, naming the layer or option and the way out (:class:`AdapterLayoutError`), before peft touches a
-  shard where possible (:func:`check_config`, :func:`check_layout_options`): initialisations computed from the base
-  weight (PiSSA, OLoRA, LoftQ, EVA, CorDA, LoRA-GA), DoRA and ``modules_to_save`` on HSDP and fsdp x tp loads
-  (untested), ``modules_to_save`` of an FSDP unit of its own or of a module with another TP plan,
+  shard where possible (:func:`check_config`): initialisations computed from the base
+  weight (PiSSA, OLoRA, LoftQ, EVA, CorDA, LoRA-GA), ``modules_to_save`` of an FSDP unit of its own (an untied
+  ``lm_head``: the FSDP plan's norm-and-head unit) or of a module with another TP plan,
   ``target_parameters`` and target modules that match fused expert tensors, base layers on the expert mesh or with a
   TP plan other than colwise/rowwise, LoRA on sharded non-Linear layers, ``lora_bias`` on a rowwise base, adapters
   on the meta device, and tensor parallelism on transformers without DTensor TP (before 5.17).
@@ -49,9 +50,8 @@ every rank):
   adapter) pairs); without the patch: ``with global_adapter_shapes(): model = get_peft_model(...)``, then
   ``lay_out_adapters(model)`` (likewise around ``add_adapter`` / ``load_adapter``);
 - ``global_adapter_shapes()``: the context manager in which peft sizes LoRA factors by the global shape;
-- ``check_config(lora_config)``, ``check_layout_options(lora_config, model)`` / ``check_adapters(model)``: raise
-  :class:`AdapterLayoutError` for what cannot be laid out (on this model's layout) / for LoRA layers that are not
-  laid out;
+- ``check_config(lora_config)`` / ``check_adapters(model)``: raise :class:`AdapterLayoutError` for what cannot be
+  laid out / for LoRA layers that are not laid out;
 - ``whole_copy(module)``, ``whole_weight(weight)``: what the patch gives peft's ``modules_to_save`` copy and DoRA's
   initial norm on a sharded base (collectives);
 - ``adapter_state_dict(peft_model, adapter_name="default") -> dict``: the adapter's full tensors in PEFT's format
@@ -81,7 +81,7 @@ from torch import nn
 from shardadopt import upstream
 from shardadopt.topology import Topology, topology
 
-__all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_layout_options", "check_adapters",
+__all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_adapters",
            "global_adapter_shapes", "adapter_state_dict", "full_adapter_tensors", "is_sharded_base",
            "dtensor_tensor_parallel", "whole_copy", "whole_weight", "MERGE_REFUSAL"]
 
@@ -264,21 +264,6 @@ def _check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model
                        "Add adapters after shardadopt.enable(), or inside shardadopt.adapters.global_adapter_shapes() "
                        "followed by lay_out_adapters(model).")
     return style
-
-
-def check_layout_options(config: Any, model: nn.Module) -> None:
-    """Refuse DoRA and ``modules_to_save`` on the layouts they are not tested on (HSDP, fsdp x tp), before peft
-    injects anything; fsdp, tp and ep+fsdp loads train them like one process."""
-    topo = topology(_base_model(model))
-    layout = ("HSDP (dp_replicate_size > 1)" if topo.dp_replicate_size > 1
-              else "fsdp x tp" if topo.tp_size > 1 and topo.dp_shard_size > 1 else None)
-    options = [o for o, on in (("DoRA (use_dora=True)", getattr(config, "use_dora", False)),
-                               (f"modules_to_save={getattr(config, 'modules_to_save', None)!r}",
-                                getattr(config, "modules_to_save", None))) if on]
-    if layout and options:
-        sizes = f"dp_replicate {topo.dp_replicate_size} x dp_shard {topo.dp_shard_size} x tp {topo.tp_size}"
-        raise _refusal(None, f"{' and '.join(options)} on a {layout} load ({sizes})",
-                       "Use plain LoRA on this layout, or load with fsdp_size or tp_size alone.")
 
 
 def _adapter_modules(layer: Any, adapter: str) -> list[nn.Module]:
@@ -489,7 +474,6 @@ def lay_out_adapters(model: nn.Module) -> int:
     copies = _modules_to_save(model, topo, base)
     for config in _peft_configs(model).values():
         check_config(config)
-        check_layout_options(config, model)
     group = _dp_group(topo) if topo.dp_size > 1 else None
     fsdp_modules = [m for m in base.modules() if isinstance(m, FSDPModule)][:1]
     done = 0

@@ -2,33 +2,57 @@
 
 ``SFTTrainer(model=<sharded>, peft_config=LoraConfig(...))``, ``SFTTrainer(model=get_peft_model(<sharded>, ...))``
 and ``DPOTrainer(model=<sharded>, peft_config=...)`` (TRL's reference: the base with the adapter disabled), every
-rank seeded the same before the adapters are added, as TRL's docs call them; the reference is the same call on the
-plain checkpoint under DDP over 2 ranks with the same global batch (workers: ``shardadopt.testing.trl``). LoRA on
-TP before transformers 5.17 (plain TP shards) is refused when the adapters are added, naming the fix. An adapter
-run stopped after a checkpoint and resumed by a new trainer equals the uninterrupted run.
+rank seeded the same before the adapters are added, as TRL's docs call them, on 2 ranks (fsdp, tp, ep+fsdp) and 4
+(HSDP, 2-D); the reference is the same call on the plain checkpoint under DDP over 2 ranks with the same global
+batch (workers: ``shardadopt.testing.trl``). LoRA on TP before transformers 5.17 (plain TP shards; EP there is on
+the TP mesh) is refused when the adapters are added, naming the fix. An adapter run stopped after a checkpoint and
+resumed by a new trainer equals the uninterrupted run.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from shardadopt.testing.trl import FP32_RTOL, MODELS, compare, refusal_problem, trl_log
+from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.trl import FP32_RTOL, MODELS, MOE_RTOL, compare, refusal_problem, trl_log
 
 pytestmark = pytest.mark.multiproc
 
 
-@pytest.mark.parametrize("kind, how, layout", [("sft", "peft_config", "fsdp"), ("sft", "wrapped", "fsdp"),
-                                               ("sft", "peft_config", "tp"), ("sft", "wrapped", "tp"),
-                                               ("dpo", "peft_config", "fsdp")])
-def test_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp, kind, how, layout):
+def check_lora_run(results: list[dict], trl_ddp, kind: str, how: str, layout: str, sizes: dict) -> None:
+    """Every rank tracks the DDP run of the same LoRA call, or (TP before transformers 5.17) is refused."""
     from shardadopt.adapters import dtensor_tensor_parallel
 
-    results = pool2.run(trl_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], lora=how, timeout=300)
-    refused = layout == "tp" and not dtensor_tensor_parallel()
+    refused = "tp_size" in sizes and not dtensor_tensor_parallel()
     expected = None if refused else trl_ddp(kind, MODELS[layout], lora=how)
+    rtol = MOE_RTOL if layout == "ep" else FP32_RTOL
     for rank, result in enumerate(results):
-        problem = refusal_problem(result, "lora-tp") if refused else compare(result, expected, FP32_RTOL)
+        problem = refusal_problem(result, "lora-tp") if refused else compare(result, expected, rtol)
         assert problem is None, f"{kind} {how} {layout} rank {rank}: {problem}"
+
+
+# ep: Qwen3-MoE with adapters on attention (its down_proj are fused expert tensors, refused)
+@pytest.mark.parametrize("kind, how, layout", [("sft", "peft_config", "fsdp"), ("sft", "wrapped", "fsdp"),
+                                               ("sft", "peft_config", "tp"), ("sft", "wrapped", "tp"),
+                                               ("sft", "peft_config", "ep"), ("dpo", "peft_config", "fsdp"),
+                                               ("dpo", "peft_config", "tp")])
+def test_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp, kind, how, layout):
+    results = pool2.run(trl_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], lora=how, timeout=300)
+    check_lora_run(results, trl_ddp, kind, how, layout, distributed_sizes(layout, 2)[0])
+
+
+@pytest.mark.parametrize("layout", ["hsdp", "2d"])
+def test_lora_four_ranks_track_ddp(request, tiny_models, trl_tokenizer, trl_ddp, layout):
+    """``SFTTrainer(peft_config=...)`` on HSDP (``dp_replicate_size=2, fsdp_size=2``) and 2-D (``fsdp_size=2,
+    tp_size=2``) loads over 4 ranks, against DDP over 2 with the same global batch."""
+    try:
+        sizes, _ = distributed_sizes(layout, 4)
+    except LayoutUnsupported as exc:
+        pytest.skip(f"{layout}: {exc}")
+    pool = request.getfixturevalue("pool4")
+    results = pool.run(trl_log, tiny_models, trl_tokenizer, "sft", layout, MODELS[layout], world=4,
+                       lora="peft_config", timeout=400)
+    check_lora_run(results, trl_ddp, "sft", "peft_config", layout, sizes)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])

@@ -33,7 +33,7 @@ def test_lora_on_fsdp_load_trains_like_one_process(tmp_path):
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _train(path, distributed):
+def _train(path, distributed, use_dora):
     from transformers import AutoModelForCausalLM
 
     from peft import LoraConfig, get_peft_model
@@ -45,7 +45,8 @@ def _train(path, distributed):
         kwargs["distributed_config"] = DistributedConfig(fsdp_size=2)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     torch.manual_seed(1234 + (torch.distributed.get_rank() if distributed else 0))  # ranks seeded differently
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"]))
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], use_dora=use_dora)
+    model = get_peft_model(model, config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     batch = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
     if distributed:  # each rank its half of the global batch
@@ -63,19 +64,22 @@ if __name__ == "__main__":
 
     dist.init_process_group("gloo")
     path = os.path.join(sys.argv[1], "base")
-    sharded = _train(path, distributed=True)
-    everyone = [None, None]
-    dist.all_gather_object(everyone, sharded)
-    for name, value in sharded.items():
-        assert torch.equal(value, everyone[0][name]), f"{name} differs between the ranks"
-    if dist.get_rank() == 0:
-        for name, value in _train(path, distributed=False).items():
-            torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    for use_dora in (False, True):  # DoRA: its magnitude vector too
+        sharded = _train(path, distributed=True, use_dora=use_dora)
+        assert any("lora_magnitude_vector" in name for name in sharded) == use_dora
+        everyone = [None, None]
+        dist.all_gather_object(everyone, sharded)
+        for name, value in sharded.items():
+            assert torch.equal(value, everyone[0][name]), f"{name} differs between the ranks"
+        if dist.get_rank() == 0:
+            for name, value in _train(path, distributed=False, use_dora=use_dora).items():
+                torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-6, msg=name)
     dist.destroy_process_group()
 '''
 
 TUNERS = "src/peft/tuners/tuners_utils.py"
 LORA_MODEL = "src/peft/tuners/lora/model.py"
+DORA = "src/peft/tuners/lora/dora.py"
 
 GLOBAL_SHAPE = Edit(
     TUNERS,
@@ -151,6 +155,20 @@ BROADCAST_BEFORE_SHARDING = Edit(
     "                torch.distributed.broadcast(param, src=0)\n"
     "            style.shard_param(tp_module, p_name, device_mesh)\n")
 
+DORA_WHOLE_WEIGHT_NORM = Edit(
+    DORA,
+    "            weight = dequantize_module_weight(base_layer)\n"
+    "            if weight.data.ndim >= 3:  # For handling LoRAs applied to Conv layers.\n",
+    "            weight = dequantize_module_weight(base_layer)\n"
+    "            if isinstance(weight, torch.distributed.tensor.DTensor) and set(\n"
+    "                weight.device_mesh.mesh_dim_names or ()\n"
+    "            ) <= {\"dp_replicate\", \"fsdp\"}:\n"
+    "                # FSDP2 shards the storage only: the magnitude is the norm of the whole weight, which the forward\n"
+    "                # (inside FSDP's, on the unsharded weight) divides by\n"
+    "                weight = weight.full_tensor()\n"
+    "            if weight.data.ndim >= 3:  # For handling LoRAs applied to Conv layers.\n")
+
+
 FIX = Fix(
     id="peft-sharded-adapters",
     distribution="peft",
@@ -163,15 +181,17 @@ FIX = Fix(
         and rank 0's is saved. Under tensor parallelism the factors are sized by the local shard: the init scale
         changes with the TP size and a row-parallel lora_A declares its local in_features, so the first forward
         fails ("shape '[48, 24]' is invalid for input of size 2304"); a sharded factor keeps each rank's own
-        random init.
+        random init. DoRA on an FSDP2 load fails when it is added: its initial magnitude adds a DTensor shard of
+        the base weight and the plain B @ A.
 
         Size LoRA layers by the global shape of a DTensor base weight, broadcast rank 0's initial values before a
         factor is sharded, and average the gradients of the replicated adapters over the model's data-parallel
-        mesh dims after every backward. (shardadopt also refuses what it cannot lay out, writes full tensors from
-        rank 0 in save_pretrained, and refuses merging into shards.)
+        mesh dims after every backward; DoRA's initial magnitude from the whole weight on an FSDP2 load, and its
+        magnitude vector averaged like the factors. (shardadopt also lays DoRA out on TP, refuses what it cannot
+        lay out, writes full tensors from rank 0 in save_pretrained, and refuses merging into shards.)
     """,
     variants=(
-        Variant("0.21", edits=(GLOBAL_SHAPE, HELPER, CALL, BROADCAST_BEFORE_SHARDING),
+        Variant("0.21", edits=(GLOBAL_SHAPE, HELPER, CALL, BROADCAST_BEFORE_SHARDING, DORA_WHOLE_WEIGHT_NORM),
                 new_files=(NewFile("tests/test_lora_sharded_data_parallel.py", TEST),)),
     ),
 )

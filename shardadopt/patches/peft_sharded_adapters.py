@@ -43,7 +43,6 @@ _REDUCTIONS = {"all_reduce", "register_post_accumulate_grad_hook", "fully_shard"
 def _inject_adapter(wrapped, instance, args, kwargs):
     from shardadopt.adapters import (
         check_config,
-        check_layout_options,
         global_adapter_shapes,
         is_sharded_base,
         lay_out_adapters,
@@ -54,7 +53,6 @@ def _inject_adapter(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     adapter_name = args[1] if len(args) > 1 else kwargs.get("adapter_name")
     check_config(instance.peft_config.get(adapter_name))  # before peft runs a weight-based init on shards
-    check_layout_options(instance.peft_config.get(adapter_name), model)
     with global_adapter_shapes():
         result = wrapped(*args, **kwargs)
     lay_out_adapters(instance)

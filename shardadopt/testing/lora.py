@@ -292,8 +292,7 @@ REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the
     "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
     "save-sharded-module": {"modules_to_save": ["gate_proj"]},  # TP plan colwise: its copy would output whole
     "save-fsdp-unit": {"modules_to_save": ["embed_tokens"]},
-    "dora": {"use_dora": True},  # on the layouts DoRA is not tested on (HSDP, fsdp x tp)
-    "modules-to-save": {"modules_to_save": ["lm_head"]},  # likewise
+    "modules-to-save": {"modules_to_save": ["lm_head"]},  # an untied head: an FSDP unit of its own (norm + head)
 }
 
 

@@ -17,8 +17,9 @@ from typing import Any
 
 STEPS = 3
 GLOBAL_BATCH = 4
-MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe", "2d": "qwen3"}
+MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe", "2d": "qwen3", "hsdp": "llama"}
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+ATTENTION = ["q_proj", "v_proj", "o_proj"]  # Qwen3-MoE: its down_proj are fused expert tensors (refused)
 LORA_SEED = 0  # every rank seeded the same before the adapters are added, as a user does
 LR = {"full": 1e-3, "lora": 1e-2}
 # fp32: TP pads the whole global batch where DDP pads per rank, and sharded matmuls sum in another order
@@ -44,10 +45,14 @@ def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
                               "rejected": sentences(n, seed=4, max_words=6)})
 
 
-def lora_config():
+def lora_config(model: str):
+    """The adapters for ``model`` (a key of the tiny checkpoints): attention only on the MoE model."""
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    from shardadopt.testing.models import MOE_MODELS
+
+    targets = ATTENTION if model in MOE_MODELS else TARGETS
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
 
 
 def _load(path: str, layout: str | None, world: int):
@@ -132,9 +137,9 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
                     if lora == "wrapped":
                         from peft import get_peft_model
 
-                        network = get_peft_model(network, lora_config())
+                        network = get_peft_model(network, lora_config(model))
                     else:
-                        extra["peft_config"] = lora_config()
+                        extra["peft_config"] = lora_config(model)
                 trainer = _trl_trainer(kind, network, common, tokenizer, **extra)
                 trainer.train()
             except (AdapterLayoutError, AdoptionError) as exc:
@@ -231,12 +236,12 @@ def resume_log(models: dict[str, str], tokenizer: str, how: str, layout: str, mo
         torch.manual_seed(seed)
         if how == "sft":
             trainer = _trl_trainer("sft", network, {**common, "max_length": 32}, tokenizer,
-                                   peft_config=lora_config(), callbacks=callbacks)
+                                   peft_config=lora_config(model), callbacks=callbacks)
         else:
             processing_class = AutoTokenizer.from_pretrained(tokenizer)
             data = dataset("sft").map(lambda batch: processing_class(batch["text"], truncation=True, max_length=32),
                                       batched=True, remove_columns=["text"])
-            trainer = Trainer(model=get_peft_model(network, lora_config()), args=TrainingArguments(**common),
+            trainer = Trainer(model=get_peft_model(network, lora_config(model)), args=TrainingArguments(**common),
                               train_dataset=data, callbacks=callbacks,
                               data_collator=DataCollatorForLanguageModeling(processing_class, mlm=False))
             trainer.remove_callback(PrinterCallback)
