@@ -94,7 +94,7 @@ from typing import Any
 import torch.distributed as dist
 
 from shardadopt import upstream
-from shardadopt.hpo.errors import RANK_ATTRIBUTE
+from shardadopt.hpo.errors import RANK_ATTRIBUTE, origin_rank
 
 POLL_INTERVAL = 0.05  # seconds between a watcher's checks on a store it cannot wait on (not a TCPStore)
 HANG_TIMEOUT_ENV = "SHARDADOPT_HANG_TIMEOUT"
@@ -622,7 +622,9 @@ class Fence:
         origin = self.rank
         try:
             store = _store()
-            mine = f"{self.rank}\nerror\n{_describe(exc)[:2000]}"
+            # a copy of another rank's error (DCP hands every rank all of its ranks' failures) names that rank
+            theirs = exc.origin_message if isinstance(exc, PeerFailedError) and exc.origin_message else None
+            mine = f"{origin_rank(exc, self.rank)}\nerror\n{(theirs or _describe(exc))[:2000]}"
             record = store.compare_set(_trip_key(self.generation), "", mine)
             origin, kind, _, _ = _parse(record)
             if kind == HANG_KIND:  # whatever this rank raised (DCP wraps errors in its own) follows from the hang
@@ -687,6 +689,11 @@ def fenced(what: str, hang_timeout: float | None = None) -> Iterator[Fence]:
     except BaseException as exc:
         origin = fence.trip(exc)
         found = fence.origin()
+        hung_here = getattr(exc, _FAILURE_KIND, None) == HANG_KIND and origin == fence.rank
+        if hung_here and found is not None and isinstance(exc, Exception) and not isinstance(exc, HangError):
+            # this rank was named hung: what it raised on its way out (a broken collective, a wrapped HangError)
+            # follows from the interruption, so it leaves with the HangError a hang outside this section raises
+            raise HangError(found[1]) from exc
         if origin != fence.rank and found is not None:
             peer = PeerFailedError(f"rank {found[0]} failed during {what}: {found[1]}; this rank's collectives "
                                    f"were broken so it could leave (the process groups are unusable now)",

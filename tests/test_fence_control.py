@@ -2,13 +2,16 @@
 
 On 2 gloo ranks: a rank killed right after it tripped a fence (its record is one atomic store request, so the peer
 learns who failed at once instead of waiting out the store timeout); a rank that stops making progress without
-raising inside an ``optimize`` trial (``time.sleep`` in user code after a training step: the trial fails as
-``hang`` against it, the next trial trains as a single process on the same global batch does), and one that cannot
-be interrupted (``os.read`` on a pipe with the hang signal blocked: every rank exits with ``HANG_EXIT_CODE`` within
-the bound); a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in the rebuild
-decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once its world
-is destroyed (``shardadopt.cleanexit`` at exit); the fence watcher survives a rebuild that it starts into (a late
-thread start while the default group is destroyed).
+raising inside an ``optimize`` trial (``time.sleep`` in user code after a training step: the trial fails as ``hang``
+against it, the next trial trains as a single process on the same global batch does), and one that cannot be
+interrupted (``os.read`` on a pipe with the hang signal blocked: every rank exits with ``HANG_EXIT_CODE`` within the
+bound); a rank hanging in a sharded checkpoint save (``os.fsync`` blocking in DCP's writes, rank 1 or rank 0, the
+one that publishes; and with the watchers' break of the groups late, so DCP gathers the ``HangError`` into its
+``CheckpointException``): the trial fails once as ``hang`` naming that rank, the search goes on, the checkpoint
+before resumes exactly; a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in
+the rebuild decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once
+its world is destroyed (``shardadopt.cleanexit`` at exit); the fence watcher survives a rebuild that it starts into
+(a late thread start while the default group is destroyed).
 """
 
 from __future__ import annotations
@@ -191,6 +194,88 @@ def test_a_rank_hanging_where_python_cannot_interrupt_it_makes_every_rank_exit(t
         assert code == fence.HANG_EXIT_CODE, (rank, code, logs[rank])
         assert at - hang_at < HANG_TIMEOUT + BOUND
     assert "could not be interrupted" in logs[0], logs[0]
+
+
+# -- a hang inside a sharded checkpoint save -----------------------------------------------------------------------
+
+
+def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
+    """In trial 0 (FSDP-sharded tiny qwen3): a complete checkpoint at step 1, one more step (the reference loss),
+    then a save at step 2 in which ``os.fsync`` stops answering on rank ``hanging`` (a filesystem that blocks,
+    inside DCP's writes) while the other rank goes on into DCP's closing collectives. Trial 1 resumes from the
+    latest complete checkpoint. ``late_break``: the watchers' break of the groups comes only after DCP's
+    collectives (what a loaded machine does now and then): DCP then gathers the hung rank's ``HangError`` and raises
+    its ``CheckpointException``, a ``BaseException``, on every rank."""
+    import optuna
+    import torch
+    import torch.distributed as dist
+
+    import shardadopt
+    from shardadopt import checkpoint, fence
+    from shardadopt.hpo import ControlOptions, optimize
+    from shardadopt.selftest import checkpoint as steps
+
+    shardadopt.enable()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
+    marks: dict = {}
+    fsync, breaks = os.fsync, fence.break_training_groups
+
+    def blocked_fsync(fd: int) -> None:
+        marks.setdefault("hang_at", time.time())
+        time.sleep(10**6)
+
+    def objective(trial):
+        trial.suggest_float("lr", 0.01, 0.1)  # recorded; the model's optimizer has its own
+        torch.manual_seed(0 if trial.number == 0 else 1)  # trial 1: the checkpoint's RNG state must win
+        model, optimizer, scheduler = steps.build(path, FSDP)
+        if trial.number == 1:
+            marks["started"] = time.time()
+            marks["published"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
+            latest = checkpoint.latest(root)
+            marks["latest"] = os.path.basename(latest)
+            checkpoint.load(latest, model, optimizer, scheduler)
+            marks["resumed"] = steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+            return marks["resumed"][-1]
+        steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+        checkpoint.save(f"{root}/step-1", model, optimizer, scheduler, step=1)
+        marks["expected"] = steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+        if rank == hanging:
+            os.fsync = blocked_fsync  # test instrumentation: this rank's filesystem stops answering
+        if late_break:
+            fence.break_training_groups = lambda: 0  # test instrumentation: the watchers act late
+        try:
+            checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
+        except BaseException as exc:
+            marks["raised"] = type(exc).__name__
+            raise
+        finally:
+            os.fsync, fence.break_training_groups = fsync, breaks
+        return marks["expected"][-1]
+
+    optimize(study, objective, n_trials=2, catch=(RuntimeError,),
+             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
+    table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study else None
+    return {"table": table, **marks}
+
+
+@pytest.mark.parametrize("hanging,late_break", [(1, False), (0, False), (1, True)])
+def test_a_rank_hanging_in_a_sharded_save_fails_the_trial_once_and_loses_nothing(pool2, tiny_models, tmp_path,
+                                                                                 hanging, late_break):
+    results = pool2.run(_hang_in_save, tiny_models["qwen3"], str(tmp_path), hanging, late_break, timeout=300)
+    table = results[0]["table"]
+    assert [state for _, state, _ in table] == ["FAIL", "COMPLETE"], table
+    attrs = table[0][2]
+    assert attrs["failure_kind"] == "hang" and attrs["failure_rank"] == hanging, attrs
+    assert f"rank(s) [{hanging}] made no progress" in attrs["failure_message"], attrs
+    hang_at = results[hanging]["hang_at"]
+    for rank, result in enumerate(results):
+        assert result["raised"] == ("HangError" if rank == hanging else "PeerFailedError"), (rank, result["raised"])
+        left = result["started"] - hang_at
+        assert HANG_TIMEOUT <= left < HANG_TIMEOUT + BOUND, f"left the hung save {left:.1f}s after the hang"
+        assert result["published"] == ["step-1"] and result["latest"] == "step-1", result
+        assert result["resumed"] == result["expected"], "the checkpoint before the hung save resumes exactly"
 
 
 # -- the scale benchmark ---------------------------------------------------------------------------------------------
