@@ -349,7 +349,8 @@ def test_a_rank_whose_close_raises_still_rebuilds_with_the_others(pool2):
 
 def trip_rebuild_trip() -> dict:
     """A fenced section that rank 1 fails at once, ``rebuild_world``, then a second section that rank 0 fails. Rank
-    1's watcher thread starts late, while its main thread is in the rebuild with the default group destroyed."""
+    1's watcher thread starts late, while its main thread is in the rebuild with the default group destroyed. Counts
+    the fence's own store connections (``fence._connect``) and how many were open when each section began."""
     import threading
 
     import torch
@@ -361,21 +362,27 @@ def trip_rebuild_trip() -> dict:
     watcher_errors: list[str] = []
     hook = threading.excepthook
     threading.excepthook = lambda args: watcher_errors.append(f"{args.thread.name}: {args.exc_value!r}")
-    errors, alive = [], []
+    errors, alive, opened = [], [], []
     connect = fence._connect
     initialise = dist.init_process_group
-    if rank == 1:  # test instrumentation: a slow watcher start and a slow initialisation (a loaded machine, many ranks)
-        def slow_connect(*args):
-            if threading.current_thread().name == "shardadopt-fence watcher":
-                time.sleep(0.3)
-            return connect(*args)
+    connections = {"started": 0, "open": 0}
 
-        fence._connect = slow_connect
+    def counted_connect(*args):  # store connections of the fence's own (each one took seconds at 16+ ranks)
+        connections["started"] += 1
+        if rank == 1 and threading.current_thread().name == "shardadopt-fence watcher":
+            time.sleep(0.3)  # test instrumentation: a slow watcher start (a loaded machine, many ranks)
+        store = connect(*args)
+        connections["open"] += 1
+        return store
+
+    fence._connect = counted_connect
+    if rank == 1:  # test instrumentation: a slow initialisation (a loaded machine, many ranks)
         dist.init_process_group = lambda *args, **kwargs: (time.sleep(1.0), initialise(*args, **kwargs))[1]
     try:
         for failing in (1, 0):
             try:
                 with fence.fenced("a section"):
+                    opened.append(connections["open"])  # the section starts once this process's are open
                     dist.all_reduce(torch.ones(2))
                     if rank == failing:
                         raise scenario._Fault(f"injected on rank {failing}")
@@ -391,7 +398,8 @@ def trip_rebuild_trip() -> dict:
         threading.excepthook = hook
         fence._connect = connect
         dist.init_process_group = initialise
-    return {"errors": errors, "watcher_errors": watcher_errors, "alive": alive, "sum": total.tolist()}
+    return {"errors": errors, "watcher_errors": watcher_errors, "alive": alive, "sum": total.tolist(),
+            "opened": opened, "connections": connections["started"]}
 
 
 def test_the_fence_watcher_survives_a_rebuild(tmp_path):
@@ -403,6 +411,9 @@ def test_the_fence_watcher_survives_a_rebuild(tmp_path):
     assert [r["watcher_errors"] for r in results] == [[], []], results  # it never asks for the destroyed group
     assert [r["alive"] for r in results] == [[True, True]] * 2, results  # watching the rebuilt generation
     assert [r["sum"] for r in results] == [[2.0, 2.0]] * 2
+    # two store connections per process (the watcher's, the hang monitors'), opened before the first section ran,
+    # never again: not per section, not per rebuilt generation
+    assert [(r["opened"], r["connections"]) for r in results] == [([2, 2], 2)] * 2, results
 
 
 # -- a given control group; the control group's lifetime -----------------------------------------------------------
