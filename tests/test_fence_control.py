@@ -221,6 +221,9 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
     marks: dict = {}
     fsync, breaks = os.fsync, fence.break_training_groups
+    # Imports and the first load outside the search: under this test's 5 s hang timeout, one rank still importing
+    # transformers on a loaded machine while the other trains is (rightly) a hang; real jobs keep the 900 s default.
+    steps.build(path, FSDP)
 
     def blocked_fsync(fd: int) -> None:
         marks.setdefault("hang_at", time.time())
@@ -234,6 +237,8 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
             marks["started"] = time.time()
             marks["published"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
             latest = checkpoint.latest(root)
+            if latest is None:  # trial 0 failed before its first save: the table says why
+                raise RuntimeError(f"no complete checkpoint in {root}")
             marks["latest"] = os.path.basename(latest)
             checkpoint.load(latest, model, optimizer, scheduler)
             marks["resumed"] = steps.train_steps(model, optimizer, scheduler, FSDP, 1)
