@@ -222,7 +222,8 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
     marks: dict = {}
     fsync, breaks = os.fsync, fence.break_training_groups
     # Imports and the first load outside the search: under this test's 5 s hang timeout, one rank still importing
-    # transformers on a loaded machine while the other trains is (rightly) a hang; real jobs keep the 900 s default.
+    # transformers on a loaded machine while the other trains is taken for hung (an import counts no progress); real
+    # jobs keep the 900 s default.
     steps.build(path, FSDP)
 
     def blocked_fsync(fd: int) -> None:
