@@ -93,7 +93,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardadopt import upstream
+from shardadopt import loadtime, upstream
 from shardadopt.hpo.errors import RANK_ATTRIBUTE, origin_rank
 
 POLL_INTERVAL = 0.05  # seconds between a watcher's checks on a store it cannot wait on (not a TCPStore)
@@ -730,6 +730,7 @@ def rebuild_world() -> None:
         _STATE["generation"] += 1
         _PROTECTED_PORTS.clear()
         dist.destroy_process_group()
+        loadtime.forget_device_meshes()  # their groups are gone: nothing may hand them out again, or keep them alive
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         if device_id is not None:
             kwargs["device_id"] = device_id

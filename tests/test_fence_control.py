@@ -475,6 +475,44 @@ def test_the_control_group_is_freed_with_its_world(pool2):
     assert pool2.run(_control_group_freed, timeout=120) == [True, True]
 
 
+def _meshes_freed() -> dict:
+    """A mesh ``reuse_device_mesh`` cached (what a sharding ``from_pretrained`` does on transformers 5.18+), then
+    ``rebuild_world``: is the old world's mesh gone, and does the same layout build afresh on the new world?"""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardadopt import fence, loadtime
+
+    builds = []
+
+    def build():
+        builds.append(1)
+        return None, init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+
+    layout = {"fsdp_size": 2}
+    _, mesh = loadtime.reuse_device_mesh(layout, build)
+    reused = loadtime.reuse_device_mesh(layout, build)[1] is mesh
+    old = weakref.ref(mesh)
+    del mesh
+    fence.rebuild_world()
+    gc.collect()
+    freed = old() is None
+    _, new = loadtime.reuse_device_mesh(layout, build)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=new.get_group())
+    loadtime.forget_device_meshes()  # the pool's later tests build their own (transformers' dim names)
+    return {"reused": reused, "freed": freed, "builds": len(builds), "sum": total.item()}
+
+
+def test_a_rebuilt_world_drops_the_cached_device_meshes(pool2):
+    for result in pool2.run(_meshes_freed, timeout=120):
+        assert result == {"reused": True, "freed": True, "builds": 2, "sum": 2.0}, result
+
+
 # -- errors in transit ------------------------------------------------------------------------------------------------
 
 
