@@ -681,8 +681,9 @@ def fenced(what: str, hang_timeout: float | None = None) -> Iterator[Fence]:
     """Run a collective section under a fence: when any rank raises inside it, every rank raises (the failing
     rank its own error, the others ``PeerFailedError`` naming it) instead of waiting in a collective; when a rank
     stops making progress for ``hang_timeout`` seconds, it raises ``HangError`` (or, not interruptible, every rank
-    exits with ``HANG_EXIT_CODE``). The process groups are broken afterwards: the error is fatal for the job unless
-    something rebuilds them."""
+    exits with ``HANG_EXIT_CODE``); a rank named hung raises ``HangError`` whatever it raised on its way out (a broken
+    collective, a wrapper such as DCP's ``CheckpointException``). The process groups are broken afterwards: the error
+    is fatal for the job unless something rebuilds them."""
     fence = Fence(what, hang_timeout).start()
     try:
         yield fence
