@@ -722,6 +722,7 @@ def rebuild_world() -> None:
     except Exception:  # noqa: BLE001  (backend without options: torch's default timeout)
         pass
     device_id = getattr(default, "bound_device_id", None)
+    counter = upstream.process_group_counter()
     base = _store()
     with _BREAK_LOCK:  # a watcher's break of the old groups finishes first; none starts on the new ones
         try:  # this rank's watcher stops waiting on the old generation
@@ -737,6 +738,9 @@ def rebuild_world() -> None:
             kwargs["device_id"] = device_id
         dist.init_process_group(backend, store=dist.PrefixStore(f"shardadopt-rebuild/{_STATE['generation']}/",
                                                                 base), rank=rank, world_size=world, **kwargs)
+        # torch names groups from 0 again after destroying the default one: a group (a mesh) kept from the old
+        # world would resolve, by its name, to a new and unrelated group. Numbering on makes it fail to resolve.
+        upstream.set_process_group_counter(max(counter, upstream.process_group_counter()))
         # DTensor's sharding-propagation caches match meshes by layout, not by process group: a hit would give
         # the next model's tensors the destroyed mesh of an earlier trial (whose group names are gone, or name
         # new, unrelated groups: torch numbers groups from 0 again after destroying the default one).

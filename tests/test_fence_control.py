@@ -513,6 +513,33 @@ def test_a_rebuilt_world_drops_the_cached_device_meshes(pool2):
         assert result == {"reused": True, "freed": True, "builds": 2, "sum": 2.0}, result
 
 
+def _stale_mesh() -> dict:
+    """A 2-D mesh kept across ``rebuild_world`` (a custom loop that forgot to build it again), and the same mesh
+    built on the new world: do the new groups take the old ones' names, so that the stale mesh resolves to them?"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardadopt import fence
+
+    old = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    before = [group.group_name for group in old.get_all_groups()]
+    fence.rebuild_world()
+    new = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    after = [group.group_name for group in new.get_all_groups()]
+    try:
+        stale = old.get_group("tp")
+    except Exception as exc:  # noqa: BLE001
+        stale = f"{type(exc).__name__}: {exc}"
+    return {"before": before, "after": after, "new group": stale is new.get_group("tp"), "stale": str(stale)}
+
+
+def test_a_mesh_kept_across_a_rebuild_does_not_resolve_to_a_new_group(pool2):
+    for result in pool2.run(_stale_mesh, timeout=120):
+        # the world's group is the world again; every other name is new, so the stale one resolves to nothing
+        assert result["before"][0] == result["after"][0] and not set(result["before"][1:]) & set(result["after"]), \
+            result
+        assert not result["new group"] and "Could not resolve" in result["stale"], result
+
+
 # -- errors in transit ------------------------------------------------------------------------------------------------
 
 
