@@ -337,10 +337,15 @@ def _interrupted_close() -> dict:
 
     before = fence.generation()
     error = None
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal: a non-interactive shell starts background jobs (.ci/run runs
+    # both sets' tests that way) with SIGINT ignored, and Python keeps it ignored
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         optimize(study, objective, n_trials=2, catch=(scenario._Fault,), control=ControlOptions(timeout=15))
     except BaseException as exc:  # noqa: BLE001
         error = type(exc).__name__
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     return {"error": error, "rebuilt": fence.generation() - before}
 
 
