@@ -93,8 +93,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardadopt import upstream
-from shardadopt.hpo.errors import RANK_ATTRIBUTE
+from shardadopt import loadtime, upstream
+from shardadopt.hpo.errors import RANK_ATTRIBUTE, origin_rank
 
 POLL_INTERVAL = 0.05  # seconds between a watcher's checks on a store it cannot wait on (not a TCPStore)
 HANG_TIMEOUT_ENV = "SHARDADOPT_HANG_TIMEOUT"
@@ -622,7 +622,9 @@ class Fence:
         origin = self.rank
         try:
             store = _store()
-            mine = f"{self.rank}\nerror\n{_describe(exc)[:2000]}"
+            # a copy of another rank's error (DCP hands every rank all of its ranks' failures) names that rank
+            theirs = exc.origin_message if isinstance(exc, PeerFailedError) and exc.origin_message else None
+            mine = f"{origin_rank(exc, self.rank)}\nerror\n{(theirs or _describe(exc))[:2000]}"
             record = store.compare_set(_trip_key(self.generation), "", mine)
             origin, kind, _, _ = _parse(record)
             if kind == HANG_KIND:  # whatever this rank raised (DCP wraps errors in its own) follows from the hang
@@ -679,14 +681,20 @@ def fenced(what: str, hang_timeout: float | None = None) -> Iterator[Fence]:
     """Run a collective section under a fence: when any rank raises inside it, every rank raises (the failing
     rank its own error, the others ``PeerFailedError`` naming it) instead of waiting in a collective; when a rank
     stops making progress for ``hang_timeout`` seconds, it raises ``HangError`` (or, not interruptible, every rank
-    exits with ``HANG_EXIT_CODE``). The process groups are broken afterwards: the error is fatal for the job unless
-    something rebuilds them."""
+    exits with ``HANG_EXIT_CODE``); a rank named hung raises ``HangError`` whatever it raised on its way out (a broken
+    collective, a wrapper such as DCP's ``CheckpointException``). The process groups are broken afterwards: the error
+    is fatal for the job unless something rebuilds them."""
     fence = Fence(what, hang_timeout).start()
     try:
         yield fence
     except BaseException as exc:
         origin = fence.trip(exc)
         found = fence.origin()
+        hung_here = getattr(exc, _FAILURE_KIND, None) == HANG_KIND and origin == fence.rank
+        if hung_here and found is not None and isinstance(exc, Exception) and not isinstance(exc, HangError):
+            # this rank was named hung: what it raised on its way out (a broken collective, a wrapped HangError)
+            # follows from the interruption, so it leaves with the HangError a hang outside this section raises
+            raise HangError(found[1]) from exc
         if origin != fence.rank and found is not None:
             peer = PeerFailedError(f"rank {found[0]} failed during {what}: {found[1]}; this rank's collectives "
                                    f"were broken so it could leave (the process groups are unusable now)",
@@ -714,6 +722,7 @@ def rebuild_world() -> None:
     except Exception:  # noqa: BLE001  (backend without options: torch's default timeout)
         pass
     device_id = getattr(default, "bound_device_id", None)
+    counter = upstream.process_group_counter()
     base = _store()
     with _BREAK_LOCK:  # a watcher's break of the old groups finishes first; none starts on the new ones
         try:  # this rank's watcher stops waiting on the old generation
@@ -723,11 +732,15 @@ def rebuild_world() -> None:
         _STATE["generation"] += 1
         _PROTECTED_PORTS.clear()
         dist.destroy_process_group()
+        loadtime.forget_device_meshes()  # their groups are gone: nothing may hand them out again, or keep them alive
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         if device_id is not None:
             kwargs["device_id"] = device_id
         dist.init_process_group(backend, store=dist.PrefixStore(f"shardadopt-rebuild/{_STATE['generation']}/",
                                                                 base), rank=rank, world_size=world, **kwargs)
+        # torch names groups from 0 again after destroying the default one: a group (a mesh) kept from the old
+        # world would resolve, by its name, to a new and unrelated group. Numbering on makes it fail to resolve.
+        upstream.set_process_group_counter(max(counter, upstream.process_group_counter()))
         # DTensor's sharding-propagation caches match meshes by layout, not by process group: a hit would give
         # the next model's tensors the destroyed mesh of an earlier trial (whose group names are gone, or name
         # new, unrelated groups: torch numbers groups from 0 again after destroying the default one).

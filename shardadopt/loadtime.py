@@ -24,7 +24,8 @@ from typing import Any
 
 from shardadopt import upstream
 
-__all__ = ["UnsupportedShardingError", "record_sharding_degrees", "refuse_fsdp_with_tp", "reuse_device_mesh"]
+__all__ = ["UnsupportedShardingError", "forget_device_meshes", "record_sharding_degrees", "refuse_fsdp_with_tp",
+           "reuse_device_mesh"]
 
 
 class UnsupportedShardingError(ValueError):
@@ -101,6 +102,13 @@ def _alive(mesh: Any) -> bool:
         return False
     registered = upstream.registered_process_groups()
     return bool(meshes) and all(group in registered for group in groups)
+
+
+def forget_device_meshes() -> None:
+    """Drop every cached mesh: ``shardadopt.fence.rebuild_world`` destroyed their groups (a cached entry kept the old
+    world's default group and mesh alive until its layout was loaded again)."""
+    with _MESHES_LOCK:
+        _MESHES.clear()
 
 
 def reuse_device_mesh(distributed_config: Any, build: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:

@@ -316,6 +316,26 @@ def registered_process_groups() -> list[dist.ProcessGroup]:
     return list(_attribute(world, "pg_map", "registered_process_groups", "torch"))
 
 
+def process_group_counter() -> int:
+    """``torch.distributed.distributed_c10d._world.group_count``: the number torch names the next process group
+    after (numbered names; on torch 2.15 also the salt of hashed ones); ``destroy_process_group()`` sets it back to
+    0. Checked on torch 2.13-2.15."""
+    import torch.distributed as dist
+
+    world = _attribute(dist.distributed_c10d, "_world", "process_group_counter", "torch")
+    return _attribute(world, "group_count", "process_group_counter", "torch")
+
+
+def set_process_group_counter(value: int) -> None:
+    """Set ``torch.distributed.distributed_c10d._world.group_count`` (see ``process_group_counter``); every rank
+    must set the same value (group names must agree). Checked on torch 2.13-2.15."""
+    import torch.distributed as dist
+
+    world = _attribute(dist.distributed_c10d, "_world", "set_process_group_counter", "torch")
+    _attribute(world, "group_count", "set_process_group_counter", "torch")
+    world.group_count = value
+
+
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
     """``group._get_backend(device).options._timeout``: the timeout the group's backend for ``device`` was created
     with. Checked on torch 2.13-2.15."""

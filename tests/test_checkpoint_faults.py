@@ -2,16 +2,17 @@
 checkpoint resumes exactly.
 
 On 2 gloo ranks with an FSDP-sharded tiny qwen3: a complete checkpoint at step 1, one more training step (the
-reference loss), then a save at step 2 in which one rank fails, in user shape: the optimizer's ``state_dict``
-(a pre-hook raising on rank 1, while rank 0 is in DCP's collectives), a scheduler-like object whose
-``state_dict`` raises on rank 0 (while rank 1 waits at the publication barrier), ``save_full`` into a path that is
-a file on rank 0 (while rank 1 sends its shards), ``Accelerator.save_state`` with a registered object whose
-``state_dict`` raises on rank 1 (automatic naming with ``total_limit=1``, after one complete save: that one must
-survive the failed save), Trainer's ``save_total_limit`` rotation raising on rank 0 after checkpoint-2 was
-published (while rank 1 waits for it). Each asserts: every rank raised within ``BOUND`` seconds (the process group
-timeout is 30 minutes), the failing rank its own error and the other ``PeerFailedError`` naming it; no new
-checkpoint directory; after ``shardadopt.fence.rebuild_world()`` a fresh model loading the latest complete
-checkpoint trains the next step exactly as the uninterrupted run did.
+reference loss), then a save at step 2 in which one rank fails, in user shape: the optimizer's ``state_dict`` (a
+pre-hook raising on rank 1, while rank 0 is in DCP's collectives), ``os.fsync`` raising on rank 1 inside DCP's
+writes (DCP gathers it into its ``CheckpointException``, a ``BaseException``, on every rank: the ranks must raise
+the fence's errors instead), a scheduler-like object whose ``state_dict`` raises on rank 0 (while rank 1 waits at
+the publication barrier), ``save_full`` into a path that is a file on rank 0 (while rank 1 sends its shards),
+``Accelerator.save_state`` with a registered object whose ``state_dict`` raises on rank 1 (automatic naming with
+``total_limit=1``, after one complete save: that one must survive the failed save), Trainer's ``save_total_limit``
+rotation raising on rank 0 after checkpoint-2 was published (while rank 1 waits for it). Each asserts: every rank
+raised within ``BOUND`` seconds (the process group timeout is 30 minutes), the failing rank its own error and the
+other ``PeerFailedError`` naming it; no new checkpoint directory; after ``shardadopt.fence.rebuild_world()`` a fresh
+model loading the latest complete checkpoint trains the next step exactly as the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.multiproc
 
 BOUND = 30.0
 FSDP = {"fsdp_size": 2}
-CASES = [("optimizer_state_dict", 1), ("scheduler_state_dict", 0), ("save_full", 0), ("accelerate_custom", 1),
-         ("trainer_rotation", 0)]
+CASES = [("optimizer_state_dict", 1), ("dcp_write", 1), ("scheduler_state_dict", 0), ("save_full", 0),
+         ("accelerate_custom", 1), ("trainer_rotation", 0)]
 
 
 class InjectedFault(RuntimeError):
@@ -72,6 +73,14 @@ def _save_with_fault(path: str, root: str, case: str, failing: int) -> dict:
             optimizer.register_state_dict_pre_hook(lambda opt: fail("an optimizer state_dict pre-hook")
                                                    if rank == failing else None)
             checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
+        elif case == "dcp_write":  # DCP gathers the error and raises its CheckpointException on every rank
+            fsync = os.fsync
+            if rank == failing:
+                os.fsync = lambda fd: fail("os.fsync in DCP's writes")  # a filesystem that fails
+            try:
+                checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
+            finally:
+                os.fsync = fsync
         elif case == "scheduler_state_dict":
             checkpoint.save(f"{root}/step-2", model, optimizer, [scheduler, Stateful()], step=2)
         elif case == "save_full":
@@ -141,10 +150,11 @@ def test_one_rank_raising_in_a_save_makes_every_rank_raise(pool2, tiny_models, t
         error = result["error"]
         assert error is not None, f"rank {rank} did not raise"
         if rank == failing:
-            assert error["type"] in {"InjectedFault", "NotADirectoryError", "FileExistsError",
-                                     "CheckpointException"}, error
+            assert error["type"] in {"InjectedFault", "NotADirectoryError", "FileExistsError"}, error
         else:
             assert error["type"] == "PeerFailedError" and error["rank"] == failing, error
+            if case != "save_full":
+                assert f"injected on rank {failing}" in error["message"], error
         assert 0 <= error["at"] - fault_at < BOUND, f"rank {rank} raised {error['at'] - fault_at:.1f}s after"
         assert "step-2" not in result["published"] and "final" not in result["published"], result["published"]
         assert result["latest"] == "step-1"

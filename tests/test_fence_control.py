@@ -2,13 +2,16 @@
 
 On 2 gloo ranks: a rank killed right after it tripped a fence (its record is one atomic store request, so the peer
 learns who failed at once instead of waiting out the store timeout); a rank that stops making progress without
-raising inside an ``optimize`` trial (``time.sleep`` in user code after a training step: the trial fails as
-``hang`` against it, the next trial trains as a single process on the same global batch does), and one that cannot
-be interrupted (``os.read`` on a pipe with the hang signal blocked: every rank exits with ``HANG_EXIT_CODE`` within
-the bound); a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in the rebuild
-decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once its world
-is destroyed (``shardadopt.cleanexit`` at exit); the fence watcher survives a rebuild that it starts into (a late
-thread start while the default group is destroyed).
+raising inside an ``optimize`` trial (``time.sleep`` in user code after a training step: the trial fails as ``hang``
+against it, the next trial trains as a single process on the same global batch does), and one that cannot be
+interrupted (``os.read`` on a pipe with the hang signal blocked: every rank exits with ``HANG_EXIT_CODE`` within the
+bound); a rank hanging in a sharded checkpoint save (``os.fsync`` blocking in DCP's writes, rank 1 or rank 0, the
+one that publishes; and with the watchers' break of the groups late, so DCP gathers the ``HangError`` into its
+``CheckpointException``): the trial fails once as ``hang`` naming that rank, the search goes on, the checkpoint
+before resumes exactly; a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in
+the rebuild decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once
+its world is destroyed (``shardadopt.cleanexit`` at exit); the fence watcher survives a rebuild that it starts into
+(a late thread start while the default group is destroyed).
 """
 
 from __future__ import annotations
@@ -193,6 +196,94 @@ def test_a_rank_hanging_where_python_cannot_interrupt_it_makes_every_rank_exit(t
     assert "could not be interrupted" in logs[0], logs[0]
 
 
+# -- a hang inside a sharded checkpoint save -----------------------------------------------------------------------
+
+
+def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
+    """In trial 0 (FSDP-sharded tiny qwen3): a complete checkpoint at step 1, one more step (the reference loss),
+    then a save at step 2 in which ``os.fsync`` stops answering on rank ``hanging`` (a filesystem that blocks,
+    inside DCP's writes) while the other rank goes on into DCP's closing collectives. Trial 1 resumes from the
+    latest complete checkpoint. ``late_break``: the watchers' break of the groups comes only after DCP's
+    collectives (what a loaded machine does now and then): DCP then gathers the hung rank's ``HangError`` and raises
+    its ``CheckpointException``, a ``BaseException``, on every rank."""
+    import optuna
+    import torch
+    import torch.distributed as dist
+
+    import shardadopt
+    from shardadopt import checkpoint, fence
+    from shardadopt.hpo import ControlOptions, optimize
+    from shardadopt.selftest import checkpoint as steps
+
+    shardadopt.enable()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
+    marks: dict = {}
+    fsync, breaks = os.fsync, fence.break_training_groups
+    # Imports and the first load outside the search: under this test's 5 s hang timeout, one rank still importing
+    # transformers on a loaded machine while the other trains is taken for hung (an import counts no progress); real
+    # jobs keep the 900 s default.
+    steps.build(path, FSDP)
+
+    def blocked_fsync(fd: int) -> None:
+        marks.setdefault("hang_at", time.time())
+        time.sleep(10**6)
+
+    def objective(trial):
+        trial.suggest_float("lr", 0.01, 0.1)  # recorded; the model's optimizer has its own
+        torch.manual_seed(0 if trial.number == 0 else 1)  # trial 1: the checkpoint's RNG state must win
+        model, optimizer, scheduler = steps.build(path, FSDP)
+        if trial.number == 1:
+            marks["started"] = time.time()
+            marks["published"] = sorted(n for n in os.listdir(root) if not n.startswith("."))
+            latest = checkpoint.latest(root)
+            if latest is None:  # trial 0 failed before its first save: the table says why
+                raise RuntimeError(f"no complete checkpoint in {root}")
+            marks["latest"] = os.path.basename(latest)
+            checkpoint.load(latest, model, optimizer, scheduler)
+            marks["resumed"] = steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+            return marks["resumed"][-1]
+        steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+        checkpoint.save(f"{root}/step-1", model, optimizer, scheduler, step=1)
+        marks["expected"] = steps.train_steps(model, optimizer, scheduler, FSDP, 1)
+        if rank == hanging:
+            os.fsync = blocked_fsync  # test instrumentation: this rank's filesystem stops answering
+        if late_break:
+            fence.break_training_groups = lambda: 0  # test instrumentation: the watchers act late
+        try:
+            checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
+        except BaseException as exc:
+            marks["raised"] = type(exc).__name__
+            raise
+        finally:
+            os.fsync, fence.break_training_groups = fsync, breaks
+        return marks["expected"][-1]
+
+    optimize(study, objective, n_trials=2, catch=(RuntimeError,),
+             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
+    table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study else None
+    return {"table": table, **marks}
+
+
+@pytest.mark.parametrize("hanging,late_break", [(1, False), (0, False), (1, True)])
+def test_a_rank_hanging_in_a_sharded_save_fails_the_trial_once_and_loses_nothing(pool2, tiny_models, tmp_path,
+                                                                                 hanging, late_break):
+    results = pool2.run(_hang_in_save, tiny_models["qwen3"], str(tmp_path), hanging, late_break, timeout=300)
+    table = results[0]["table"]
+    assert [state for _, state, _ in table] == ["FAIL", "COMPLETE"], table
+    attrs = table[0][2]
+    assert attrs["failure_kind"] == "hang" and attrs["failure_rank"] == hanging, attrs
+    assert f"rank(s) [{hanging}] made no progress" in attrs["failure_message"], attrs
+    hang_at = results[hanging]["hang_at"]
+    for rank, result in enumerate(results):
+        assert result["raised"] == ("HangError" if rank == hanging else "PeerFailedError"), (rank, result["raised"])
+        left = result["started"] - hang_at
+        assert HANG_TIMEOUT <= left < HANG_TIMEOUT + BOUND, f"left the hung save {left:.1f}s after the hang"
+        assert result["published"] == ["step-1"] and result["latest"] == "step-1", result
+        assert result["resumed"] == result["expected"], "the checkpoint before the hung save resumes exactly"
+
+
 # -- the scale benchmark ---------------------------------------------------------------------------------------------
 
 
@@ -246,10 +337,15 @@ def _interrupted_close() -> dict:
 
     before = fence.generation()
     error = None
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal: a non-interactive shell starts background jobs (.ci/run runs
+    # both sets' tests that way) with SIGINT ignored, and Python keeps it ignored
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         optimize(study, objective, n_trials=2, catch=(scenario._Fault,), control=ControlOptions(timeout=15))
     except BaseException as exc:  # noqa: BLE001
         error = type(exc).__name__
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     return {"error": error, "rebuilt": fence.generation() - before}
 
 
@@ -264,7 +360,8 @@ def test_a_rank_whose_close_raises_still_rebuilds_with_the_others(pool2):
 
 def trip_rebuild_trip() -> dict:
     """A fenced section that rank 1 fails at once, ``rebuild_world``, then a second section that rank 0 fails. Rank
-    1's watcher thread starts late, while its main thread is in the rebuild with the default group destroyed."""
+    1's watcher thread starts late, while its main thread is in the rebuild with the default group destroyed. Counts
+    the fence's own store connections (``fence._connect``) and how many were open when each section began."""
     import threading
 
     import torch
@@ -276,21 +373,27 @@ def trip_rebuild_trip() -> dict:
     watcher_errors: list[str] = []
     hook = threading.excepthook
     threading.excepthook = lambda args: watcher_errors.append(f"{args.thread.name}: {args.exc_value!r}")
-    errors, alive = [], []
+    errors, alive, opened = [], [], []
     connect = fence._connect
     initialise = dist.init_process_group
-    if rank == 1:  # test instrumentation: a slow watcher start and a slow initialisation (a loaded machine, many ranks)
-        def slow_connect(*args):
-            if threading.current_thread().name == "shardadopt-fence watcher":
-                time.sleep(0.3)
-            return connect(*args)
+    connections = {"started": 0, "open": 0}
 
-        fence._connect = slow_connect
+    def counted_connect(*args):  # store connections of the fence's own (each one took seconds at 16+ ranks)
+        connections["started"] += 1
+        if rank == 1 and threading.current_thread().name == "shardadopt-fence watcher":
+            time.sleep(0.3)  # test instrumentation: a slow watcher start (a loaded machine, many ranks)
+        store = connect(*args)
+        connections["open"] += 1
+        return store
+
+    fence._connect = counted_connect
+    if rank == 1:  # test instrumentation: a slow initialisation (a loaded machine, many ranks)
         dist.init_process_group = lambda *args, **kwargs: (time.sleep(1.0), initialise(*args, **kwargs))[1]
     try:
         for failing in (1, 0):
             try:
                 with fence.fenced("a section"):
+                    opened.append(connections["open"])  # the section starts once this process's are open
                     dist.all_reduce(torch.ones(2))
                     if rank == failing:
                         raise scenario._Fault(f"injected on rank {failing}")
@@ -306,7 +409,8 @@ def trip_rebuild_trip() -> dict:
         threading.excepthook = hook
         fence._connect = connect
         dist.init_process_group = initialise
-    return {"errors": errors, "watcher_errors": watcher_errors, "alive": alive, "sum": total.tolist()}
+    return {"errors": errors, "watcher_errors": watcher_errors, "alive": alive, "sum": total.tolist(),
+            "opened": opened, "connections": connections["started"]}
 
 
 def test_the_fence_watcher_survives_a_rebuild(tmp_path):
@@ -318,6 +422,9 @@ def test_the_fence_watcher_survives_a_rebuild(tmp_path):
     assert [r["watcher_errors"] for r in results] == [[], []], results  # it never asks for the destroyed group
     assert [r["alive"] for r in results] == [[True, True]] * 2, results  # watching the rebuilt generation
     assert [r["sum"] for r in results] == [[2.0, 2.0]] * 2
+    # two store connections per process (the watcher's, the hang monitors'), opened before the first section ran,
+    # never again: not per section, not per rebuilt generation
+    assert [(r["opened"], r["connections"]) for r in results] == [([2, 2], 2)] * 2, results
 
 
 # -- a given control group; the control group's lifetime -----------------------------------------------------------
@@ -371,6 +478,71 @@ def _control_group_freed() -> bool:
 
 def test_the_control_group_is_freed_with_its_world(pool2):
     assert pool2.run(_control_group_freed, timeout=120) == [True, True]
+
+
+def _meshes_freed() -> dict:
+    """A mesh ``reuse_device_mesh`` cached (what a sharding ``from_pretrained`` does on transformers 5.18+), then
+    ``rebuild_world``: is the old world's mesh gone, and does the same layout build afresh on the new world?"""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardadopt import fence, loadtime
+
+    builds = []
+
+    def build():
+        builds.append(1)
+        return None, init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+
+    layout = {"fsdp_size": 2}
+    _, mesh = loadtime.reuse_device_mesh(layout, build)
+    reused = loadtime.reuse_device_mesh(layout, build)[1] is mesh
+    old = weakref.ref(mesh)
+    del mesh
+    fence.rebuild_world()
+    gc.collect()
+    freed = old() is None
+    _, new = loadtime.reuse_device_mesh(layout, build)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=new.get_group())
+    loadtime.forget_device_meshes()  # the pool's later tests build their own (transformers' dim names)
+    return {"reused": reused, "freed": freed, "builds": len(builds), "sum": total.item()}
+
+
+def test_a_rebuilt_world_drops_the_cached_device_meshes(pool2):
+    for result in pool2.run(_meshes_freed, timeout=120):
+        assert result == {"reused": True, "freed": True, "builds": 2, "sum": 2.0}, result
+
+
+def _stale_mesh() -> dict:
+    """A 2-D mesh kept across ``rebuild_world`` (a custom loop that forgot to build it again), and the same mesh
+    built on the new world: do the new groups take the old ones' names, so that the stale mesh resolves to them?"""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from shardadopt import fence
+
+    old = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    before = [group.group_name for group in old.get_all_groups()]
+    fence.rebuild_world()
+    new = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    after = [group.group_name for group in new.get_all_groups()]
+    try:
+        stale = old.get_group("tp")
+    except Exception as exc:  # noqa: BLE001
+        stale = f"{type(exc).__name__}: {exc}"
+    return {"before": before, "after": after, "new group": stale is new.get_group("tp"), "stale": str(stale)}
+
+
+def test_a_mesh_kept_across_a_rebuild_does_not_resolve_to_a_new_group(pool2):
+    for result in pool2.run(_stale_mesh, timeout=120):
+        # the world's group is the world again; every other name is new, so the stale one resolves to nothing
+        assert result["before"][0] == result["after"][0] and not set(result["before"][1:]) & set(result["after"]), \
+            result
+        assert not result["new group"] and "Could not resolve" in result["stale"], result
 
 
 # -- errors in transit ------------------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ before the fix the peer of the failing rank sat in a training all-reduce for all
 rank out of the failed trial within ``BOUND`` seconds of the fault, the trial states and failure attributes, and the
 next trial's logged losses equal those of a fresh search running the same parameters (enqueued) without a fault. The
 last search does not catch the error: every rank raises promptly and exits non-zero. One search hangs instead of
-raising (``time.sleep`` in ``on_step_end`` at step 3 on rank 1) with ``hang_timeout=5``: the trial fails as ``hang``
-against that rank and the search goes on.
+raising (``time.sleep`` in ``on_step_end`` at step 3 on rank 1) and one blocks in the Trainer's sharded save at step
+4 (``os.fsync`` inside DCP's writes on rank 1, after checkpoint-2 was published) with ``hang_timeout=5``: the trial
+fails as ``hang`` against that rank, its checkpoint-2 stays complete, and the search goes on.
 """
 
 from __future__ import annotations
@@ -83,6 +84,34 @@ def _fault_callback(rank: int, event: str, step: int, marks: dict, hang: bool = 
     return Fault()
 
 
+def _blocked_filesystem(rank: int, step: int, marks: dict):
+    """From ``step`` of the first trial on, ``os.fsync`` stops answering on ``rank`` (a filesystem that blocks):
+    the Trainer's sharded save at that step blocks in DCP's writes while the other rank waits in DCP's gather."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    fsync = os.fsync
+
+    def blocked(fd: int) -> None:
+        marks["fault_at"] = time.time()
+        os.fsync = fsync  # the next trial's filesystem answers again
+        time.sleep(10**6)
+
+    class Blocking(TrainerCallback):
+        trial = -1
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.trial += 1
+
+        def on_step_end(self, args, state, control, **kwargs):  # the step's save comes right after this event
+            if self.trial == 0 and dist.get_rank() == rank and state.global_step == step:
+                os.fsync = blocked  # test instrumentation
+
+    return Blocking()
+
+
 def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tuple, n_trials: int,
             layout: str | None, enqueue: dict | None = None) -> dict:
     """One search; what this rank saw (losses per trial, fault time, when each trial began, the error)."""
@@ -125,6 +154,8 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
         return model
 
     callbacks = [_losses()]
+    if kind == "hang_write":
+        callbacks.append(_blocked_filesystem(fault["rank"], fault["step"], marks))
     if kind in ("on_step_end", "on_step_begin"):
         callbacks.append(_fault_callback(fault["rank"], kind, fault["step"], marks))
     if kind == "hang_step_end":
@@ -205,6 +236,8 @@ CAUGHT = [  # (name, layout, fault)
     ("fsdp_forward_hook", "fsdp", {"kind": "forward_hook", "rank": 0, "step": 2}),
     ("tp_dataset", "tp", {"kind": "dataset", "rank": 1, "step": 1}),
     ("fsdp_save", "fsdp", {"kind": "save", "rank": 0}),  # the sharded checkpoint at step 2 (rank 0 exports state)
+    # rank 1's filesystem blocks in the Trainer's second sharded save (step 4), after checkpoint-2 was published
+    ("fsdp_save_hang_write", "fsdp", {"kind": "hang_write", "rank": 1, "step": 4, "hang": True}),
     # the issue's case: rank 1 stops making progress in on_step_end at step 3, without raising
     ("fsdp_hang_step_end", "fsdp", {"kind": "hang_step_end", "rank": 1, "step": 3, "hang": True}),
 ]
@@ -225,7 +258,7 @@ def faults(model_path: str, out: str) -> dict:
             raise AssertionError(f"{name}: the search raised {got['error']}")
         fresh = _search(model_path, out, f"{name}_fresh", None, (), 1, layout, enqueue=got["trials"][-1]["params"])
         result[name] = {"got": got, "fresh": fresh["trials"]}
-        if name in ("fsdp_save", "fsdp_hang_save"):  # nothing partial of the failed trial; the next one's complete
+        if name in ("fsdp_save", "fsdp_save_hang_write"):  # nothing partial of the failed trial published
             result[name]["checkpoints"] = _checkpoints(f"{out}/{name}")
     Path(out, f"partial{rank}.pkl").write_bytes(pickle.dumps(result))
     uncaught = _search(model_path, out, "uncaught", {"kind": "on_step_begin", "rank": 0, "step": 2}, (), 2, None)
@@ -264,8 +297,10 @@ def test_fault_mid_training_fails_the_trial_and_every_rank_recovers(tiny_models,
             assert next_trial["losses"] == pytest.approx(fresh["losses"], rel=1e-5), \
                 f"{name}: the trial after the fault trains as a fresh search does"
     # the failed (or hung) trial published nothing; the next trial's two checkpoints are complete
-    for name in ("fsdp_save",):
-        assert results[0][name]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-4", True)], name
+    assert results[0]["fsdp_save"]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-4", True)]
+    # the hung trial's checkpoint-2, published before the hang, is intact; its checkpoint-4 never appeared
+    assert results[0]["fsdp_save_hang_write"]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-2", True),
+                                                                  ("checkpoint-4", True)]
     uncaught = [pickle.loads((tmp_path / f"uncaught{r}.pkl").read_bytes()) for r in range(2)]
     fault_at = uncaught[0]["fault_at"]
     for rank, seen in enumerate(uncaught):

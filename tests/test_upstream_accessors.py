@@ -463,6 +463,19 @@ def distributed_checks(path: str) -> dict[str, str | None]:
     check("default_group", lambda: upstream.default_group() is dist.group.WORLD)
     check("registered_process_groups", lambda: dist.group.WORLD in upstream.registered_process_groups()
           and dist.new_group([0, 1]) in upstream.registered_process_groups())
+    counter = {}
+
+    def counter_names_the_next_group():
+        counter["start"] = upstream.process_group_counter()
+        return dist.new_group([0, 1]).group_name == str(counter["start"]) \
+            and upstream.process_group_counter() == counter["start"] + 1
+
+    def set_counter_names_the_next_group():
+        upstream.set_process_group_counter(counter["start"] + 10)
+        return dist.new_group([0, 1]).group_name == str(counter["start"] + 10)
+
+    check("process_group_counter", counter_names_the_next_group)
+    check("set_process_group_counter", set_counter_names_the_next_group)
     # RankPool leaves init_process_group's timeout at torch's default.
     check("group_timeout", lambda: upstream.group_timeout(upstream.default_group(), torch.device("cpu"))
           == default_pg_timeout)
@@ -534,7 +547,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
     return results
 
 
-DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "group_timeout",
+DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "process_group_counter",
+                         "set_process_group_counter", "group_timeout",
                          "backend_device_types", "dtensor_local", "clear_sharding_propagation_caches",
                          "fsdp_param_groups", "model_device_mesh", "model_mesh_manager", "set_model_sharding_sizes",
                          "module_hf_device_mesh")

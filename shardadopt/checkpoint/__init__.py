@@ -14,9 +14,10 @@ resharding), ``rng`` (per-rank RNG), ``export`` (``save_full``/``full_state_dict
 detection); ``accelerator`` and ``trainer`` hold what the ``accelerate-sharded-checkpoint`` and
 ``trainer-sharded-checkpoint`` patches call.
 
-One rank raising inside a save: every rank raises at once (``PeerFailedError`` naming that rank on the others),
-nothing is published, and the previous complete checkpoint still loads (in a new job, or after
-``shardadopt.fence.rebuild_world()``: the fence leaves the process groups unusable).
+One rank raising inside a save: every rank raises at once (``PeerFailedError`` naming that rank on the others; in
+DCP's writes too: DCP's ``CheckpointException`` does not leave a save), nothing is published, and the previous
+complete checkpoint still loads (in a new job, or after ``shardadopt.fence.rebuild_world()``: the fence leaves the
+process groups unusable).
 """
 
 from __future__ import annotations

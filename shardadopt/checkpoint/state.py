@@ -9,10 +9,11 @@ layout -> weights and optimizer resharded, per-rank RNG not restored (a warning 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,8 @@ import torch
 from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, CheckpointMismatchError, read_info, staged
 from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
 from shardadopt.checkpoint.sharding import layout, rank_local
-from shardadopt.fence import progress
+from shardadopt.fence import PeerFailedError, progress
+from shardadopt.hpo import failures
 from shardadopt.topology import _world
 
 _SCHEDULERS = "schedulers.pt"
@@ -84,7 +86,35 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
     path = os.path.join(directory, _STATE_DIR)
     state = _state_dicts(_as_list(models), _as_list(optimizers), frozen)
     progress()  # this rank's state is collected: a peer still collecting (or hung doing it) is behind
-    dcp.save(state, storage_writer=_progress_writer()(path), checkpoint_id=path)
+    with _own_errors():
+        dcp.save(state, storage_writer=_progress_writer()(path), checkpoint_id=path)
+
+
+@contextlib.contextmanager
+def _own_errors() -> Iterator[None]:
+    """Around a DCP call: DCP gathers every rank's error into one ``CheckpointException`` raised on every rank, a
+    ``BaseException`` that a search's ``catch=(RuntimeError,)`` (or ``except Exception``) lets through. Raise what
+    the fence raises instead: on a rank that failed, its own error (a ``HangError`` where it was hung); on the
+    others, ``PeerFailedError`` naming the first rank that failed (the fence records that rank as the origin)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        raised = {rank: failure[0] if isinstance(failure, tuple) else failure  # (error, its stack summary)
+                  for rank, failure in exc.failures.items()}
+        if not raised:
+            raise
+        rank = _world()[1]
+        if rank in raised:
+            raise raised[rank] from exc  # a copy (DCP pickles it through its gather): same type and attributes
+        first = min(raised)
+        error = raised[first]
+        text = f"{type(error).__name__}: {error}"
+        peer = PeerFailedError(f"rank {first} failed in torch.distributed.checkpoint: {text}", first, text)
+        if failures.classify(error) == failures.HANG:
+            failures.mark(peer, failures.HANG)  # a hang stays a hang
+        raise peer from exc
 
 
 @functools.cache
