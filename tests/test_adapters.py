@@ -86,6 +86,19 @@ def test_adapters_equal_one_process_init_whatever_each_rank_seeded(pool2, tiny_m
             assert torch.equal(result["init"][name], value), f"rank {rank}: initial {name} differs from one process"
 
 
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_several_adapters_train_switch_export_and_reload_like_one_process(pool2, tiny_models, tmp_path, layout):
+    """Two adapters as peft's docs use them (``get_peft_model``, ``add_adapter("b")``, ``set_adapter`` back and
+    forth, only the active one training), ``add_weighted_adapter`` (refused on TP), ``save_pretrained`` (all
+    adapters: default at the root, "b" in a subfolder), ``PeftModel.from_pretrained`` + ``load_adapter`` in one
+    process and onto a sharded base, ``delete_adapter`` and ``add_adapter`` again under the same name: against one
+    process on the same global batches (``shardadopt.testing.lora.check_several_adapters``)."""
+    from shardadopt.testing.lora import check_several_adapters
+
+    sizes, dp = distributed_sizes(layout, 2)
+    check_several_adapters(pool2, tiny_models[MODELS[layout]], sizes, dp, str(tmp_path))
+
+
 REFUSED = [  # (case, layout, what the error names)
     ("expert-tensors", "ep", "fused expert tensors"),
     ("pissa", "fsdp", "init_lora_weights='pissa'"),
