@@ -241,32 +241,42 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
         torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=1e-6, atol=1e-6)
 
 
-def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: str, steps: int = 4,
+def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: str, plan: tuple[str, ...],
                      save_after: int = 2) -> dict[str, Any]:
-    """``steps`` optimizer steps with ``save_state(directory)`` after ``save_after``; then a fresh load, adapters
-    initialised from another seed, ``load_state(directory)`` and the remaining steps: both runs' losses."""
+    """Two adapters, ``plan``: the one active in each step; ``save_state(directory)`` after ``save_after`` steps;
+    then a fresh load (the default adapter active), adapters initialised from another seed,
+    ``load_state(directory)`` and the remaining steps. Both runs' losses and final adapters, and (rank 0) what the
+    checkpoint holds: its model entries with their bytes, its optimizer entries, and the bytes of the adapters."""
+    import os
+
     import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     import shardadopt
     from shardadopt.selftest.accelerate import fresh_accelerator
 
     shardadopt.enable()
     try:
-        def run(seed: int, resume: bool) -> list[float]:
+        def run(seed: int, resume: bool) -> tuple[list[float], dict[str, Any]]:
             from peft import get_peft_model
 
             accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
             torch.manual_seed(seed)
             model = get_peft_model(_load(path, sizes), lora_config())
+            model.add_adapter("b", lora_config(**SECOND))
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-            loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, ACCUM)), batch_size=PER_DP_BATCH)
+            loader = torch.utils.data.DataLoader(list(_rows(dp_size, len(plan), ACCUM)),
+                                                 batch_size=PER_DP_BATCH)
             model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
             if resume:
                 accelerator.load_state(directory)
-            losses, done = [], 0
+            losses, done = [], save_after if resume else 0
             for index, batch in enumerate(loader):
                 if resume and index < save_after * ACCUM:
                     continue  # the batches the saved run consumed
+                if index % ACCUM == 0:
+                    model.set_adapter(plan[done])
                 with accelerator.accumulate(model):
                     loss = model(input_ids=batch, labels=batch).loss
                     accelerator.backward(loss)
@@ -279,9 +289,18 @@ def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: 
                     done += 1
                     if not resume and done == save_after:
                         accelerator.save_state(directory)
-            return losses
+            return losses, _adapter_params(model)
 
-        return {"straight": run(SEED, False), "resumed": run(SEED + 99, True)}
+        straight, params = run(SEED, False)
+        resumed, resumed_params = run(SEED + 99, True)
+        metadata = FileSystemReader(os.path.join(directory, "state")).read_metadata().state_dict_metadata
+        tensors = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
+        model_bytes = {k: v.size.numel() * v.properties.dtype.itemsize for k, v in tensors.items()
+                       if k.split(".")[0].startswith("model")}
+        return {"straight": straight, "resumed": resumed, "params": params, "resumed_params": resumed_params,
+                "model_entries": model_bytes, "optimizer_entries": sorted(k for k in tensors
+                                                                           if k.startswith("optimizer")),
+                "adapter_bytes": sum(v.numel() * v.element_size() for v in params.values())}
     finally:
         shardadopt.disable()
 
