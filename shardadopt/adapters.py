@@ -19,7 +19,10 @@ trains exactly like one process on the same global batch:
   gradients averaged over exactly that group (the ranks with this rank's tp coordinate) after each backward.
   Averaging an accumulated gradient again would be exact too (the part every rank shares averages to itself), but
   under FSDP2 ``no_sync`` (accelerate's ``accumulate()``) the reduction waits for the synchronised backward, like
-  FSDP's own. TP factors get their TP reductions from DTensor. Base weights stay frozen (peft's marking);
+  FSDP's own. TP factors get their TP reductions from DTensor. Base weights stay frozen (peft's marking). Every
+  adapter is hooked when laid out, an inactive one too (``set_adapter`` makes it trainable later, after
+  ``prepare``); a factor is marked laid out on its module, so ``delete_adapter`` + ``add_adapter`` under the same
+  name lays the new one out;
 - **DoRA** (``use_dora=True``): the initial magnitude is the norm of the whole base weight (gathered once at
   injection) plus rank 0's B @ A, then broadcast from rank 0; on a colwise base the magnitude is sharded like the
   output features and the weight norm taken over this rank's rows, on a rowwise base it stays whole and the
@@ -57,12 +60,15 @@ every rank):
 - ``adapter_state_dict(peft_model, adapter_name="default") -> dict``: the adapter's full tensors in PEFT's format
   (what ``save_pretrained`` writes), on every rank; ``full_adapter_tensors(peft_model)``: the model's state dict
   with the LoRA factors whole;
+- ``adapter_parameters(model) -> set[int]``: the ids of every adapter's parameters, active or not (what an
+  adapter checkpoint keeps; the rest of the frozen parameters is the base);
+- ``refuse_weighted_adapter(model)``: ``add_weighted_adapter`` refused on TP loads (:data:`WEIGHTED_REFUSAL`);
 - ``is_sharded_base(model)``, ``dtensor_tensor_parallel()``, ``MERGE_REFUSAL``, ``AdapterLayoutError`` (a
   ``ValueError``).
 
 With the patch, ``PeftModel.save_pretrained(dir)`` on a sharded model writes full tensors once (global rank 0, under
 a fence, then a barrier); ``merge_and_unload()``/``merge_adapter()`` on a sharded model are refused (export, then
-merge in one process).
+merge in one process); ``add_weighted_adapter`` is refused on TP loads.
 """
 
 from __future__ import annotations
