@@ -19,7 +19,10 @@ trains exactly like one process on the same global batch:
   gradients averaged over exactly that group (the ranks with this rank's tp coordinate) after each backward.
   Averaging an accumulated gradient again would be exact too (the part every rank shares averages to itself), but
   under FSDP2 ``no_sync`` (accelerate's ``accumulate()``) the reduction waits for the synchronised backward, like
-  FSDP's own. TP factors get their TP reductions from DTensor. Base weights stay frozen (peft's marking);
+  FSDP's own. TP factors get their TP reductions from DTensor. Base weights stay frozen (peft's marking). Every
+  adapter is hooked when laid out, an inactive one too (``set_adapter`` makes it trainable later, after
+  ``prepare``); a factor is marked laid out on its module, so ``delete_adapter`` + ``add_adapter`` under the same
+  name lays the new one out;
 - **DoRA** (``use_dora=True``): the initial magnitude is the norm of the whole base weight (gathered once at
   injection) plus rank 0's B @ A, then broadcast from rank 0; on a colwise base the magnitude is sharded like the
   output features and the weight norm taken over this rank's rows, on a rowwise base it stays whole and the
@@ -57,12 +60,15 @@ every rank):
 - ``adapter_state_dict(peft_model, adapter_name="default") -> dict``: the adapter's full tensors in PEFT's format
   (what ``save_pretrained`` writes), on every rank; ``full_adapter_tensors(peft_model)``: the model's state dict
   with the LoRA factors whole;
+- ``adapter_parameters(model) -> set[int]``: the ids of every adapter's parameters, active or not (what an
+  adapter checkpoint keeps; the rest of the frozen parameters is the base);
+- ``refuse_weighted_adapter(model)``: ``add_weighted_adapter`` refused on TP loads (:data:`WEIGHTED_REFUSAL`);
 - ``is_sharded_base(model)``, ``dtensor_tensor_parallel()``, ``MERGE_REFUSAL``, ``AdapterLayoutError`` (a
   ``ValueError``).
 
 With the patch, ``PeftModel.save_pretrained(dir)`` on a sharded model writes full tensors once (global rank 0, under
 a fence, then a barrier); ``merge_and_unload()``/``merge_adapter()`` on a sharded model are refused (export, then
-merge in one process).
+merge in one process); ``add_weighted_adapter`` is refused on TP loads.
 """
 
 from __future__ import annotations
@@ -83,9 +89,12 @@ from shardadopt.topology import Topology, topology
 
 __all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_adapters",
            "global_adapter_shapes", "adapter_state_dict", "full_adapter_tensors", "is_sharded_base",
-           "dtensor_tensor_parallel", "whole_copy", "whole_weight", "MERGE_REFUSAL"]
+           "dtensor_tensor_parallel", "whole_copy", "whole_weight", "MERGE_REFUSAL", "WEIGHTED_REFUSAL",
+           "refuse_weighted_adapter", "adapter_parameters"]
 
-_LAID_OUT = "_shardadopt_adapters"  # on a LoRA layer: the adapter names laid out
+# on an adapter's lora_A module (not its name on the layer: delete_adapter then add_adapter under the same name
+# brings new factors, which must be laid out again)
+_LAID_OUT = "_shardadopt_laid_out"
 _HOOKED = "_shardadopt_dp_average"  # on a factor parameter: the dp-averaging hook handle
 _DP = "_shardadopt_dp"  # on a LoRA layer: (dp group, dp size, FSDP modules telling whether gradients sync)
 # init_lora_weights values whose result does not depend on the base weight
@@ -94,6 +103,22 @@ MERGE_REFUSAL = (
     "merging LoRA adapters into a model sharded at load time is not supported: the merged weights would be written "
     "into this rank's shard only. Export the adapter with model.save_pretrained(dir) (every rank), then merge in "
     "one process: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), dir).merge_and_unload().")
+
+
+WEIGHTED_REFUSAL = (
+    "add_weighted_adapter on a tensor-parallel load ({layout}) is not supported by shardadopt: peft combines the "
+    "factors as whole tensors, and here they are sharded (the combination would crash or hold one rank's slice). "
+    "Export the adapters with model.save_pretrained(dir) (every rank), combine them in one process "
+    "(PeftModel.from_pretrained(base, dir), load_adapter, add_weighted_adapter, save_pretrained), and load the result "
+    "onto the sharded model with load_adapter; on fsdp_size loads add_weighted_adapter works as in one process.")
+
+
+def refuse_weighted_adapter(model: nn.Module) -> None:
+    """Refuse ``add_weighted_adapter`` on a tensor-parallel load (:data:`WEIGHTED_REFUSAL`); data-parallel loads hold
+    every factor whole and identical on every rank, where peft's combination runs as in one process."""
+    topo = topology(_base_model(model))
+    if topo.tp_size > 1:
+        raise AdapterLayoutError(WEIGHTED_REFUSAL.format(layout=f"tp_size={topo.tp_size}"))
 
 
 class AdapterLayoutError(ValueError):
@@ -275,6 +300,10 @@ def _adapter_modules(layer: Any, adapter: str) -> list[nn.Module]:
     return modules
 
 
+def _laid_out(layer: Any, adapter: str) -> bool:
+    return bool(layer.lora_A[adapter].__dict__.get(_LAID_OUT))
+
+
 def _lora_layers(model: nn.Module) -> Iterator[tuple[str, Any]]:
     from peft.tuners.lora import LoraLayer
 
@@ -448,7 +477,7 @@ def _fsdp_syncing(fsdp_modules: list[nn.Module]) -> bool:
 def _average_over_dp(param: nn.Parameter, group: Any, dp_size: int, fsdp_modules: list[nn.Module]) -> None:
     from torch.distributed.tensor import DTensor
 
-    if getattr(param, _HOOKED, None) is not None or not param.requires_grad:
+    if getattr(param, _HOOKED, None) is not None:
         return
 
     def average(p: torch.Tensor) -> None:
@@ -458,7 +487,14 @@ def _average_over_dp(param: nn.Parameter, group: Any, dp_size: int, fsdp_modules
         dist.all_reduce(grad, group=group)
         grad.div_(dp_size)
 
-    setattr(param, _HOOKED, param.register_post_accumulate_grad_hook(average))
+    # Frozen factors too (an inactive adapter: set_adapter makes it trainable later, after prepare): torch hooks
+    # only parameters that require grad, and the hook stays registered while the flag changes.
+    frozen = not param.requires_grad
+    param.requires_grad_(True)
+    try:
+        setattr(param, _HOOKED, param.register_post_accumulate_grad_hook(average))
+    finally:
+        param.requires_grad_(not frozen)
 
 
 def lay_out_adapters(model: nn.Module) -> int:
@@ -478,8 +514,7 @@ def lay_out_adapters(model: nn.Module) -> int:
     fsdp_modules = [m for m in base.modules() if isinstance(m, FSDPModule)][:1]
     done = 0
     for name, layer in _lora_layers(base):
-        laid_out = layer.__dict__.setdefault(_LAID_OUT, set())
-        for adapter in [a for a in layer.lora_A if a not in laid_out]:
+        for adapter in [a for a in layer.lora_A if not _laid_out(layer, a)]:
             style = _check_layer(name, layer, adapter, topo, base)
             for factor in _adapter_modules(layer, adapter):
                 for param in factor.parameters():
@@ -492,7 +527,7 @@ def lay_out_adapters(model: nn.Module) -> int:
                               _tp_mesh(layer.get_base_layer().weight))
                 if adapter in layer.lora_magnitude_vector:
                     _lay_out_dora(layer.lora_magnitude_vector[adapter], style, _tp_mesh(layer.get_base_layer().weight))
-            laid_out.add(adapter)
+            layer.lora_A[adapter].__dict__[_LAID_OUT] = True
             done += 1
         if topo.dp_size > 1:
             layer.__dict__[_DP] = (group, topo.dp_size, fsdp_modules)
@@ -513,12 +548,12 @@ def _hook_copy(copied: nn.Module) -> None:
 
 
 def _hook_trainable(layer: Any) -> None:
-    """Average the gradients of ``layer``'s trainable LoRA factors over the data-parallel group (an adapter loaded
-    frozen and made trainable later is hooked when the model is prepared)."""
+    """Average the gradients of ``layer``'s LoRA factors over the data-parallel group, frozen ones included (an
+    inactive adapter that ``set_adapter`` makes trainable later; a hook fires only when a gradient arrives)."""
     dp = layer.__dict__.get(_DP)
     if dp is None:
         return
-    for adapter in layer.__dict__.get(_LAID_OUT, ()):
+    for adapter in [a for a in layer.lora_A if _laid_out(layer, a)]:
         for factor in _adapter_modules(layer, adapter):
             for param in factor.parameters():
                 _average_over_dp(param, *dp)
@@ -526,8 +561,8 @@ def _hook_trainable(layer: Any) -> None:
 
 def check_adapters(model: nn.Module) -> None:
     """Refuse (:class:`AdapterLayoutError`) a sharded model holding LoRA adapters that were not laid out by
-    :func:`lay_out_adapters`, or ``modules_to_save`` of sharded modules; hook the data-parallel averaging of factors
-    made trainable after they were laid out. Local: no collective."""
+    :func:`lay_out_adapters`, or ``modules_to_save`` of sharded modules; hook the data-parallel averaging of factor
+    parameters that have none (replaced after they were laid out). Local: no collective."""
     try:
         from peft.tuners.lora import LoraLayer  # noqa: F401
     except ImportError:
@@ -539,7 +574,7 @@ def check_adapters(model: nn.Module) -> None:
     for copied in _modules_to_save(model, topo, base):
         _hook_copy(copied)
     for name, layer in _lora_layers(base):
-        missing = [a for a in layer.lora_A if a not in layer.__dict__.get(_LAID_OUT, ())]
+        missing = [a for a in layer.lora_A if not _laid_out(layer, a)]
         if missing:
             raise AdapterLayoutError(
                 f"LoRA adapter(s) {missing} on {name} of a model sharded at load time were added without shardadopt "
@@ -548,6 +583,29 @@ def check_adapters(model: nn.Module) -> None:
                 f"PeftModel.from_pretrained / add_adapter, or call shardadopt.adapters.lay_out_adapters(model) on "
                 f"every rank right after adding them.")
         _hook_trainable(layer)
+
+
+def adapter_parameters(model: nn.Module) -> set[int]:
+    """The ``id`` of every parameter peft holds per adapter in ``model``, active or not (LoRA factors, DoRA
+    magnitudes, ``modules_to_save`` copies, trainable tokens): what an adapter run trains, at one time or another,
+    as opposed to the frozen base. Empty without peft."""
+    import sys
+
+    if "peft" not in sys.modules:
+        return set()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    found: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+            for name in module.adapter_layer_names:  # dotted for trainable tokens: "token_adapter.<dict>"
+                holder: Any = module
+                for part in name.split("."):
+                    holder = getattr(holder, part, None)
+                if isinstance(holder, nn.Module):
+                    found.update(id(p) for p in holder.parameters())
+    return found
 
 
 # -- export --------------------------------------------------------------------------------------------------------

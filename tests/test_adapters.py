@@ -53,16 +53,36 @@ def test_dora_and_modules_to_save_train_like_one_process(pool2, tiny_models, ref
     check_lora_training(pool2, tiny_models[model], model, sizes, dp, references, str(tmp_path), overrides)
 
 
+# the adapter active in each step; saved after 2: fsdp with "default" trained and inactive then, tp with "default"
+# not trained yet (no optimizer state to restore: it starts fresh after loading, as in the uninterrupted run)
+RESUME_PLANS = {"fsdp": ("default", "b", "default", "b"), "tp": ("b", "b", "default", "b")}
+
+
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_lora_save_state_load_state_resumes_exactly(pool2, tiny_models, tmp_path, layout):
+    """Two adapters trained in turn (``set_adapter``), ``accelerator.save_state`` after 2 steps, ``load_state``
+    into a fresh model: losses and both adapters bit for bit as the uninterrupted run; the checkpoint's model state
+    is the adapters alone (both of them, byte for byte: the frozen base is left out), with the optimizer's."""
+    import torch
+
     from shardadopt.adapters import dtensor_tensor_parallel
-    from shardadopt.testing.lora import resume_lora_rank
+    from shardadopt.testing.lora import is_adapter, resume_lora_rank
 
     sizes, dp = distributed_sizes(layout, 2)
     if "tp_size" in sizes and not dtensor_tensor_parallel():
         pytest.skip("LoRA on TP is refused before transformers 5.17 (test_lora_training_matches_single_process)")
-    for result in pool2.run(resume_lora_rank, tiny_models[MODELS[layout]], sizes, dp, str(tmp_path / "state")):
+    for result in pool2.run(resume_lora_rank, tiny_models[MODELS[layout]], sizes, dp, str(tmp_path / "state"),
+                            RESUME_PLANS[layout]):
         assert result["resumed"] == result["straight"][2:], result
+        for name, value in result["params"].items():
+            assert torch.equal(result["resumed_params"][name], value), f"{name} differs from the uninterrupted run"
+        entries = result["model_entries"]
+        assert entries and all(is_adapter(k) for k in entries), [k for k in entries if not is_adapter(k)][:3]
+        assert any(".lora_A.default." in k for k in entries) and any(".lora_A.b." in k for k in entries)
+        assert sum(entries.values()) == result["adapter_bytes"]
+        trained = set(RESUME_PLANS[layout][:2])  # optimizer state: for the adapters trained before the save
+        for adapter in ("default", "b"):
+            assert any(f".lora_B.{adapter}." in k for k in result["optimizer_entries"]) == (adapter in trained)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
@@ -84,6 +104,19 @@ def test_adapters_equal_one_process_init_whatever_each_rank_seeded(pool2, tiny_m
         assert sorted(result["init"]) == sorted(expected)
         for name, value in expected.items():
             assert torch.equal(result["init"][name], value), f"rank {rank}: initial {name} differs from one process"
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_several_adapters_train_switch_export_and_reload_like_one_process(pool2, tiny_models, tmp_path, layout):
+    """Two adapters as peft's docs use them (``get_peft_model``, ``add_adapter("b")``, ``set_adapter`` back and
+    forth, only the active one training), ``add_weighted_adapter`` (refused on TP), ``save_pretrained`` (all
+    adapters: default at the root, "b" in a subfolder), ``PeftModel.from_pretrained`` + ``load_adapter`` in one
+    process and onto a sharded base, ``delete_adapter`` and ``add_adapter`` again under the same name: against one
+    process on the same global batches (``shardadopt.testing.lora.check_several_adapters``)."""
+    from shardadopt.testing.lora import check_several_adapters
+
+    sizes, dp = distributed_sizes(layout, 2)
+    check_several_adapters(pool2, tiny_models[MODELS[layout]], sizes, dp, str(tmp_path))
 
 
 REFUSED = [  # (case, layout, what the error names)

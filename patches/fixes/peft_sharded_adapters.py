@@ -127,8 +127,11 @@ HELPER = Edit(
     "        if not isinstance(param, torch.distributed.tensor.DTensor):  # sharded factors: broadcast before sharding\n"
     "            with torch.no_grad():\n"
     "                torch.distributed.broadcast(param, src=0)\n"
-    "        if dp_size > 1 and param.requires_grad:\n"
+    "        if dp_size > 1:  # an inactive adapter too: set_adapter makes it trainable later\n"
+    "            frozen = not param.requires_grad\n"
+    "            param.requires_grad_(True)  # torch hooks only parameters that require grad; the hook stays\n"
     "            param.register_post_accumulate_grad_hook(average)\n"
+    "            param.requires_grad_(not frozen)\n"
     "\n"
     "\n"
     "def _get_in_out_features(module: nn.Module) -> tuple[int, int] | tuple[None, None]:\n")

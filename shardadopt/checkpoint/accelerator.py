@@ -17,7 +17,7 @@ from shardadopt import upstream
 from shardadopt.checkpoint.export import full_state_dict, save_full
 from shardadopt.checkpoint.publish import IncompleteCheckpointError, is_complete, read_info, staged
 from shardadopt.checkpoint.sharding import is_sharded
-from shardadopt.checkpoint.state import check_compatible, load_sharded_state, save_sharded_state
+from shardadopt.checkpoint.state import check_compatible, is_adapter_model, load_sharded_state, save_sharded_state
 
 # -- which models are ours -----------------------------------------------------------------------------------------
 
@@ -97,7 +97,10 @@ def save_state(accelerator: Any, output_dir: str | None = None, safe_serializati
 
     with staged(output_dir, step=accelerator.step, models=models, after_publish=rotate,
                 metadata={"writer": "accelerate", "save_iteration": accelerator.save_iteration}) as stage:
-        save_sharded_state(stage, models, _torch_optimizers(accelerator))
+        # an adapter model's frozen base is what it loads from its own checkpoint (as upstream's Trainer leaves it
+        # out); every adapter, the optimizer and the rest are saved
+        save_sharded_state(stage, models, _torch_optimizers(accelerator),
+                           frozen=[not is_adapter_model(m) for m in models])
         # The state dicts are already written; hooks see no weights to edit, as with accelerate's FSDP path.
         for hook in list(upstream.accelerator_save_state_pre_hooks(accelerator).values()):
             hook(prepared, [], stage)
@@ -142,7 +145,8 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
     resharded = check_compatible(info, models, reshard=adoption_kwargs(accelerator).reshard_checkpoints)
     for hook in list(upstream.accelerator_load_state_pre_hooks(accelerator).values()):
         hook(prepared, input_dir)
-    load_sharded_state(input_dir, models, _torch_optimizers(accelerator))
+    load_sharded_state(input_dir, models, _torch_optimizers(accelerator),
+                       frozen=[not is_adapter_model(m) for m in models])
     load_model_func_kwargs.pop("map_location", None)
     override = load_accelerator_state(input_dir, [], [], upstream.accelerator_schedulers(accelerator),
                                       upstream.accelerator_dataloaders(accelerator), accelerator.state.process_index,

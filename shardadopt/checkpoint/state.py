@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -56,19 +57,48 @@ def _key(kind: str, i: int, model: torch.nn.Module) -> str:
 def _options(frozen: bool) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    # without the frozen parameters the model state is partial: loading it must leave the others as they are
-    return StateDictOptions(ignore_frozen_params=not frozen, strict=frozen)
+    # without the frozen base the model state is partial: loading it must leave the base as it is
+    return StateDictOptions(strict=frozen)
 
 
-def _state_dicts(models: list[torch.nn.Module], optimizers: list, frozen: bool = True) -> dict[str, Any]:
+def frozen_base(model: torch.nn.Module) -> set[str]:
+    """Every name (tied aliases included) of the parameters of ``model`` that do not require gradients and belong to
+    no PEFT adapter: the frozen base an adapter run loads from its own checkpoint. An inactive adapter is frozen
+    too, but trained at another time (``set_adapter``): it is not part of the base."""
+    from shardadopt.adapters import adapter_parameters
+
+    adapters = adapter_parameters(model)
+    return {n for n, p in model.named_parameters(remove_duplicate=False)
+            if not p.requires_grad and id(p) not in adapters}
+
+
+def is_adapter_model(model: Any) -> bool:
+    """A PEFT model (adapters on a frozen base), whose checkpoints leave the frozen base out."""
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def _per_model(frozen: bool | Sequence[bool], count: int) -> list[bool]:
+    flags = [frozen] * count if isinstance(frozen, bool) else list(frozen)
+    if len(flags) != count:
+        raise ValueError(f"frozen: one flag per model, got {len(flags)} for {count} models")
+    return flags
+
+
+def _state_dicts(models: list[torch.nn.Module], optimizers: list,
+                 frozen: bool | Sequence[bool] = True) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     state: dict[str, Any] = {}
+    flags = _per_model(frozen, len(models))
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
-        model_sd, optim_sd = get_state_dict(model, opts, options=_options(frozen))
-        if not frozen:  # torch drops frozen parameters by their first name only: a tied alias (lm_head) stays
-            aliases = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            model_sd = {k: v for k, v in model_sd.items() if k not in aliases}
+        model_sd, optim_sd = get_state_dict(model, opts, options=_options(flags[i]))
+        if not flags[i]:
+            base = frozen_base(model)
+            model_sd = {k: v for k, v in model_sd.items() if k not in base}
         state[_key("model", i, model)] = model_sd
         if opts:
             state[_key("optimizer", i, model)] = optim_sd
@@ -76,11 +106,12 @@ def _state_dicts(models: list[torch.nn.Module], optimizers: list, frozen: bool =
 
 
 def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch.nn.Module,
-                       optimizers: Sequence[Any] | Any = None, *, frozen: bool = True) -> None:
+                       optimizers: Sequence[Any] | Any = None, *, frozen: bool | Sequence[bool] = True) -> None:
     """Write models' and optimizers' (sharded) state into ``directory/state`` with DCP. A collective.
 
-    ``frozen=False`` leaves out the parameters that do not require gradients (an adapter run's base weights, which
-    the model loads from its own checkpoint): what upstream's Trainer leaves out of a PEFT model's checkpoint."""
+    ``frozen=False`` (or one flag per model) leaves out the frozen base (:func:`frozen_base`: an adapter run's base
+    weights, which the model loads from its own checkpoint; every adapter is kept, active or not): what upstream's
+    Trainer leaves out of a PEFT model's checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     path = os.path.join(directory, _STATE_DIR)
@@ -152,21 +183,71 @@ def _flat_shapes(state: dict[str, Any], prefix: str = "") -> dict[str, tuple[int
     return out
 
 
+@contextlib.contextmanager
+def _adapters_trainable(model: torch.nn.Module) -> Iterator[None]:
+    """Every adapter of ``model`` trainable while its state is loaded: torch builds and loads optimizer state for
+    trainable parameters only, and an adapter inactive now (``set_adapter``) may have been trained before the
+    save."""
+    from shardadopt.adapters import adapter_parameters
+
+    adapters = adapter_parameters(model)
+    frozen = [p for p in model.parameters() if id(p) in adapters and not p.requires_grad]
+    for param in frozen:
+        param.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
+
+
+def _drop_untrained_adapter_state(optim_state: dict | None, key: str, model: torch.nn.Module,
+                                  saved: dict[str, tuple[int, ...]]) -> None:
+    """Leave out of ``optim_state`` (the state to load, as :func:`_adapters_trainable` built it) the adapter
+    parameters the checkpoint holds no optimizer state for: not trained before the save, so fresh after loading
+    too (the optimizer's ``load_state_dict`` leaves them without state), as in the uninterrupted run."""
+    from shardadopt.adapters import adapter_parameters
+
+    if not optim_state:
+        return
+    adapters = adapter_parameters(model)
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in adapters}
+    per_param = optim_state.get("state", {})
+    for fqn in [f for f in per_param if f in names]:
+        tensors = [k for k, v in per_param[fqn].items() if isinstance(v, torch.Tensor)]
+        if tensors and not any(f"{key}.state.{fqn}.{k}" in saved for k in tensors):
+            del per_param[fqn]
+
+
 def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch.nn.Module,
-                       optimizers: Sequence[Any] | Any = None, *, weights: bool = True, frozen: bool = True) -> None:
+                       optimizers: Sequence[Any] | Any = None, *, weights: bool = True,
+                       frozen: bool | Sequence[bool] = True) -> None:
     """Read models' and optimizers' state written by ``save_sharded_state`` into them, resharding as needed.
 
     ``weights=False`` reads the optimizers' state only (the models' weights were loaded already: the Trainer loads
-    the model, then the optimizer). ``frozen=False`` reads the trainable parameters only (the others keep what the
-    model holds), from a checkpoint written either way."""
+    the model, then the optimizer). ``frozen=False`` (or one flag per model) reads all but the frozen base (which
+    keeps what the model holds), from a checkpoint written either way."""
+    models, optimizers = _as_list(models), _as_list(optimizers)
+    flags = _per_model(frozen, len(models))
+    with contextlib.ExitStack() as stack:
+        for model, flag in zip(models, flags):
+            if not flag:  # torch builds and loads optimizer state for trainable parameters only
+                stack.enter_context(_adapters_trainable(model))
+        _load(directory, models, optimizers, flags, weights)
+
+
+def _load(directory: str, models: list[torch.nn.Module], optimizers: list, flags: list[bool], weights: bool) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
-    models, optimizers = _as_list(models), _as_list(optimizers)
-    state = _state_dicts(models, optimizers, frozen)
+    state = _state_dicts(models, optimizers, flags)
     if not weights:
         state = {key: value for key, value in state.items() if not key.startswith("model")}
     saved = _saved_shapes(directory)
+    for i, (model, _) in enumerate(_pairs(models, optimizers)):
+        if not flags[i]:
+            _drop_untrained_adapter_state(state.get(_key("optimizer", i, model)), _key("optimizer", i, model),
+                                          model, saved)
     wanted = {k: v for k, v in _flat_shapes(state).items() if ".param_groups." not in k}
     missing = sorted(k for k in wanted if k not in saved)
     differ = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
@@ -182,10 +263,10 @@ def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         if weights:
             set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],
-                           optim_state_dict=state.get(_key("optimizer", i, model), {}), options=_options(frozen))
+                           optim_state_dict=state.get(_key("optimizer", i, model), {}), options=_options(flags[i]))
         elif opts:
             set_optimizer_state_dict(model, opts, optim_state_dict=state[_key("optimizer", i, model)],
-                                     options=_options(frozen))
+                                     options=_options(flags[i]))
 
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +19,7 @@ from shardadopt import upstream
 from shardadopt.checkpoint.export import save_full
 from shardadopt.checkpoint.publish import _STATE_DIR, MARKER, read_info, staged
 from shardadopt.checkpoint.sharding import is_sharded
-from shardadopt.checkpoint.state import check_compatible, load_sharded_state, save_sharded_state
+from shardadopt.checkpoint.state import check_compatible, is_adapter_model, load_sharded_state, save_sharded_state
 
 # -- which trainers and checkpoints are ours -----------------------------------------------------------------------
 
@@ -95,16 +94,6 @@ def model_resolved(trainer: Any, model: Any) -> None:
 
 # -- save / load ---------------------------------------------------------------------------------------------------
 
-def _adapter_run(model: Any) -> bool:
-    """A PEFT model (adapters on a frozen base): upstream's Trainer writes its adapter (``save_pretrained``:
-    ``adapter_config.json``, ``adapter_model.safetensors``) into each checkpoint and as the final model."""
-    if "peft" not in sys.modules:
-        return False
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
 def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
     """Upstream's ``Trainer._save_checkpoint`` with the state written by DCP into an atomically published folder.
 
@@ -140,7 +129,7 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
     optimizers = [] if targs.save_only_model else [trainer.optimizer]
     with staged(output_dir, step=state.global_step, models=[trainer.model],
                 metadata={"writer": "transformers.Trainer"}, after_publish=after_publish) as stage:
-        adapters = _adapter_run(trainer.model)
+        adapters = is_adapter_model(trainer.model)
         # an adapter run's frozen base is what the model loads from its own checkpoint: left out, as upstream does
         save_sharded_state(stage, trainer.model, [getattr(o, "optimizer", o) for o in optimizers],
                            frozen=not adapters)
@@ -176,7 +165,7 @@ def load_model(trainer: Any, directory: str) -> None:
         warnings.warn(f"{directory} was saved with world size {info.world_size} and layouts {info.layouts}; the "
                       f"weights and optimizer state are resharded, the data order and RNG cannot continue exactly",
                       stacklevel=3)
-    load_sharded_state(info.directory, trainer.model, frozen=not _adapter_run(trainer.model))
+    load_sharded_state(info.directory, trainer.model, frozen=not is_adapter_model(trainer.model))
 
 
 def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
@@ -187,7 +176,7 @@ def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
 
     read_info(directory)
     load_sharded_state(directory, trainer.model, [getattr(trainer.optimizer, "optimizer", trainer.optimizer)],
-                       weights=False, frozen=not _adapter_run(trainer.model))
+                       weights=False, frozen=not is_adapter_model(trainer.model))
     scheduler_file = os.path.join(directory, trainer_module.SCHEDULER_NAME)
     if os.path.isfile(scheduler_file):
         with warnings.catch_warnings(record=True):
@@ -202,7 +191,7 @@ def export_full_model(trainer: Any, output_dir: str) -> None:
     import torch
     from transformers import trainer as trainer_module
 
-    if _adapter_run(trainer.model):
+    if is_adapter_model(trainer.model):
         trainer.model.save_pretrained(output_dir)  # full adapter tensors, written by rank 0 (peft-sharded-adapters)
     else:
         save_full(trainer.model, output_dir)

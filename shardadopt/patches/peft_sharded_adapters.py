@@ -23,7 +23,9 @@ patch wraps:
 - ``ModulesToSaveWrapper.update``: inside that injection, the trainable copy of a sharded module is made whole
   (:func:`shardadopt.adapters.whole_copy`; peft's ``deepcopy`` of FSDP/TP shards fails);
 - ``PeftModel.save_pretrained``: full tensors, written by global rank 0 only, every rank leaving after it wrote;
-- ``BaseTuner.merge_and_unload`` / ``merge_adapter``: refused on sharded models (:data:`adapters.MERGE_REFUSAL`).
+- ``BaseTuner.merge_and_unload`` / ``merge_adapter``: refused on sharded models (:data:`adapters.MERGE_REFUSAL`);
+- ``LoraModel.add_weighted_adapter``: refused on tensor-parallel loads (:data:`adapters.WEIGHTED_REFUSAL`: peft
+  combines whole factors); on data-parallel loads the factors are whole and equal on every rank, peft's path.
 
 Models that are not sharded take peft's exact path.
 """
@@ -124,6 +126,14 @@ def _refuse_merge(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _refuse_weighted(wrapped, instance, args, kwargs):
+    from shardadopt.adapters import is_sharded_base, refuse_weighted_adapter
+
+    if is_sharded_base(instance.model):
+        refuse_weighted_adapter(instance.model)  # before peft adds the new adapter's config
+    return wrapped(*args, **kwargs)
+
+
 def probe() -> Probe:
     """Read peft: ``_get_in_out_features`` sizing TP bases by ``to_local()`` and ``inject_adapter`` reducing no
     adapter gradient are the broken shape."""
@@ -153,6 +163,7 @@ PATCH = Patch(
               Target("peft.utils.other", "ModulesToSaveWrapper.update"): _modules_to_save_update,
               Target(_PEFT_MODEL, "PeftModel.save_pretrained"): _save_pretrained,
               Target(_TUNERS, "BaseTuner.merge_and_unload"): _refuse_merge,
-              Target(_TUNERS, "BaseTuner.merge_adapter"): _refuse_merge},
+              Target(_TUNERS, "BaseTuner.merge_adapter"): _refuse_merge,
+              Target("peft.tuners.lora.model", "LoraModel.add_weighted_adapter"): _refuse_weighted},
     probe=probe,
 )
