@@ -68,6 +68,13 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
        "model's freeze, while the DTensor path keeps `ref.requires_grad`; the sharded run trains as the model "
        "defines it, the other differences follow from that table (an upstream bug of the one-process load)"
        for t in ("pegasus", "roformer")},
+    ("moshi", "fsdp", "fails"):
+        "explained, batch-coupled loss upstream, not a sharding error: transformers 5.15's MoshiForCausalLM shifts "
+        "and flattens logits and labels itself, then passes them to loss_function (ForCausalLMLoss), which shifts "
+        "again over the flattened batch: each row's last position predicts the next row's second token and only "
+        "the batch's last token is ignored, so the loss changes with how a batch is split (one process on each "
+        "micro-batch in two halves gives exactly the FSDP run's losses and gradients, 6020x the tolerance from the "
+        "whole batch); fixed in 5.24, verified there",
     ("llama4_text", "ep", "fails"):
         "loud, not silent: transformers 5.15's Llama4 EP plan puts `ep_router` on `feed_forward.router`, whose "
         "output hook unpacks (logits, scores, indices) while Llama4Router returns (scores, logits): the first forward "
