@@ -131,3 +131,14 @@ def reuse_device_mesh(distributed_config: Any, build: Callable[[], tuple[Any, An
         if mesh is not None and dist.is_initialized():
             _MESHES[key] = (dist.group.WORLD, device_map, mesh)
         return device_map, mesh
+
+
+def is_fused_source(source_shape: tuple[int, ...], param_shape: tuple[int, ...], sharded_dims: set[int]) -> bool:
+    """Whether a checkpoint tensor differs from the parameter it is loaded into along a dimension that parameter is
+    sharded on: a fused tensor that a weight conversion turns into several parameters (HRM's ``gqkv_proj``
+    chunked into gate/q/k/v), or several into one. Slicing it with the parameter's own shard bounds takes the
+    wrong rows (rank 0 gets gate and q, rank 1 k and v); it must be converted whole and each result sharded.
+    A tensor with another number of dimensions (one expert of a stacked parameter) is sliced per piece upstream."""
+    if len(source_shape) != len(param_shape):
+        return False
+    return any(source_shape[dim] != param_shape[dim] for dim in sharded_dims)

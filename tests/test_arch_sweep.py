@@ -90,6 +90,60 @@ def test_sample_of_the_sweep_gives_its_recorded_verdicts(pool2, tmp_path_factory
                                                     f"{got.verdict} ({got.detail}); rerun tools/arch_sweep.py")
 
 
+def fused_load_rank(path: str, sizes: dict) -> dict:
+    """On each rank: the tiny checkpoint loaded with ``DistributedConfig(**sizes)`` after ``shardadopt.enable()``;
+    every parameter as this rank holds it (DTensors whole)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+    from shardadopt.testing import full
+
+    shardadopt.enable()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(**sizes))
+        return {name: full(p).detach().clone() for name, p in model.named_parameters()}
+    finally:
+        shardadopt.disable()
+
+
+def unsplit_fused_projections(pool2, path: str) -> dict[str, list[str]]:
+    """layout -> the parameters whose ranks' pieces do not put together what one process loads."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shardadopt.testing.sweep import _whole
+
+    reference = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    wrong = {}
+    for layout, sizes in {"tp": {"tp_size": 2}, "fsdp": {"fsdp_size": 2}}.items():
+        results = pool2.run(fused_load_rank, path, sizes, timeout=300)
+        wrong[layout] = []
+        for name, want in reference.items():
+            candidates, every = _whole([r[name] for r in results], want.shape)
+            matches = [torch.equal(c, want) for c in candidates]
+            if not candidates or not (all(matches) if every else any(matches)):
+                wrong[layout].append(name)
+    return wrong
+
+
+@pytest.mark.multiproc
+def test_fused_checkpoint_tensors_load_into_their_own_shards(pool2, tmp_path):
+    """HRM checkpoints store gate/q/k/v as one ``attn.gqkv_proj`` that the load chunks into four projections
+    (transformers-fused-weight-sharding): sharded at load time, each must hold its own rows, as one process loads
+    them (upstream sliced the fused tensor with the first projection's bounds first: silently wrong training)."""
+    from safetensors import safe_open
+
+    from shardadopt.testing.archs import write_tiny
+
+    path = write_tiny("hrm_text", tmp_path)
+    stored = [key for file in Path(path).glob("*.safetensors") for key in safe_open(str(file), "pt").keys()]
+    assert any(key.endswith("attn.gqkv_proj.weight") for key in stored), stored  # the fused form is on disk
+    assert unsplit_fused_projections(pool2, path) == {"tp": [], "fsdp": []}
+
+
 def _doctor(capsys, *argv: str) -> tuple[int, str]:
     from shardadopt.cli import main
 

@@ -60,22 +60,21 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
        "parameter with an all-zero first gradient undecided, the same cell was 7.6x (`attn_hc.base`), with the "
        "per-step norm at 0.95 of its tolerance (now 0.05)"
        for layout in ("tp", "ep")},
-    ("hrm_text", "fsdp", "fails"):
-        "upstream bug, silently wrong, not fixed or refused yet: presumably the one under `tp` (the loader shards "
-        "the fused `gqkv_proj` before chunking it; here with FSDP's Shard(0)); not measured layer by layer",
-    **{(t, "fsdp", "fails"): "not investigated (found in the last run): the sinusoidal `embed_positions` table, "
-       "which one process does not train (no gradient there), gets a gradient under FSDP (or the reverse), and "
-       "the final parameters then differ: possibly a frozen parameter trained under FSDP; to fix or refuse"
+    **{(t, "fsdp", "fails"):
+       "explained, not silently wrong: the sinusoidal position table (`embed_positions`, an `nn.Embedding` built "
+       "with `_freeze=True`: requires_grad False) stays frozen under FSDP and is trained by the one-process "
+       "reference: transformers' one-process load replaces each loaded parameter with "
+       "`nn.Parameter(value, requires_grad=value.is_floating_point())` (set_param_for_module), dropping the "
+       "model's freeze, while the DTensor path keeps `ref.requires_grad`; the sharded run trains as the model "
+       "defines it, the other differences follow from that table (an upstream bug of the one-process load)"
        for t in ("pegasus", "roformer")},
-    ("hrm_text", "tp", "fails"):
-        "upstream bug, silently wrong, not fixed or refused yet: HRM checkpoints store each attention's "
-        "gate/q/k/v as one fused `attn.gqkv_proj` (and `mlp.gate_up_proj`), which transformers' conversion "
-        "mapping chunks into the four projections at load; under TP the loader shards the fused tensor with the "
-        "first target's colwise placement before chunking (core_model_loading: the shard op runs in "
-        "spawn_materialize, the Chunk after it), so each rank's q/k/v/gate hold the wrong rows: the first "
-        "attention's output is 100 % off in the first forward (measured layer by layer on 5.24; 5.15 fails with "
-        "the same numbers). A load that converts a fused tensor into TP-sharded targets should shard each chunk "
-        "instead",
+    ("moshi", "fsdp", "fails"):
+        "explained, batch-coupled loss upstream, not a sharding error: transformers 5.15's MoshiForCausalLM shifts "
+        "and flattens logits and labels itself, then passes them to loss_function (ForCausalLMLoss), which shifts "
+        "again over the flattened batch: each row's last position predicts the next row's second token and only "
+        "the batch's last token is ignored, so the loss changes with how a batch is split (one process on each "
+        "micro-batch in two halves gives exactly the FSDP run's losses and gradients, 6020x the tolerance from the "
+        "whole batch); fixed in 5.24, verified there",
     ("llama4_text", "ep", "fails"):
         "loud, not silent: transformers 5.15's Llama4 EP plan puts `ep_router` on `feed_forward.router`, whose "
         "output hook unpacks (logits, scores, indices) while Llama4Router returns (scores, logits): the first forward "
