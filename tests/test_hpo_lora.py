@@ -208,8 +208,11 @@ def test_lora_search_trials_equal_the_plain_search(pool2, tiny_models, reference
         for got, want in zip(trial["log"], ref["log"], strict=True):
             assert got == pytest.approx(want, rel=1e-5), f"trial {number}: {trial['log']} vs {ref['log']}"
         for name, value in ref["adapters"].items():
-            torch.testing.assert_close(trial["adapters"][name], value, rtol=1e-4, atol=1e-6,
-                                       msg=f"trial {number}: adapter {name} after training")
+            # Adam turns reduction-order noise in a near-zero gradient entry into a step-sized difference: 1 of 512
+            # entries differs by a few 1e-5 of the factor's scale on some CPUs; an unreduced gradient is off by ~lr.
+            torch.testing.assert_close(trial["adapters"][name], value, rtol=1e-4,
+                                       atol=max(1e-6, 1e-3 * value.abs().max().item()),
+                                       msg=lambda m, n=number, k=name: f"trial {n}: adapter {k} after training: {m}")
         assert first["table"][number][3] == pytest.approx(expected["table"][number][3], rel=1e-5)
         # the objective Optuna recorded is the eval loss of this trial's adapter
         recomputed = eval_loss_in_one_process(tiny_models[MODEL], trial["params"], trial["adapters"])
