@@ -399,7 +399,9 @@ def _keep_owner_chunks(data: Any, owners: list[int], world: int) -> Any:
     return recursively_apply(select, data)
 
 
-_METRIC_OWNERS_ATTR = "_shardadopt_metric_owners"  # on an Accelerator: (id of the model, owners) last computed
+# on an Accelerator: (ids of its prepared models, owners) last computed; a plain model's topology is not cached on
+# it, and gather_for_metrics runs every evaluation batch
+_METRIC_OWNERS_ATTR = "_shardadopt_metric_owners"
 
 
 def metric_owners(accelerator: Any) -> list[int] | None:
@@ -410,16 +412,18 @@ def metric_owners(accelerator: Any) -> list[int] | None:
     state = adopted(accelerator)
     if state is not None:
         return state.owners if state.layout.dp_size < accelerator.num_processes else None
-    override = adoption_kwargs(accelerator).topology
-    model = next((m for m in upstream.accelerator_models(accelerator) if is_sharded_model(m, override)), None)
-    if model is None:
-        return None
+    models = upstream.accelerator_models(accelerator)
+    key = tuple(id(m) for m in models)
     cached = getattr(accelerator, _METRIC_OWNERS_ATTR, None)
-    if cached is not None and cached[0] == id(model):
+    if cached is not None and cached[0] == key:
         return cached[1]
-    topo = topology(model, override)
-    owners = _dp_owners(topo, _world_dp_ranks(topo)) if topo.dp_size < topo.world_size else None
-    setattr(accelerator, _METRIC_OWNERS_ATTR, (id(model), owners))
+    override = adoption_kwargs(accelerator).topology
+    model = next((m for m in models if is_sharded_model(m, override)), None)
+    owners = None
+    if model is not None:
+        topo = topology(model, override)
+        owners = _dp_owners(topo, _world_dp_ranks(topo)) if topo.dp_size < topo.world_size else None
+    setattr(accelerator, _METRIC_OWNERS_ATTR, (key, owners))
     return owners
 
 
