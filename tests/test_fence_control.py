@@ -266,11 +266,6 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
     return {"table": table, **marks}
 
 
-@pytest.mark.skip(reason="in a fresh-clone .ci/run (both sets side by side) both ranks of the first case stayed "
-                         "in trial 0 past the 300 s pool timeout on torch 2.13 (the hang went undetected), where the "
-                         "module alone passed >= 10 times per set; until that is understood the Trainer case "
-                         "(test_hpo_trainer_faults fsdp_save_hang_write) and test_checkpoint_faults' dcp_write case "
-                         "keep the save-hang claims")
 @pytest.mark.parametrize("hanging,late_break", [(1, False), (0, False), (1, True)])
 def test_a_rank_hanging_in_a_sharded_save_fails_the_trial_once_and_loses_nothing(pool2, tiny_models, tmp_path,
                                                                                  hanging, late_break):

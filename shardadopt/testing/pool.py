@@ -6,10 +6,13 @@ many functions on it. Functions are pickled by reference, so they must be import
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -18,6 +21,10 @@ from typing import Any
 import torch.multiprocessing as mp
 
 _STOP = "stop"
+# On a timeout the pool asks the silent ranks for their threads' stacks before it kills them: the fence's hang
+# interrupt is SIGUSR1, so the dump takes the other user signal.
+_STACKS_SIGNAL = signal.SIGUSR2
+_STACKS_WAIT = 3.0  # seconds a rank gets to write its stacks
 
 
 class RankError(RuntimeError):
@@ -40,12 +47,14 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend: str, device: str,
-            env: dict[str, str], log: str | None, inbox: Any, outbox: Any) -> None:
+            env: dict[str, str], log: str | None, stacks: str, inbox: Any, outbox: Any) -> None:
     if log is not None:  # file descriptors, so C++ and warnings output follows too
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    stacks_file = open(stacks, "w")  # noqa: SIM115  (kept open for the life of the process: faulthandler writes it)
+    faulthandler.register(_STACKS_SIGNAL, file=stacks_file, all_threads=True)
     sys.path[:] = sys_path
     os.environ.update(env)
     import torch
@@ -79,6 +88,13 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
             _flush()
             outbox.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:  # the rank has not started yet
+        return 0
 
 
 def default_backend(device: str) -> str:
@@ -117,10 +133,13 @@ class RankPool:
         self._inboxes = [ctx.Queue() for _ in range(nproc)]
         self._outbox = ctx.Queue()
         port = free_port()
+        self._stacks_dir = tempfile.TemporaryDirectory(prefix="shardadopt-pool-stacks-")
+        self._stacks = [os.path.join(self._stacks_dir.name, f"rank{rank}.txt") for rank in range(nproc)]
         self._procs = [
             ctx.Process(target=_worker, daemon=True, name=f"shardadopt-rank{rank}",
                         args=(rank, nproc, port, list(sys.path), backend, device, dict(env or {}),
-                              None if log is None else os.fspath(log), self._inboxes[rank], self._outbox))
+                              None if log is None else os.fspath(log), self._stacks[rank], self._inboxes[rank],
+                              self._outbox))
             for rank in range(nproc)
         ]
         for proc in self._procs:
@@ -155,11 +174,14 @@ class RankPool:
                     continue
                 if time.monotonic() < end:
                     continue
+                stacks = self._dump_stacks(missing)
                 self.close(force=True)
                 if failures:
-                    failures.update({r: "did not finish after another rank failed (pool shut down)" for r in missing})
+                    failures.update({r: "did not finish after another rank failed (pool shut down); its threads:\n"
+                                     + stacks[r] for r in missing})
                     raise RankError(failures) from None
-                raise RankTimeout(f"{what}: rank(s) {missing} gave no answer within {timeout:.0f}s") from None
+                details = "".join(f"\n--- rank {r}, its threads ---\n{stacks[r]}" for r in missing)
+                raise RankTimeout(f"{what}: rank(s) {missing} gave no answer within {timeout:.0f}s{details}") from None
             if kind == "error":
                 failures[rank] = payload
                 grace = grace if grace is not None else time.monotonic() + 10.0
@@ -169,6 +191,29 @@ class RankPool:
             self.close(force=True)
             raise RankError(failures)
         return [results[r] for r in range(self.nproc)]
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every thread's Python stack of each of ``ranks`` (what a hang looked like), before the pool kills them."""
+        sizes = {}
+        for r in ranks:
+            sizes[r] = _size(self._stacks[r])
+            try:
+                os.kill(self._procs[r].pid, _STACKS_SIGNAL)
+            except (ProcessLookupError, TypeError):
+                pass
+        deadline = time.monotonic() + _STACKS_WAIT
+        while time.monotonic() < deadline and any(_size(self._stacks[r]) == sizes[r] for r in ranks):
+            time.sleep(0.1)
+        time.sleep(0.2)  # let a dump in progress finish
+        stacks = {}
+        for r in ranks:
+            text = ""
+            if _size(self._stacks[r]) > sizes[r]:
+                with open(self._stacks[r]) as f:
+                    f.seek(sizes[r])
+                    text = f.read()
+            stacks[r] = text or "(no stacks: the process did not answer the signal)"
+        return stacks
 
     def close(self, force: bool = False) -> None:
         if not self._procs:
@@ -184,6 +229,7 @@ class RankPool:
                 proc.kill()
                 proc.join(timeout=10)
         self._procs = []
+        self._stacks_dir.cleanup()
 
     def __enter__(self) -> RankPool:
         return self

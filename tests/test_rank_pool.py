@@ -1,0 +1,37 @@
+"""The test pool itself: a rank that never answers is reported with every thread's stack, so a hang seen once in CI
+says where it was."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shardadopt.testing import RankPool, RankTimeout
+
+pytestmark = pytest.mark.multiproc
+
+
+def _stuck_on_rank_one() -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        _wait_for_a_peer_that_never_comes()
+    return dist.get_rank()
+
+
+def _wait_for_a_peer_that_never_comes() -> None:
+    time.sleep(10**6)
+
+
+def test_a_timeout_reports_the_silent_ranks_stacks():
+    pool = RankPool(2)
+    try:
+        with pytest.raises(RankTimeout) as raised:
+            pool.run(_stuck_on_rank_one, timeout=5)
+    finally:
+        pool.close(force=True)
+    message = str(raised.value)
+    assert "rank(s) [1] gave no answer within 5s" in message, message
+    assert "--- rank 1, its threads ---" in message and "--- rank 0" not in message, message
+    assert "_wait_for_a_peer_that_never_comes" in message and "_stuck_on_rank_one" in message, message
