@@ -663,6 +663,35 @@ class Fence:
                 _remove_progress_hooks()
 
 
+def gathered_error(exc: BaseException, rank: int) -> BaseException:
+    """What ``rank`` raises for ``exc`` when ``exc`` is DCP's ``CheckpointException`` (else ``exc`` itself).
+
+    DCP gathers every rank's error into one ``CheckpointException`` raised on every rank: a ``BaseException``, which
+    a search's ``catch=(RuntimeError,)`` (or ``except Exception``) lets through, and whose kind is nobody's. On a
+    rank that failed: its own error (a copy: DCP pickles it through its gather, same type and attributes, a
+    ``HangError`` where it was hung); on the others, ``PeerFailedError`` naming the first rank that failed (a hang
+    stays a hang)."""
+    if "torch.distributed.checkpoint" not in sys.modules:  # DCP never ran here: exc cannot be one of its errors
+        return exc
+    from torch.distributed.checkpoint import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return exc
+    raised = {r: failure[0] if isinstance(failure, tuple) else failure  # (error, its stack summary)
+              for r, failure in exc.failures.items()}
+    if not raised:
+        return exc
+    if rank in raised:
+        return raised[rank]
+    first = min(raised)
+    error = raised[first]
+    text = f"{type(error).__name__}: {error}"
+    peer = PeerFailedError(f"rank {first} failed in torch.distributed.checkpoint: {text}", first, text)
+    if getattr(error, _FAILURE_KIND, None) == HANG_KIND:
+        _mark_hang(peer)
+    return peer
+
+
 def _add_progress_hooks() -> None:
     from torch.nn.modules.module import register_module_forward_pre_hook
     from torch.optim.optimizer import register_optimizer_step_post_hook

@@ -14,6 +14,7 @@ groups and trains as a fresh run.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -251,3 +252,66 @@ def test_fault_with_a_sharding_model_init(pool2, tiny_models, layout, rank):
         assert 0 <= dict(result["started"])[1] - fault_at < BOUND
         ((number, losses),) = result["trials"]
         assert number == 1 and losses == fresh[r]["trials"][0][1], "the next trial trains as a fresh run does"
+
+
+def _search_with_users_dcp(root: str) -> dict:
+    """The objective calls torch.distributed.checkpoint itself: trial 0's ``dcp.save`` fails on rank 1 (its disk is
+    full: ``fsync`` raises ENOSPC there), trial 1's ``dcp.load`` reads a checkpoint that was never written (every
+    rank fails), trial 2 saves and loads. DCP raises its ``CheckpointException`` (a ``BaseException``) on every rank
+    for the first two."""
+    import errno
+
+    import optuna
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from shardadopt.hpo import ControlOptions, optimize
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
+    fsync = os.fsync
+    marks: dict = {}
+
+    def disk_full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def objective(trial):
+        trial.suggest_float("lr", 0.01, 0.1)
+        state = {"weights": torch.arange(8.0) + trial.number, "step": torch.tensor(trial.number)}
+        if trial.number == 1:
+            dcp.load(state, checkpoint_id=f"{root}/never-written")
+        if trial.number == 0 and rank == 1:
+            os.fsync = disk_full  # test instrumentation: this rank's disk is full
+        try:
+            dcp.save(state, checkpoint_id=f"{root}/trial-{trial.number}")
+        finally:
+            os.fsync = fsync
+        loaded = {"weights": torch.zeros(8), "step": torch.tensor(-1)}
+        dcp.load(loaded, checkpoint_id=f"{root}/trial-{trial.number}")
+        marks["loaded"] = [loaded["weights"].tolist(), loaded["step"].item()]
+        marks["saved"] = [state["weights"].tolist(), state["step"].item()]
+        return 1.0
+
+    error = None
+    try:
+        optimize(study, objective, n_trials=3, catch=(Exception,), control=ControlOptions(timeout=CONTROL_TIMEOUT))
+    except BaseException as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"[:3000]
+    table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study is not None else None
+    return {"table": table, "error": error, **marks}
+
+
+def test_a_failure_inside_a_users_dcp_call_is_caught_like_any_other(pool2, tmp_path):
+    results = pool2.run(_search_with_users_dcp, str(tmp_path), timeout=240)
+    assert [r["error"] for r in results] == [None, None], results
+    table = results[0]["table"]
+    assert [state for _, state, _ in table] == ["FAIL", "FAIL", "COMPLETE"], table
+    disk, missing = table[0][2], table[1][2]
+    assert disk["failure_rank"] == 1 and "No space left on device" in disk["failure_message"], disk
+    assert disk["failure_kind"] == "error", disk
+    # every rank fails on its own there: whichever tripped the fence first is recorded
+    assert missing["failure_rank"] in (0, 1) and "never-written" in missing["failure_message"], missing
+    for result in results:  # trial 2 on the rebuilt groups: what was saved loads back
+        assert result["loaded"] == result["saved"] == [[x + 2.0 for x in range(8)], 2], result

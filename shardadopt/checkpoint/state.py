@@ -22,8 +22,7 @@ import torch
 from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, CheckpointMismatchError, read_info, staged
 from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
 from shardadopt.checkpoint.sharding import layout, rank_local
-from shardadopt.fence import PeerFailedError, progress
-from shardadopt.hpo import failures
+from shardadopt.fence import gathered_error, progress
 from shardadopt.topology import _world
 
 _SCHEDULERS = "schedulers.pt"
@@ -123,29 +122,15 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
 
 @contextlib.contextmanager
 def _own_errors() -> Iterator[None]:
-    """Around a DCP call: DCP gathers every rank's error into one ``CheckpointException`` raised on every rank, a
-    ``BaseException`` that a search's ``catch=(RuntimeError,)`` (or ``except Exception``) lets through. Raise what
-    the fence raises instead: on a rank that failed, its own error (a ``HangError`` where it was hung); on the
-    others, ``PeerFailedError`` naming the first rank that failed (the fence records that rank as the origin)."""
-    from torch.distributed.checkpoint import CheckpointException
-
+    """Around a DCP call: raise what the fence raises instead of DCP's ``CheckpointException`` (see
+    :func:`shardadopt.fence.gathered_error`)."""
     try:
         yield
-    except CheckpointException as exc:
-        raised = {rank: failure[0] if isinstance(failure, tuple) else failure  # (error, its stack summary)
-                  for rank, failure in exc.failures.items()}
-        if not raised:
+    except BaseException as exc:
+        own = gathered_error(exc, _world()[1])
+        if own is exc:
             raise
-        rank = _world()[1]
-        if rank in raised:
-            raise raised[rank] from exc  # a copy (DCP pickles it through its gather): same type and attributes
-        first = min(raised)
-        error = raised[first]
-        text = f"{type(error).__name__}: {error}"
-        peer = PeerFailedError(f"rank {first} failed in torch.distributed.checkpoint: {text}", first, text)
-        if failures.classify(error) == failures.HANG:
-            failures.mark(peer, failures.HANG)  # a hang stays a hang
-        raise peer from exc
+        raise own from exc
 
 
 @functools.cache
@@ -259,7 +244,8 @@ def _load(directory: str, models: list[torch.nn.Module], optimizers: list, flags
         raise CheckpointMismatchError(
             f"{directory} does not fit the model/optimizer being loaded: {detail}. It was saved from a different "
             f"model or optimizer (or a different set of trainable parameters); load it into the same architecture.")
-    dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
+    with _own_errors():
+        dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         if weights:
             set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],

@@ -41,7 +41,7 @@ from typing import Any
 import optuna
 from optuna.storages import InMemoryStorage
 
-from shardadopt import upstream
+from shardadopt import fence, upstream
 from shardadopt.hpo import errors, failures, preempt, reseed
 from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
@@ -362,7 +362,9 @@ def _run_objective(trial: DistributedTrial, objective: Objective) -> Outcome:
             outcome.error = exc
         return outcome
     except BaseException as exc:  # KeyboardInterrupt too: the other ranks must leave this trial as well
-        return trial.close(FAIL, exc)
+        # DCP's CheckpointException (a user's own dcp.save/dcp.load) is a BaseException no `catch` names: the trial
+        # fails with this rank's own error inside it, or the first failing rank's, as everywhere else
+        return trial.close(FAIL, fence.gathered_error(exc, trial.rank))
     outcome = trial.close(COMPLETE)
     if outcome.state == COMPLETE:
         outcome.value = value
