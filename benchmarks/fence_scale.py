@@ -49,7 +49,6 @@ import torch.distributed as dist
 
 from shardadopt import fence
 from shardadopt.hpo import ControlOptions, optimize
-from shardadopt.testing import free_port
 
 _COUNTED = ("set", "get", "check", "wait", "multi_get", "multi_set", "compare_set", "add", "delete_key",
             "num_keys", "append")
@@ -157,20 +156,22 @@ def _rank(rank: int, world: int, port: int, steady: float, hang_timeout: float, 
     os._exit(0)  # skip teardown: every rank of a big forked world would wait in destructors
 
 
-def _serve(port: int, world: int | None, stop: Any) -> None:
+def _serve(world: int | None, stop: Any, ports: Any) -> None:
     """The store's host (torchrun's agent): a process of its own, so this one stays single-threaded and forks
-    cleanly (a child forked while the server's thread held a lock deadlocked in it)."""
-    server = dist.TCPStore("127.0.0.1", port, world, True, timeout=timedelta(seconds=300), wait_for_workers=False)
+    cleanly (a child forked while the server's thread held a lock deadlocked in it). It binds a port of the
+    kernel's choosing and reports it: a port picked free beforehand can be taken by another process in between."""
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=300), wait_for_workers=False)
+    ports.put(server.port)
     stop.wait()
     del server
     os._exit(0)
 
 
 def _host_store(ctx: Any, world: int | None) -> tuple[int, Any, Any]:
-    port, stop = free_port(), ctx.Event()
-    host = ctx.Process(target=_serve, args=(port, world, stop), daemon=True)
+    stop, ports = ctx.Event(), ctx.Queue()
+    host = ctx.Process(target=_serve, args=(world, stop, ports), daemon=True)
     host.start()
-    return port, stop, host
+    return ports.get(timeout=120), stop, host
 
 
 def run_world(world: int, steady: float, hang_timeout: float, timeout: float = 600.0) -> dict:

@@ -7,6 +7,7 @@ shows the hang without ``shardadopt.enable()``.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
@@ -30,6 +31,7 @@ N_TRIALS = 6
 MAX_STEPS = 2
 EVAL_STEPS = 1
 PER_DEVICE_BATCH = 2
+STACKS_SIGNAL = signal.SIGUSR2  # the fence's hang interrupt is SIGUSR1
 QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
          "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -62,9 +64,13 @@ def launch(entry: str, nproc: int, workdir: Path, timeout: float, module: str = 
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
     except subprocess.TimeoutExpired:
         for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(STACKS_SIGNAL)  # every thread's stack into the rank's log
+        time.sleep(3)
+        for proc in procs:
             proc.kill()
             proc.wait()
-        logs = "\n".join((workdir / f"rank{r}.log").read_text()[-3000:] for r in range(nproc))
+        logs = "\n".join((workdir / f"rank{r}.log").read_text()[-12000:] for r in range(nproc))
         pytest.fail(f"{entry} did not finish within {timeout:.0f}s (hang):\n{logs}")
     results = []
     for rank, proc in enumerate(procs):
@@ -82,6 +88,7 @@ def _child(namespace=None) -> None:
 
     call = json.loads(os.environ["HPO_TEST_CALL"])
     out, rank = Path(call["workdir"]), int(os.environ["RANK"])
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # launch() asks a rank that did not finish where it was
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:

@@ -9,9 +9,11 @@ before the fix the peer of the failing rank sat in a training all-reduce for all
 rank out of the failed trial within ``BOUND`` seconds of the fault, the trial states and failure attributes, and the
 next trial's logged losses equal those of a fresh search running the same parameters (enqueued) without a fault. The
 last search does not catch the error: every rank raises promptly and exits non-zero. One search hangs instead of
-raising (``time.sleep`` in ``on_step_end`` at step 3 on rank 1) and one blocks in the Trainer's sharded save at step
-4 (``os.fsync`` inside DCP's writes on rank 1, after checkpoint-2 was published) with ``hang_timeout=5``: the trial
-fails as ``hang`` against that rank, its checkpoint-2 stays complete, and the search goes on.
+raising (``time.sleep`` in ``on_step_end`` at step 3 on rank 1), one blocks in the Trainer's sharded save at step
+4 (``os.fsync`` inside DCP's writes on rank 1, after checkpoint-2 was published) and one in the step-2 save on rank
+0 (a stateful callback's ``state()``, while rank 1 waits for the publication), with ``hang_timeout=5``: the trial
+fails as ``hang`` against that rank, a checkpoint published before the hang stays complete, and the search goes
+on.
 """
 
 from __future__ import annotations
@@ -167,10 +169,16 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
         from transformers.trainer_callback import ExportableState
 
         class Stateful(TrainerCallback, ExportableState):
-            """A callback whose exported state Trainer writes into every checkpoint (on rank 0)."""
+            """A callback whose exported state Trainer writes into every checkpoint (on rank 0). Trainer asks for
+            it when training begins too (``TrainerState``), before ``on_train_begin``: the fault waits for the save."""
+
+            training = False
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.training = True
 
             def state(self):
-                if kind in ("save", "hang_save") and calls["trial"] == 0 and rank == fault["rank"]:
+                if kind in ("save", "hang_save") and self.training and calls["trial"] == 0 and rank == fault["rank"]:
                     marks["fault_at"] = time.time()
                     if kind == "hang_save":
                         time.sleep(10**6)
@@ -238,6 +246,8 @@ CAUGHT = [  # (name, layout, fault)
     ("fsdp_save", "fsdp", {"kind": "save", "rank": 0}),  # the sharded checkpoint at step 2 (rank 0 exports state)
     # rank 1's filesystem blocks in the Trainer's second sharded save (step 4), after checkpoint-2 was published
     ("fsdp_save_hang_write", "fsdp", {"kind": "hang_write", "rank": 1, "step": 4, "hang": True}),
+    # rank 0 blocks in a stateful callback's state() while Trainer writes the step-2 checkpoint (rank 1 waits for it)
+    ("fsdp_hang_save", "fsdp", {"kind": "hang_save", "rank": 0, "hang": True}),
     # the issue's case: rank 1 stops making progress in on_step_end at step 3, without raising
     ("fsdp_hang_step_end", "fsdp", {"kind": "hang_step_end", "rank": 1, "step": 3, "hang": True}),
 ]
@@ -258,7 +268,7 @@ def faults(model_path: str, out: str) -> dict:
             raise AssertionError(f"{name}: the search raised {got['error']}")
         fresh = _search(model_path, out, f"{name}_fresh", None, (), 1, layout, enqueue=got["trials"][-1]["params"])
         result[name] = {"got": got, "fresh": fresh["trials"]}
-        if name in ("fsdp_save", "fsdp_save_hang_write"):  # nothing partial of the failed trial published
+        if name in ("fsdp_save", "fsdp_hang_save", "fsdp_save_hang_write"):  # nothing partial of the failed trial
             result[name]["checkpoints"] = _checkpoints(f"{out}/{name}")
     Path(out, f"partial{rank}.pkl").write_bytes(pickle.dumps(result))
     uncaught = _search(model_path, out, "uncaught", {"kind": "on_step_begin", "rank": 0, "step": 2}, (), 2, None)
@@ -297,7 +307,8 @@ def test_fault_mid_training_fails_the_trial_and_every_rank_recovers(tiny_models,
             assert next_trial["losses"] == pytest.approx(fresh["losses"], rel=1e-5), \
                 f"{name}: the trial after the fault trains as a fresh search does"
     # the failed (or hung) trial published nothing; the next trial's two checkpoints are complete
-    assert results[0]["fsdp_save"]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-4", True)]
+    for name in ("fsdp_save", "fsdp_hang_save"):
+        assert results[0][name]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-4", True)], name
     # the hung trial's checkpoint-2, published before the hang, is intact; its checkpoint-4 never appeared
     assert results[0]["fsdp_save_hang_write"]["checkpoints"] == [("checkpoint-2", True), ("checkpoint-2", True),
                                                                   ("checkpoint-4", True)]
