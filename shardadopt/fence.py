@@ -772,8 +772,10 @@ def rebuild_world() -> None:
         upstream.set_process_group_counter(max(counter, upstream.process_group_counter()))
         # DTensor's sharding-propagation caches match meshes by layout, not by process group: a hit would give
         # the next model's tensors the destroyed mesh of an earlier trial (whose group names are gone, or name
-        # new, unrelated groups: torch numbers groups from 0 again after destroying the default one).
-        upstream.clear_sharding_propagation_caches()
+        # new, unrelated groups: torch numbers groups from 0 again after destroying the default one). Without
+        # DTensor imported there is no cache, and importing it costs seconds per rank (every rank at once).
+        if "torch.distributed.tensor" in sys.modules:
+            upstream.clear_sharding_propagation_caches()
     with _WATCHER.generation_changed:
         _WATCHER.generation_changed.notify_all()
 
