@@ -29,23 +29,25 @@ The mechanism, and why:
 - **Hangs**. While a fence is armed, each rank counts its progress: module forward calls (a global forward
   pre-hook), optimizer steps (a global step hook), control-plane rounds, the Trainer's step and evaluation events
   (``shardadopt.hpo.trainer_backend``) and ``progress()`` calls from custom code. A monitor thread publishes
-  ``(beat, count, stalled)`` to the store every ``tick`` (``hang_timeout / 4``, 0.25-30 s). A rank whose count did
-  not move for ``hang_timeout`` seconds is *stalled*; ranks blocked in a collective waiting for a hung peer are
-  stalled too, but they went further first (they reached the collective, which needs a forward call, an optimizer
-  step or a round after the last one the hung rank made), so once every rank is stalled or *silent* (its beat
-  stopped for 3 ticks: its Python threads cannot run, e.g. C code holding the GIL), the hung ranks are the silent
-  ones, else those with the lowest count when some rank went further (all stalled at the same count is all ranks
-  slow at the same point, e.g. one long import or a save on every rank: not taken for a hang, and a hang of every
-  rank at once is not detected). A stalled rank writes that decision as a trip of kind ``hang``
-  (``compare_set``: one decision wins). Every watcher breaks its groups; a hung rank's watcher interrupts its own
-  main thread with ``SIGUSR1`` (installed while a fence is armed, when the signal has no handler of the
-  program's), whose handler raises ``HangError`` there: Python code (``time.sleep``, a loop, a blocking read
-  Python retries) is interrupted and the failure travels like any error. A hung rank that does not answer within
-  ``ack`` seconds (signals blocked, C code that retries on ``EINTR``, the GIL held) cannot be interrupted: every
-  rank whose Python still runs, the hung one included, exits with ``HANG_EXIT_CODE`` so torchrun or the
-  scheduler restarts the job (``shardadopt hpo requeue`` picks the trial up). Bound from the last progress to
-  every rank out: ``hang_timeout`` + 4 ticks, + ``ack`` (5 s or one tick) when the hung rank cannot be
-  interrupted, i.e. at most ``2 * hang_timeout`` + 5 s.
+  ``(beat, count, stalled, waiting)`` to the store every ``tick`` (``hang_timeout / 4``, 0.25-30 s). A rank whose
+  count did not move for ``hang_timeout`` seconds is *stalled*; ranks blocked in a collective waiting for a hung
+  peer are stalled too, but they went further first (they reached the collective, which needs a forward call, an
+  optimizer step or a round after the last one the hung rank made), so once every rank is stalled or *silent* (its
+  beat stopped for 3 ticks: its Python threads cannot run, e.g. C code holding the GIL), the hung ranks are the
+  silent ones, else those with the lowest count when some rank went further, else, all at the same count, those not
+  waiting in ``torch.distributed`` when some rank is (the main thread's innermost frame: a rank that hung before a
+  collective nobody counts, e.g. DDP's first broadcast or a new group's rendezvous, while the others wait in it).
+  All stalled at the same count and all (or none) in ``torch.distributed`` is all ranks slow at the same point, e.g.
+  one long import or a save on every rank: not taken for a hang, and a hang of every rank at once is not detected. A
+  stalled rank writes that decision as a trip of kind ``hang`` (``compare_set``: one decision wins). Every watcher
+  breaks its groups; a hung rank's watcher interrupts its own main thread with ``SIGUSR1`` (installed while a fence
+  is armed, when the signal has no handler of the program's), whose handler raises ``HangError`` there: Python code
+  (``time.sleep``, a loop, a blocking read Python retries) is interrupted and the failure travels like any error. A
+  hung rank that does not answer within ``ack`` seconds (signals blocked, C code that retries on ``EINTR``, the GIL
+  held) cannot be interrupted: every rank whose Python still runs, the hung one included, exits with
+  ``HANG_EXIT_CODE`` so torchrun or the scheduler restarts the job (``shardadopt hpo requeue`` picks the trial up).
+  Bound from the last progress to every rank out: ``hang_timeout`` + 4 ticks, + ``ack`` (5 s or one tick) when the
+  hung rank cannot be interrupted, i.e. at most ``2 * hang_timeout`` + 5 s.
 - **Break**. NCCL (and any backend implementing it): ``ProcessGroup.abort()`` on every training group, the
   documented way to unblock a stuck communicator from another thread. Gloo has no collective abort (``abort()``
   and ``shutdown()`` leave a blocked peer waiting, measured on torch 2.13 and 2.15), but a gloo peer that loses its
@@ -481,25 +483,26 @@ class _Watcher:
             if _PROGRESS[0] != count:
                 count, changed = _PROGRESS[0], now
             stalled = now - changed >= timeout
+            waiting = stalled and _waiting_in_torch_distributed()
             beat += 1
             try:
-                store.set(_key(generation, "beat", rank), f"{beat} {count} {int(stalled)}")
+                store.set(_key(generation, "beat", rank), f"{beat} {count} {int(stalled)} {int(waiting)}")
                 if stalled and _STATE["tripped"] != generation:
-                    self._decide(store, generation, rank, world, count, timeout, tick, what, seen)
+                    self._decide(store, generation, rank, world, count, waiting, timeout, tick, what, seen)
             except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
                 return
             if stop.wait(tick):
                 return
             settings = self.hang_settings()
 
-    def _decide(self, store: Any, generation: int, rank: int, world: int, count: int, timeout: float, tick: float,
-                what: str, seen: dict) -> None:
+    def _decide(self, store: Any, generation: int, rank: int, world: int, count: int, waiting: bool,
+                timeout: float, tick: float, what: str, seen: dict) -> None:
         """This rank is stalled: when every other rank is stalled or silent, name the hung ranks (a trip)."""
         keys = [_key(generation, "beat", r) for r in range(world)]
         values = store.multi_get(keys) if store.check(keys) else \
             [store.get(k) if store.check([k]) else None for k in keys]
         now = time.monotonic()
-        counts, silent = {rank: count}, []
+        counts, silent, waits = {rank: count}, [], {rank: waiting}
         for r, value in enumerate(values):
             if r == rank:
                 continue
@@ -510,20 +513,36 @@ class _Watcher:
                 continue
             if value is None:
                 return
-            _, their_count, their_stall = (int(x) for x in value.decode().split())
+            _, their_count, their_stall, their_wait = (int(x) for x in value.decode().split())
             if not their_stall:
                 return  # rank r still makes progress: whoever it waits for is not hung yet
-            counts[r] = their_count
+            counts[r], waits[r] = their_count, bool(their_wait)
         lowest = min(counts.values())
-        if not silent and lowest == max(counts.values()):
-            return  # nobody went further than anybody: all slow at the same point (an import, a save), not a hang
-        hung = silent or sorted(r for r, c in counts.items() if c == lowest)
+        if silent:
+            hung = silent
+        elif lowest != max(counts.values()):
+            hung = sorted(r for r, c in counts.items() if c == lowest)
+        else:  # nobody went further: those waiting in torch.distributed (a collective, a rendezvous) wait for the rest
+            hung = sorted(r for r, w in waits.items() if not w)
+            if len(hung) in (0, len(waits)):
+                return  # all slow at the same point (an import, a save, every rank in one collective): not a hang
         waiting = sorted(set(range(world)) - set(hung))
         how = " and does not answer (blocked outside Python)" if silent else ""
         message = (f"rank(s) {hung} made no progress for {timeout:g}s in {what}{how}"
                    + (f"; rank(s) {waiting} waited for them" if waiting else ""))
         store.compare_set(_trip_key(generation), "", f"{hung[0]}\n{HANG_KIND}:{','.join(map(str, hung))}\n{message}")
         _wake_all(store, generation)
+
+
+_TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
+
+
+def _waiting_in_torch_distributed() -> bool:
+    """Whether the main thread's innermost Python frame is ``torch.distributed`` code: a stalled rank there waits in
+    a collective or a process group's rendezvous for a peer (or is blocked inside DCP's writes, which the save's
+    progress counts tell apart), where a rank hung in its own code (a dataloader, a read, a lock) is elsewhere."""
+    frame = upstream.thread_frame(threading.main_thread().ident)
+    return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
 
 
 def _wait_for_wake(store: Any, blocking: bool, generation: int, rank: int) -> bool:

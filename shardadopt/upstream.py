@@ -15,6 +15,7 @@ one test named after its accessor) and fails when code elsewhere in shardadopt s
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import ModuleType
@@ -457,6 +458,12 @@ def module_initializing(module: Any) -> bool:
     """``module.__spec__._initializing``: whether importlib is still executing the module (unset, so False, once
     done and for modules imported without a spec). Checked on CPython 3.10-3.13."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
+def thread_frame(ident: int | None) -> Any:
+    """``sys._current_frames()[ident]``: the innermost Python frame thread ``ident`` is running, or None (no such
+    thread). CPython's; the frames of other threads are read without stopping them. Checked on CPython 3.10-3.13."""
+    return _attribute(sys, "_current_frames", "thread_frame", "python")().get(ident)
 
 
 # -- optuna ----------------------------------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ def test_a_rank_killed_right_after_tripping_is_named_at_once(tmp_path):
 
 def _train_until(trial, stall, at: int | None) -> list[float]:
     """``test_hpo_faults._train``'s DDP loop (same data, model and reference); ``stall()`` in user code after
-    step ``at``, while the other ranks go on into the next step's collectives."""
+    step ``at``, while the other ranks go on into the next step's collectives; ``at=-1``: before the model is
+    wrapped, while the other ranks wait in DDP's first collective (nobody made more progress than anybody)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -96,6 +97,8 @@ def _train_until(trial, stall, at: int | None) -> list[float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     lr = trial.suggest_float("lr", 0.01, 0.2)
     x, y = scenario._data(world)
+    if at == -1:
+        stall()
     model = DistributedDataParallel(scenario._model())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
@@ -114,8 +117,8 @@ def _train_until(trial, stall, at: int | None) -> list[float]:
 
 
 def _hanging_search(hang: dict | None, marks_file: str | None = None) -> dict:
-    """On ``hang['rank']`` in trial 0, after step 1, user code stops making progress: ``sleep`` (interruptible)
-    or ``read`` (``os.read`` on a pipe with every signal blocked: Python cannot interrupt it)."""
+    """On ``hang["rank"]`` in trial 0, after step ``hang.get("at", 1)``, user code stops making progress: ``sleep``
+    (interruptible) or ``read`` (``os.read`` on a pipe with every signal blocked: Python cannot interrupt it)."""
     import optuna
     import torch.distributed as dist
 
@@ -140,7 +143,7 @@ def _hanging_search(hang: dict | None, marks_file: str | None = None) -> dict:
     def objective(trial):
         marks["started"].append((trial.number, time.time()))
         here = hang is not None and trial.number == 0 and rank == hang["rank"]
-        losses = _train_until(trial, stall, 1 if here else None)
+        losses = _train_until(trial, stall, hang.get("at", 1) if here else None)
         marks["trials"].append((trial.number, trial.params["lr"], losses))
         return losses[-1]
 
@@ -150,9 +153,9 @@ def _hanging_search(hang: dict | None, marks_file: str | None = None) -> dict:
     return {"table": table, **marks}
 
 
-@pytest.mark.parametrize("rank", [1, 0])
-def test_a_rank_hanging_in_a_trial_fails_it_as_hang_and_the_search_goes_on(pool2, rank):
-    results = pool2.run(_hanging_search, {"rank": rank, "how": "sleep"}, timeout=240)
+@pytest.mark.parametrize("rank,at", [(1, 1), (0, 1), (1, -1)])
+def test_a_rank_hanging_in_a_trial_fails_it_as_hang_and_the_search_goes_on(pool2, rank, at):
+    results = pool2.run(_hanging_search, {"rank": rank, "how": "sleep", "at": at}, timeout=240)
     table = results[0]["table"]
     assert [state for _, state, _, _ in table] == ["FAIL", "COMPLETE"], table
     attrs = table[0][3]
