@@ -413,6 +413,30 @@ def test_module_initializing(tmp_path, monkeypatch):
         sys.modules.pop("half_imported", None)
 
 
+def test_thread_frame():
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def blocked_in_here():
+        entered.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=blocked_in_here)
+    thread.start()
+    try:
+        assert entered.wait(30)
+        frame = upstream.thread_frame(thread.ident)
+        while frame is not None and frame.f_code.co_name != "blocked_in_here":
+            frame = frame.f_back
+        assert frame is not None and frame.f_code.co_filename == __file__
+        assert upstream.thread_frame(threading.get_ident()).f_back.f_code.co_name == "test_thread_frame"  # its caller
+        assert upstream.thread_frame(-1) is None
+    finally:
+        release.set()
+        thread.join()
+
+
 # -- optuna ----------------------------------------------------------------------------------------------------------
 
 def test_study_storage_and_trial_id():
