@@ -198,8 +198,9 @@ def test_clip_same_coefficient_and_never_increases(world, p, ratio):
     # The norm after clipping, from the clipped full tensors (clipping scales every element by one coefficient).
     after = reference([t * coefs[0] for t in world.tensors], p)
     assert after <= total.double() * (1 + RTOL)
-    if ratio < 1:
-        torch.testing.assert_close(after, torch.tensor(max_norm, dtype=torch.float64), rtol=1e-2, atol=1e-30)
+    if ratio < 1:  # max_norm, short of torch's eps in the coefficient (2% of a 5e-5 norm: seen in a repeated suite)
+        expected = max_norm * float(total) / (float(total) + 1e-6)
+        torch.testing.assert_close(after, torch.tensor(expected, dtype=torch.float64), rtol=1e-2, atol=1e-30)
 
 
 @settings(max_examples=200, deadline=None)
