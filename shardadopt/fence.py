@@ -483,26 +483,26 @@ class _Watcher:
             if _PROGRESS[0] != count:
                 count, changed = _PROGRESS[0], now
             stalled = now - changed >= timeout
-            waiting = stalled and _waiting_in_torch_distributed()
+            in_torch = stalled and _waiting_in_torch_distributed()
             beat += 1
             try:
-                store.set(_key(generation, "beat", rank), f"{beat} {count} {int(stalled)} {int(waiting)}")
+                store.set(_key(generation, "beat", rank), f"{beat} {count} {int(stalled)} {int(in_torch)}")
                 if stalled and _STATE["tripped"] != generation:
-                    self._decide(store, generation, rank, world, count, waiting, timeout, tick, what, seen)
+                    self._decide(store, generation, rank, world, count, in_torch, timeout, tick, what, seen)
             except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
                 return
             if stop.wait(tick):
                 return
             settings = self.hang_settings()
 
-    def _decide(self, store: Any, generation: int, rank: int, world: int, count: int, waiting: bool,
+    def _decide(self, store: Any, generation: int, rank: int, world: int, count: int, in_torch: bool,
                 timeout: float, tick: float, what: str, seen: dict) -> None:
         """This rank is stalled: when every other rank is stalled or silent, name the hung ranks (a trip)."""
         keys = [_key(generation, "beat", r) for r in range(world)]
         values = store.multi_get(keys) if store.check(keys) else \
             [store.get(k) if store.check([k]) else None for k in keys]
         now = time.monotonic()
-        counts, silent, waits = {rank: count}, [], {rank: waiting}
+        counts, silent, in_torch_by_rank = {rank: count}, [], {rank: in_torch}
         for r, value in enumerate(values):
             if r == rank:
                 continue
@@ -513,18 +513,18 @@ class _Watcher:
                 continue
             if value is None:
                 return
-            _, their_count, their_stall, their_wait = (int(x) for x in value.decode().split())
+            _, their_count, their_stall, their_in_torch = (int(x) for x in value.decode().split())
             if not their_stall:
                 return  # rank r still makes progress: whoever it waits for is not hung yet
-            counts[r], waits[r] = their_count, bool(their_wait)
+            counts[r], in_torch_by_rank[r] = their_count, bool(their_in_torch)
         lowest = min(counts.values())
         if silent:
             hung = silent
         elif lowest != max(counts.values()):
             hung = sorted(r for r, c in counts.items() if c == lowest)
         else:  # nobody went further: those waiting in torch.distributed (a collective, a rendezvous) wait for the rest
-            hung = sorted(r for r, w in waits.items() if not w)
-            if len(hung) in (0, len(waits)):
+            hung = sorted(r for r, inside in in_torch_by_rank.items() if not inside)
+            if len(hung) in (0, len(in_torch_by_rank)):
                 return  # all slow at the same point (an import, a save, every rank in one collective): not a hang
         waiting = sorted(set(range(world)) - set(hung))
         how = " and does not answer (blocked outside Python)" if silent else ""

@@ -22,9 +22,11 @@ import sys
 import time
 
 import pytest
+from packaging.version import Version
 
 import test_hpo_faults as scenario
 import test_hpo_trainer as base
+from shardadopt.registry import installed_version
 
 pytestmark = pytest.mark.multiproc
 
@@ -269,17 +271,11 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
     return {"table": table, **marks}
 
 
-def _torch_release() -> tuple[int, int]:
-    import torch
-
-    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-
 # On torch 2.13, now and then (2 of 4 full suites of that set so far, never on 2.15): the hung rank is named and
 # interrupted, both watchers break the groups, yet the other rank stays blocked in DCP's closing gather_object.
 STAYS_BLOCKED_ON_2_13 = pytest.mark.skipif(
-    _torch_release() < (2, 14), reason="torch 2.13: the waiting rank sometimes stays blocked in DCP's closing "
-    "gather after the break (issue 18, not understood yet); runs on the newest set")
+    installed_version("torch") < Version("2.14"), reason="torch 2.13: the waiting rank sometimes stays blocked in "
+    "DCP's closing gather after the break (issue 18, not understood yet); runs on the newest set")
 
 
 @STAYS_BLOCKED_ON_2_13
