@@ -102,6 +102,7 @@ POLL_INTERVAL = 0.05  # seconds between a watcher's checks on a store it cannot 
 HANG_TIMEOUT_ENV = "SHARDADOPT_HANG_TIMEOUT"
 DEFAULT_HANG_TIMEOUT = 900.0  # seconds without progress: longer than a slow evaluation, a save or a first batch
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: a hung rank could not be interrupted; restart the job (requeue retries the trial)
+BREAK_GRACE = 5.0  # seconds a rank's main thread may stay in one torch.distributed call after a trip's break
 HANG_KIND = "hang"  # shardadopt.hpo.failures.HANG (a failure kind; not imported here: fence is lower)
 _FAILURE_KIND = "shardadopt_failure_kind"  # the exception attribute shardadopt.hpo.failures.classify reads
 _HANG_SIGNAL = signal.SIGUSR1
@@ -112,7 +113,10 @@ _WILDCARD = {"00000000", "0" * 32}
 
 _PROTECTED_PORTS: set[int] = set()  # gloo listener ports of groups that must survive a break (control plane)
 _PROTECTED_GROUPS: weakref.WeakSet = weakref.WeakSet()
-_STATE = {"generation": 0, "tripped": -1}  # the same on every rank: fences and rebuilds are collective
+# generation, tripped: the same on every rank (fences and rebuilds are collective); protecting: open ``protected()``
+# blocks; control_waits: open ``control_wait()`` blocks
+_STATE = {"generation": 0, "tripped": -1, "protecting": 0, "control_waits": 0}
+_PUBLISHED: dict[int, set[tuple[str, int]]] = {}  # generation -> this rank's training listeners in the store
 _BREAK_LOCK = threading.RLock()
 _PROGRESS = [0]  # this rank's progress count (see the module docstring)
 
@@ -215,8 +219,8 @@ def _connect(base: Any) -> Any:
 # -- sockets ---------------------------------------------------------------------------------------------------------
 
 
-def _own_tcp_sockets() -> list[tuple[int, int, int, str, int]]:
-    """This process's TCP sockets: (fd, state, local port, local address hex, remote port)."""
+def _own_tcp_sockets() -> list[tuple[int, int, int, str, str, int]]:
+    """This process's TCP sockets: (fd, state, local port, local address hex, remote address hex, remote port)."""
     inodes: dict[int, int] = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -237,14 +241,15 @@ def _own_tcp_sockets() -> list[tuple[int, int, int, str, int]]:
             inode = int(fields[9])
             if inode in inodes:
                 address, port = fields[1].split(":")
-                found.append((inodes[inode], int(fields[3], 16), int(port, 16), address,
-                              int(fields[2].split(":")[1], 16)))
+                remote_address, remote_port = fields[2].split(":")
+                found.append((inodes[inode], int(fields[3], 16), int(port, 16), address, remote_address,
+                              int(remote_port, 16)))
     return found
 
 
 def _listen_ports() -> set[int]:
     try:
-        return {port for _, state, port, _, _ in _own_tcp_sockets() if state == _LISTEN}
+        return {port for _, state, port, _, _, _ in _own_tcp_sockets() if state == _LISTEN}
     except OSError:
         return set()
 
@@ -254,8 +259,12 @@ def protected() -> Iterator[None]:
     """Process groups created inside this block survive ``break_training_groups`` (used for the control group,
     which must carry the ranks' agreement after the training groups were broken). Collective like ``new_group``."""
     before = _listen_ports()
-    yield
-    _PROTECTED_PORTS.update(_listen_ports() - before)
+    _STATE["protecting"] += 1  # its listeners are not published as training ones while it is being created
+    try:
+        yield
+        _PROTECTED_PORTS.update(_listen_ports() - before)
+    finally:
+        _STATE["protecting"] -= 1
 
 
 def protect_group(group: Any) -> None:
@@ -277,10 +286,12 @@ def _training_groups() -> list[Any]:
     return [g for g in groups if g is not None and g not in _PROTECTED_GROUPS]
 
 
-def break_training_groups() -> int:
+def break_training_groups(store: Any = None) -> int:
     """Make every collective of this rank's training process groups fail now (see the module docstring).
 
-    Returns how many gloo connections were shut down. Safe to call from any thread, more than once."""
+    Returns how many gloo connections were shut down. Safe to call from any thread, more than once; ``store``: the
+    base store connection to read the peers' listeners with (default: the default group's, which a thread other
+    than the main one should not use: the main thread may be blocked in a request on it)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     with _BREAK_LOCK:  # re-entrant: the watcher breaks while holding it, so no rebuild slips in between
@@ -294,21 +305,72 @@ def break_training_groups() -> int:
                 group.abort()  # NCCL: unblocks this rank's pending collectives; gloo: a no-op
             except Exception:  # noqa: BLE001  (older backends without abort)
                 pass
-        return _shutdown_gloo_connections() if gloo else 0
+        return _shutdown_gloo_connections(store) if gloo else 0
 
 
-def _shutdown_gloo_connections() -> int:
+def _training_listeners(sockets: list[tuple[int, int, int, str, str, int]], store_port: int | None
+                        ) -> set[tuple[str, int]]:
+    """(address hex, port) of this process's gloo listeners of training groups: bound to one address (not a
+    wildcard server), neither the store's nor a protected group's."""
+    return {(address, port) for _, state, port, address, _, _ in sockets
+            if state == _LISTEN and address not in _WILDCARD and port != store_port and port not in _PROTECTED_PORTS}
+
+
+def _listeners_key(generation: int) -> str:
+    return _key(generation, "listeners")
+
+
+def publish_listeners(store: Any) -> None:
+    """Add this rank's training listeners not yet published in this generation to the store's list (one ``append``
+    request, none when nothing is new), so a peer can shut the connections it opened to them. ``store``: the base
+    store, or a connection of its."""
+    if _STATE["protecting"]:  # a protected group's listener may be open but not marked protected yet
+        return
+    generation = _STATE["generation"]
     try:
+        current = _training_listeners(_own_tcp_sockets(), getattr(store, "port", None))
+    except OSError:  # no /proc: not Linux
+        return
+    with _BREAK_LOCK:
+        published = _PUBLISHED.setdefault(generation, set())
+        new = current - published
+        if not new or _STATE["protecting"]:
+            return
+        store.append(_listeners_key(generation), "".join(f"{address}:{port};" for address, port in sorted(new)))
+        published.update(new)
+        for old in [g for g in _PUBLISHED if g < generation]:
+            del _PUBLISHED[old]
+
+
+def _published_listeners(store: Any, generation: int) -> set[tuple[str, int]]:
+    key = _listeners_key(generation)
+    if not store.check([key]):
+        return set()
+    entries = store.get(key).decode().split(";")
+    return {(address, int(port)) for address, _, port in (e.partition(":") for e in entries if e)}
+
+
+def _shutdown_gloo_connections(store: Any = None) -> int:
+    """Shut down this rank's side of every training gloo pair: the connections its own training listeners
+    accepted, and those it opened to a peer's published training listener. Either side's shutdown fails the
+    pair's pending operations on both ranks at once (measured: only the accepting side's, where no listener
+    was published, which left a rank blocked whenever its peer's break came too late)."""
+    try:
+        store = store if store is not None else _store()
         sockets = _own_tcp_sockets()
-        store_port = getattr(_store(), "port", None)
-    except Exception:  # noqa: BLE001  (no /proc: not Linux)
+        store_port = getattr(_base_store(store), "port", None)
+    except Exception:  # noqa: BLE001  (no /proc: not Linux; no default group any more)
         return 0
-    listeners = {port for _, state, port, address, _ in sockets
-                 if state == _LISTEN and address not in _WILDCARD and port != store_port
-                 and port not in _PROTECTED_PORTS}
+    own = {port for _, port in _training_listeners(sockets, store_port)}
+    peers: set[tuple[str, int]] = set()
+    try:
+        publish_listeners(store)  # for the peers' breaks that come after this one
+        peers = _published_listeners(store, _STATE["generation"])
+    except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
+        pass
     count = 0
-    for fd, state, port, _, _ in sockets:
-        if state != _LISTEN and port in listeners:
+    for fd, state, port, _, remote_address, remote_port in sockets:
+        if state != _LISTEN and (port in own or (remote_address, remote_port) in peers):
             try:
                 with socket.socket(fileno=os.dup(fd)) as connection:
                     connection.shutdown(socket.SHUT_RDWR)
@@ -316,6 +378,17 @@ def _shutdown_gloo_connections() -> int:
             except OSError:
                 continue
     return count
+
+
+@contextmanager
+def control_wait() -> Iterator[None]:
+    """A collective of a protected group (the HPO control plane) runs inside this block: a rank waiting there
+    after a trip waits for its peers to reach the round, not in a training collective the break missed."""
+    _STATE["control_waits"] += 1
+    try:
+        yield
+    finally:
+        _STATE["control_waits"] -= 1
 
 
 # -- the watcher, the hang monitor ------------------------------------------------------------------------------------
@@ -365,6 +438,10 @@ class _Watcher:
                                           name="shardadopt-fence hang monitor", daemon=True)
                 self.monitor = (thread, stop)
                 thread.start()
+        try:  # a peer's break reaches the connections it opened to this rank's listeners too
+            publish_listeners(_store())
+        except Exception:  # noqa: BLE001  (store gone: the trip that follows finds out)
+            pass
         if _STATE["tripped"] == fence.generation:  # a peer tripped this generation while no fence was armed here
             break_training_groups()
 
@@ -418,6 +495,7 @@ class _Watcher:
             value = _read_trip(store, generation)
             if value is not None:
                 self._tripped(generation, value, connection)
+                self._see_the_break_through(generation, store if connection is not None else None)
             with self.generation_changed:
                 self.generation_changed.wait_for(
                     lambda seen=generation: _STATE["generation"] != seen or self.exiting)
@@ -446,13 +524,49 @@ class _Watcher:
             with self.lock:
                 armed = bool(self.armed)
             if armed:
-                break_training_groups()
+                break_training_groups(store=connection)
         if kind == HANG_KIND and armed:
             self._resolve_hang(generation, hung, message, connection)
 
-    def _resolve_hang(self, generation: int, hung: list[int], message: str, connection: Any) -> None:
+    def ack(self) -> float:
+        """Seconds a rank is given to answer after a trip (be interrupted, leave a broken collective): 5, or one
+        hang-monitor tick when longer."""
         settings = self.hang_settings()
-        ack = max(5.0, settings[1] if settings else 5.0)
+        return max(5.0, settings[1] if settings else 5.0)
+
+    def _see_the_break_through(self, generation: int, store: Any) -> None:
+        """After a trip: while a fence armed at the trip stays armed, a main thread found in the same
+        ``torch.distributed`` call (same frame, same instruction) at two checks ``BREAK_GRACE`` seconds apart is
+        blocked in a collective the break did not reach: break again (the peers' listeners published since then
+        included); still there ``BREAK_GRACE`` seconds later, nothing here can end the wait but the process: exit
+        with ``HANG_EXIT_CODE``. Waits on the control plane (``control_wait``) are the peers' to end."""
+        with self.lock:
+            tripped_in = list(self.armed)
+        grace, seen, strikes = BREAK_GRACE, _main_thread_call(), 0
+        while tripped_in:
+            with self.generation_changed:
+                if self.generation_changed.wait_for(
+                        lambda: _STATE["generation"] != generation or self.exiting, timeout=grace):
+                    return
+            with self.lock:
+                if not any(f in self.armed for f in tripped_in):
+                    return
+            call = _main_thread_call()
+            if call is None or call != seen or _STATE["control_waits"]:
+                seen, strikes = call, 0
+                continue
+            strikes += 1
+            where = f"{call[0].f_code.co_name} ({call[0].f_code.co_filename}:{call[0].f_lineno})"
+            if strikes == 1:
+                print(f"shardadopt.fence: rank {self.rank} is still blocked in {where} {grace:.0f}s after the "
+                      "fence was tripped; breaking its process groups again", file=sys.stderr, flush=True)
+                break_training_groups(store=store)
+            else:
+                _exit_hung(f"rank {self.rank} stayed blocked in {where} for {2 * grace:.0f}s after the fence was "
+                           "tripped and its groups were broken twice")
+
+    def _resolve_hang(self, generation: int, hung: list[int], message: str, connection: Any) -> None:
+        ack = self.ack()
         store = connection if connection is not None else self.store
         rank = self.rank
         if rank in hung:
@@ -486,6 +600,7 @@ class _Watcher:
             in_torch = stalled and _waiting_in_torch_distributed()
             beat += 1
             try:
+                publish_listeners(store)  # groups created inside the section (a trial's device mesh)
                 store.set(_key(generation, "beat", rank), f"{beat} {count} {int(stalled)} {int(in_torch)}")
                 if stalled and _STATE["tripped"] != generation:
                     self._decide(store, generation, rank, world, count, in_torch, timeout, tick, what, seen)
@@ -543,6 +658,15 @@ def _waiting_in_torch_distributed() -> bool:
     progress counts tell apart), where a rank hung in its own code (a dataloader, a read, a lock) is elsewhere."""
     frame = upstream.thread_frame(threading.main_thread().ident)
     return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
+
+
+def _main_thread_call() -> tuple[Any, int] | None:
+    """(innermost frame, instruction) of the main thread when that frame is ``torch.distributed`` code, else None.
+    The same pair at two reads means the thread did not move in between: it is blocked in a call from there."""
+    frame = upstream.thread_frame(threading.main_thread().ident)
+    if frame is None or not frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED):
+        return None
+    return frame, frame.f_lasti
 
 
 def _wait_for_wake(store: Any, blocking: bool, generation: int, rank: int) -> bool:

@@ -85,6 +85,146 @@ def test_a_rank_killed_right_after_tripping_is_named_at_once(tmp_path):
     assert seen["left"] < BOUND
 
 
+# -- a break that reaches one side of a gloo pair only ----------------------------------------------------------------
+
+
+def _accepting_rank() -> int:
+    """A fresh world (only the default group), and which rank's gloo listener accepted the pair's connection (it
+    changes from run to run: gloo compares the two addresses)."""
+    import torch.distributed as dist
+
+    from shardadopt import fence
+
+    fence.rebuild_world()
+    sockets = fence._own_tcp_sockets()
+    own = {port for _, port in fence._training_listeners(sockets, fence._store().port)}
+    accepted = [None] * dist.get_world_size()
+    dist.all_gather_object(accepted, any(state != fence._LISTEN and port in own for _, state, port, *_ in sockets))
+    assert accepted.count(True) == 1, accepted
+    return accepted.index(True)
+
+
+def _only_the_connecting_side_breaks() -> dict:
+    """The rank that accepted the pair's connection raises in a fenced section and its break does nothing (what a
+    rank does whose watcher comes too late, or that already left the collectives); its peer, the connecting side,
+    waits in a broadcast from it. Its own break must end that wait."""
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt import fence
+
+    rank, acceptor = dist.get_rank(), _accepting_rank()
+    breaks = fence.break_training_groups
+    started = time.time()
+    try:
+        with fence.fenced("a section"):
+            if rank == acceptor:
+                fence.break_training_groups = lambda **_: 0  # test instrumentation: this rank's break misses
+                raise RuntimeError("injected on the accepting rank")
+            dist.broadcast(torch.ones(4), src=acceptor)
+        outcome = {"raised": None}
+    except fence.PeerFailedError as exc:
+        outcome = {"raised": "PeerFailedError", "rank": exc.rank, "left": time.time() - started}
+    except RuntimeError as exc:
+        outcome = {"raised": str(exc)}
+    finally:
+        fence.break_training_groups = breaks
+    fence.rebuild_world()  # the pool's next case gets working groups
+    return {"acceptor": acceptor, **outcome}
+
+
+def test_the_connecting_side_of_a_gloo_pair_breaks_it_alone(pool2):
+    results = pool2.run(_only_the_connecting_side_breaks, timeout=120)
+    acceptor = results[0]["acceptor"]
+    assert results[acceptor]["raised"] == "injected on the accepting rank", results
+    waiting = results[1 - acceptor]
+    assert waiting["raised"] == "PeerFailedError" and waiting["rank"] == acceptor, results
+    assert waiting["left"] < BOUND, waiting
+
+
+def blocked_where_no_break_reaches() -> dict:
+    """Rank 1 raises in a fenced section and stays alive (slow to leave: its sockets stay open); no break reaches
+    rank 0's broadcast from rank 1 (both ranks' breaks do nothing: a collective the break cannot end)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt import fence
+
+    rank = dist.get_rank()
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    fence.break_training_groups = lambda **_: 0  # test instrumentation: no break reaches the collective
+    started = time.time()
+    try:
+        with fence.fenced("a section"):
+            if rank == 1:
+                raise RuntimeError("injected on rank 1")
+            dist.broadcast(torch.ones(4), src=1)
+    except RuntimeError:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # until rank 0 is gone
+            try:
+                os.kill(pids[0], 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        return {"tripped": started, "peer gone": time.time()}
+    return {"left": time.time() - started}
+
+
+def test_a_rank_left_blocked_after_the_break_exits_to_be_restarted(tmp_path):
+    from shardadopt import fence
+
+    ranks = base.launch("blocked_where_no_break_reaches", 2, tmp_path, timeout=240, module="test_fence_control")
+    log = (tmp_path / "rank0.log").read_text()
+    assert ranks[0]["returncode"] == fence.HANG_EXIT_CODE, (ranks[0], log[-3000:])
+    assert "is still blocked in" in log and "breaking its process groups again" in log, log[-3000:]
+    assert "stayed blocked in" in log, log[-3000:]
+    assert ranks[1]["returncode"] == 0, ranks[1]["error"]
+    seen = ranks[1]["result"]
+    assert seen["peer gone"] - seen["tripped"] < BOUND, seen
+
+
+def _slow_peer_after_a_trip() -> dict:
+    """Trial 0: rank 1 raises at once and waits in the trial's end round on the control plane; rank 0 runs slow user
+    code (15 s, no collective) before its training breaks. The waiting rank must not be taken for one left blocked
+    by the break (it waits for its peer, who comes)."""
+    import optuna
+    import torch.distributed as dist
+
+    from shardadopt.hpo import ControlOptions, optimize
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    rank = dist.get_rank()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
+    trials = []
+
+    def objective(trial):
+        if trial.number == 0:
+            if rank == 1:
+                raise RuntimeError("injected on rank 1")
+            time.sleep(15)
+        losses = _train_until(trial, None, None)
+        trials.append((trial.number, trial.params["lr"], losses))
+        return losses[-1]
+
+    optimize(study, objective, n_trials=2, catch=(RuntimeError,),
+             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT))
+    table = [(t.number, t.state.name, t.params, dict(t.user_attrs)) for t in study.trials] if study else None
+    return {"table": table, "trials": trials}
+
+
+def test_a_rank_waiting_for_a_slow_peer_after_a_trip_is_left_to_wait(pool2):
+    results = pool2.run(_slow_peer_after_a_trip, timeout=240)
+    table = results[0]["table"]
+    assert [state for _, state, _, _ in table] == ["FAIL", "COMPLETE"], table
+    assert table[0][3]["failure_rank"] == 1, table[0][3]
+    for result in results:
+        (number, lr, losses), = result["trials"]
+        assert number == 1 and lr == table[1][2]["lr"]
+        assert losses == pytest.approx(scenario._reference(lr, len(results)), rel=1e-5, abs=1e-6)
+
+
 # -- hangs ------------------------------------------------------------------------------------------------------------
 
 
@@ -255,7 +395,7 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
         if rank == hanging:
             os.fsync = blocked_fsync  # test instrumentation: this rank's filesystem stops answering
         if late_break:
-            fence.break_training_groups = lambda: 0  # test instrumentation: the watchers act late
+            fence.break_training_groups = lambda **_: 0  # test instrumentation: the watchers act late
         try:
             checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
         except BaseException as exc:

@@ -207,7 +207,7 @@ class Channel:
 
     def _collective(self, fn, op: int) -> None:
         try:
-            with defer_sigint():
+            with defer_sigint(), fence.control_wait():  # after a trip, peers end this wait by reaching the round
                 fn()
         except Exception as exc:
             self.broken = self._diagnose(exc, op)
