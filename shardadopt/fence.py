@@ -51,11 +51,21 @@ The mechanism, and why:
 - **Break**. NCCL (and any backend implementing it): ``ProcessGroup.abort()`` on every training group, the
   documented way to unblock a stuck communicator from another thread. Gloo has no collective abort (``abort()``
   and ``shutdown()`` leave a blocked peer waiting, measured on torch 2.13 and 2.15), but a gloo peer that loses its
-  connection fails at once ("Connection closed by peer"): each rank shuts down (``shutdown(2)``) the TCP
-  connections its own gloo listeners accepted, except the listener of a protected group (the HPO control group,
-  see ``protected``), the rendezvous store's and wildcard-bound servers. Every gloo pair has exactly one accepting
-  side, so once every live rank did it (a dead rank's sockets are closed by its kernel) no training pair is left.
-  Linux only (``/proc/self/net/tcp``); elsewhere gloo peers wait for their timeout.
+  connection fails at once ("Connection closed by peer"): each rank shuts down (``shutdown(2)``) both ends it
+  holds of its training gloo pairs: the connections its own gloo listeners accepted, and those it opened to a
+  peer's training listener. Each rank publishes its training listeners (address, port) in the store when a fence
+  is armed, with each hang-monitor beat when new ones appeared (a trial's device mesh), and at each break: one
+  ``append`` per new set. Left alone: a protected group's listener (the HPO control group, see ``protected``),
+  the rendezvous store's, wildcard-bound servers, and every connection to anything else (a database storage).
+  Either end's shutdown fails the pair's pending operations on both ranks (measured: the accepting side alone left
+  the connecting rank blocked whenever the accepting rank's break came after it had left the collectives), so
+  one live rank's break is enough for each of its pairs. Linux only (``/proc/self/net/tcp``); elsewhere gloo
+  peers wait for their timeout.
+- **Backstop**. After a trip, while a fence armed at the trip stays armed, the watcher looks at its main thread
+  every ``BREAK_GRACE`` (5 s): found twice in the same ``torch.distributed`` call (same frame, same instruction:
+  a collective the break did not reach, a new group's rendezvous, a store wait), it breaks again; still there at
+  the next look, it exits with ``HANG_EXIT_CODE`` so the job is restarted. A wait in the control plane's rounds
+  (``control_wait``) is exempt: the peers end it by reaching the round.
 - **Rebuild**. Broken groups stay broken: ``rebuild_world`` destroys every process group and initialises the
   default group again on the same rendezvous store (a new key prefix per generation), with the same backend,
   timeout and bound device. The HPO loop does it between trials, on every rank, when the ranks agree (one control
@@ -68,9 +78,9 @@ the control group is a process group too, and a rank blocked in a training colle
 
 Bound on a raise: a rank blocked in a collective leaves within a store round trip plus the time to break the groups
 after the failing rank tripped (well under a second on CPU/gloo, ``benchmarks/hpo_recovery.py``); a rank that is
-computing leaves at its next collective. Not covered: a rank blocked in the *rendezvous* of a new process group (the
-store wait of ``new_group``, e.g. the first trial's device mesh while a peer failed before it) waits for the process
-group timeout unless the peer hangs (then the hang bound holds); hangs outside a fenced section (between trials, in
+computing leaves at its next collective; a rank that no break frees (blocked in the *rendezvous* of a new process
+group, e.g. the first trial's device mesh while a peer failed before it) exits with ``HANG_EXIT_CODE`` within
+``3 * BREAK_GRACE`` (15 s) of the trip. Not covered: hangs outside a fenced section (between trials, in
 a plain training loop without a save); a rank *killed* (SIGKILL, OOM killer) cannot trip the fence: gloo peers fail
 at once on the closed connections and trip it themselves, NCCL peers wait for NCCL's own timeout
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``). NCCL aborting is written to torch's documented ``abort()`` contract but was
@@ -116,7 +126,8 @@ _PROTECTED_GROUPS: weakref.WeakSet = weakref.WeakSet()
 # generation, tripped: the same on every rank (fences and rebuilds are collective); protecting: open ``protected()``
 # blocks; control_waits: open ``control_wait()`` blocks
 _STATE = {"generation": 0, "tripped": -1, "protecting": 0, "control_waits": 0}
-_PUBLISHED: dict[int, set[tuple[str, int]]] = {}  # generation -> this rank's training listeners in the store
+# (generation, store host, store port) -> this rank's training listeners published there
+_PUBLISHED: dict[tuple[int, Any, Any], set[tuple[str, int]]] = {}
 _BREAK_LOCK = threading.RLock()
 _PROGRESS = [0]  # this rank's progress count (see the module docstring)
 
@@ -326,19 +337,20 @@ def publish_listeners(store: Any) -> None:
     store, or a connection of its."""
     if _STATE["protecting"]:  # a protected group's listener may be open but not marked protected yet
         return
-    generation = _STATE["generation"]
+    generation, base = _STATE["generation"], _base_store(store)
     try:
-        current = _training_listeners(_own_tcp_sockets(), getattr(store, "port", None))
+        current = _training_listeners(_own_tcp_sockets(), getattr(base, "port", None))
     except OSError:  # no /proc: not Linux
         return
+    where = (generation, getattr(base, "host", None), getattr(base, "port", None))
     with _BREAK_LOCK:
-        published = _PUBLISHED.setdefault(generation, set())
+        published = _PUBLISHED.setdefault(where, set())
         new = current - published
         if not new or _STATE["protecting"]:
             return
         store.append(_listeners_key(generation), "".join(f"{address}:{port};" for address, port in sorted(new)))
         published.update(new)
-        for old in [g for g in _PUBLISHED if g < generation]:
+        for old in [w for w in _PUBLISHED if w[0] < generation]:
             del _PUBLISHED[old]
 
 
