@@ -152,13 +152,14 @@ def test_error_on_one_rank_not_caught_raises_on_every_rank(pool2):
 
 
 def test_timeout_mid_trial_ends_every_rank_after_that_trial(pool2):
-    # each trial takes >= 4 x 0.15 s; the timeout expires during trial 1 (or 2 on a slow machine)
-    # (the pool's own keyword is `timeout`: the study's goes positionally)
+    # each trial takes >= 4 x 0.15 s; the timeout expires during trial 1 (or 2 on a slow machine, or during trial 0
+    # on a loaded one, whose trial then ends the study) (the pool's own keyword is `timeout`: the study's goes
+    # positionally)
     results = pool2.run(_run, None, (), 0.9, sleep=0.15, timeout=120)
     assert all(r["error"] is None for r in results), results
     _assert_in_step(results)
     table = results[0]["table"]
-    assert 2 <= len(table) <= 4, table
+    assert 1 <= len(table) <= 4, table
     assert all(row[1] in {"COMPLETE", "PRUNED"} for row in table)
     per_trial = results[0]["seconds"] / len(table)
     assert all(r["seconds"] < 0.9 + 2 * per_trial + 1.0 for r in results), (results[0]["seconds"], per_trial)
