@@ -22,11 +22,9 @@ import sys
 import time
 
 import pytest
-from packaging.version import Version
 
 import test_hpo_faults as scenario
 import test_hpo_trainer as base
-from shardadopt.registry import installed_version
 
 pytestmark = pytest.mark.multiproc
 
@@ -142,9 +140,10 @@ def test_the_connecting_side_of_a_gloo_pair_breaks_it_alone(pool2):
     assert waiting["left"] < BOUND, waiting
 
 
-def blocked_where_no_break_reaches() -> dict:
-    """Rank 1 raises in a fenced section and stays alive (slow to leave: its sockets stay open); no break reaches
-    rank 0's broadcast from rank 1 (both ranks' breaks do nothing: a collective the break cannot end)."""
+def blocked_where_no_break_reaches(how: str) -> dict:
+    """Rank 1 raises in a fenced section and stays alive (slow to leave: its sockets stay open) while rank 0 waits
+    where no break reaches it: ``broadcast`` from rank 1 with both ranks' breaks doing nothing, or ``new_group``'s
+    rendezvous (a store wait, which no process group's break ends)."""
     import torch
     import torch.distributed as dist
 
@@ -153,13 +152,17 @@ def blocked_where_no_break_reaches() -> dict:
     rank = dist.get_rank()
     pids = [None, None]
     dist.all_gather_object(pids, os.getpid())
-    fence.break_training_groups = lambda **_: 0  # test instrumentation: no break reaches the collective
+    if how == "broadcast":
+        fence.break_training_groups = lambda **_: 0  # test instrumentation: no break reaches the collective
     started = time.time()
     try:
         with fence.fenced("a section"):
             if rank == 1:
                 raise RuntimeError("injected on rank 1")
-            dist.broadcast(torch.ones(4), src=1)
+            if how == "broadcast":
+                dist.broadcast(torch.ones(4), src=1)
+            else:
+                dist.new_group(backend="gloo")
     except RuntimeError:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # until rank 0 is gone
@@ -172,10 +175,12 @@ def blocked_where_no_break_reaches() -> dict:
     return {"left": time.time() - started}
 
 
-def test_a_rank_left_blocked_after_the_break_exits_to_be_restarted(tmp_path):
+@pytest.mark.parametrize("how", ["broadcast", "new_group"])
+def test_a_rank_left_blocked_after_the_break_exits_to_be_restarted(tmp_path, how):
     from shardadopt import fence
 
-    ranks = base.launch("blocked_where_no_break_reaches", 2, tmp_path, timeout=240, module="test_fence_control")
+    ranks = base.launch("blocked_where_no_break_reaches", 2, tmp_path, timeout=240, module="test_fence_control",
+                        how=how)
     log = (tmp_path / "rank0.log").read_text()
     assert ranks[0]["returncode"] == fence.HANG_EXIT_CODE, (ranks[0], log[-3000:])
     assert "is still blocked in" in log and "breaking its process groups again" in log, log[-3000:]
@@ -411,14 +416,6 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
     return {"table": table, **marks}
 
 
-# On torch 2.13, now and then (2 of 4 full suites of that set so far, never on 2.15): the hung rank is named and
-# interrupted, both watchers break the groups, yet the other rank stays blocked in DCP's closing gather_object.
-STAYS_BLOCKED_ON_2_13 = pytest.mark.skipif(
-    installed_version("torch") < Version("2.14"), reason="torch 2.13: the waiting rank sometimes stays blocked in "
-    "DCP's closing gather after the break (issue 18, not understood yet); runs on the newest set")
-
-
-@STAYS_BLOCKED_ON_2_13
 @pytest.mark.parametrize("hanging,late_break", [(1, False), (0, False), (1, True)])
 def test_a_rank_hanging_in_a_sharded_save_fails_the_trial_once_and_loses_nothing(pool2, tiny_models, tmp_path,
                                                                                  hanging, late_break):
