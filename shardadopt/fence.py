@@ -101,7 +101,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
@@ -120,12 +120,14 @@ _CONNECT_TIMEOUT = timedelta(seconds=60)  # a side-channel connection to the sto
 _FOREVER = timedelta(days=30)  # a watcher's store wait: woken by a trip or a rebuild, never by a timeout
 _LISTEN, _TCP_TABLES = 0x0A, ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 _WILDCARD = {"00000000", "0" * 32}
+_IPV6_LOOPBACK = "0" * 24 + "01000000"  # ::1 as /proc/net/tcp6 writes it
+_HOST = socket.gethostname()
 
 _PROTECTED_PORTS: set[int] = set()  # gloo listener ports of groups that must survive a break (control plane)
 _PROTECTED_GROUPS: weakref.WeakSet = weakref.WeakSet()
 # generation, tripped: the same on every rank (fences and rebuilds are collective); protecting: open ``protected()``
-# blocks; control_waits: open ``control_wait()`` blocks
-_STATE = {"generation": 0, "tripped": -1, "protecting": 0, "control_waits": 0}
+# blocks; protections: their starts and ends; control_waits: open ``control_wait()`` blocks
+_STATE = {"generation": 0, "tripped": -1, "protecting": 0, "protections": 0, "control_waits": 0}
 # (generation, store host, store port) -> this rank's training listeners published there
 _PUBLISHED: dict[tuple[int, Any, Any], set[tuple[str, int]]] = {}
 _BREAK_LOCK = threading.RLock()
@@ -230,8 +232,18 @@ def _connect(base: Any) -> Any:
 # -- sockets ---------------------------------------------------------------------------------------------------------
 
 
-def _own_tcp_sockets() -> list[tuple[int, int, int, str, str, int]]:
-    """This process's TCP sockets: (fd, state, local port, local address hex, remote address hex, remote port)."""
+class _Socket(NamedTuple):
+    fd: int
+    inode: int
+    state: int
+    port: int
+    address: str  # hex, as /proc/net/tcp writes it
+    remote_address: str
+    remote_port: int
+
+
+def _own_tcp_sockets() -> list[_Socket]:
+    """This process's TCP sockets."""
     inodes: dict[int, int] = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -253,14 +265,14 @@ def _own_tcp_sockets() -> list[tuple[int, int, int, str, str, int]]:
             if inode in inodes:
                 address, port = fields[1].split(":")
                 remote_address, remote_port = fields[2].split(":")
-                found.append((inodes[inode], int(fields[3], 16), int(port, 16), address, remote_address,
-                              int(remote_port, 16)))
+                found.append(_Socket(inodes[inode], inode, int(fields[3], 16), int(port, 16), address,
+                                     remote_address, int(remote_port, 16)))
     return found
 
 
 def _listen_ports() -> set[int]:
     try:
-        return {port for _, state, port, _, _, _ in _own_tcp_sockets() if state == _LISTEN}
+        return {s.port for s in _own_tcp_sockets() if s.state == _LISTEN}
     except OSError:
         return set()
 
@@ -270,12 +282,16 @@ def protected() -> Iterator[None]:
     """Process groups created inside this block survive ``break_training_groups`` (used for the control group,
     which must carry the ranks' agreement after the training groups were broken). Collective like ``new_group``."""
     before = _listen_ports()
-    _STATE["protecting"] += 1  # its listeners are not published as training ones while it is being created
+    with _BREAK_LOCK:  # a publication that read the sockets before this block began sees it and gives up
+        _STATE["protecting"] += 1
+        _STATE["protections"] += 1
     try:
         yield
         _PROTECTED_PORTS.update(_listen_ports() - before)
     finally:
-        _STATE["protecting"] -= 1
+        with _BREAK_LOCK:
+            _STATE["protecting"] -= 1
+            _STATE["protections"] += 1
 
 
 def protect_group(group: Any) -> None:
@@ -319,47 +335,63 @@ def break_training_groups(store: Any = None) -> int:
         return _shutdown_gloo_connections(store) if gloo else 0
 
 
-def _training_listeners(sockets: list[tuple[int, int, int, str, str, int]], store_port: int | None
-                        ) -> set[tuple[str, int]]:
+def _training_listeners(sockets: list[_Socket], store_port: int | None) -> set[tuple[str, int]]:
     """(address hex, port) of this process's gloo listeners of training groups: bound to one address (not a
     wildcard server), neither the store's nor a protected group's."""
-    return {(address, port) for _, state, port, address, _, _ in sockets
-            if state == _LISTEN and address not in _WILDCARD and port != store_port and port not in _PROTECTED_PORTS}
+    return {(s.address, s.port) for s in sockets
+            if s.state == _LISTEN and s.address not in _WILDCARD and s.port != store_port
+            and s.port not in _PROTECTED_PORTS}
+
+
+def _loopback(address: str) -> bool:
+    return address.endswith("7F") if len(address) == 8 else address == _IPV6_LOOPBACK
 
 
 def _listeners_key(generation: int) -> str:
     return _key(generation, "listeners")
 
 
-def publish_listeners(store: Any) -> None:
+def publish_listeners(store: Any, blocking: bool = True) -> None:
     """Add this rank's training listeners not yet published in this generation to the store's list (one ``append``
     request, none when nothing is new), so a peer can shut the connections it opened to them. ``store``: the base
-    store, or a connection of its."""
+    store, or a connection of its; ``blocking=False``: give up when a break or a rebuild holds the lock."""
+    protections, generation, base = _STATE["protections"], _STATE["generation"], _base_store(store)
     if _STATE["protecting"]:  # a protected group's listener may be open but not marked protected yet
         return
-    generation, base = _STATE["generation"], _base_store(store)
     try:
         current = _training_listeners(_own_tcp_sockets(), getattr(base, "port", None))
     except OSError:  # no /proc: not Linux
         return
     where = (generation, getattr(base, "host", None), getattr(base, "port", None))
-    with _BREAK_LOCK:
+    if not _BREAK_LOCK.acquire(blocking=blocking):
+        return
+    try:
         published = _PUBLISHED.setdefault(where, set())
         new = current - published
-        if not new or _STATE["protecting"]:
-            return
-        store.append(_listeners_key(generation), "".join(f"{address}:{port};" for address, port in sorted(new)))
+        if not new or _STATE["protections"] != protections or _STATE["generation"] != generation:
+            return  # a protected group came or went while the sockets were read: the next publication has it
+        store.append(_listeners_key(generation),
+                     "".join(f"{_HOST}/{address}:{port};" for address, port in sorted(new)))
         published.update(new)
         for old in [w for w in _PUBLISHED if w[0] < generation]:
             del _PUBLISHED[old]
+    finally:
+        _BREAK_LOCK.release()
 
 
 def _published_listeners(store: Any, generation: int) -> set[tuple[str, int]]:
+    """The training listeners every rank published in ``generation``; a loopback one only from this host (on
+    another host, the same loopback address and port are a local service of that host's)."""
     key = _listeners_key(generation)
     if not store.check([key]):
         return set()
-    entries = store.get(key).decode().split(";")
-    return {(address, int(port)) for address, _, port in (e.partition(":") for e in entries if e)}
+    found = set()
+    for entry in store.get(key).decode().split(";"):
+        host, _, endpoint = entry.rpartition("/")
+        address, _, port = endpoint.partition(":")
+        if port and (host == _HOST or not _loopback(address)):
+            found.add((address, int(port)))
+    return found
 
 
 def _shutdown_gloo_connections(store: Any = None) -> int:
@@ -367,28 +399,34 @@ def _shutdown_gloo_connections(store: Any = None) -> int:
     accepted, and those it opened to a peer's published training listener. Either side's shutdown fails the
     pair's pending operations on both ranks at once (measured: only the accepting side's, where no listener
     was published, which left a rank blocked whenever its peer's break came too late)."""
+    peers: set[tuple[str, int]] = set()
     try:
         store = store if store is not None else _store()
-        sockets = _own_tcp_sockets()
         store_port = getattr(_base_store(store), "port", None)
-    except Exception:  # noqa: BLE001  (no /proc: not Linux; no default group any more)
+    except Exception:  # noqa: BLE001  (no default group any more)
         return 0
-    own = {port for _, port in _training_listeners(sockets, store_port)}
-    peers: set[tuple[str, int]] = set()
     try:
         publish_listeners(store)  # for the peers' breaks that come after this one
         peers = _published_listeners(store, _STATE["generation"])
     except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
         pass
+    try:  # read after the store's answers: gloo closes a broken pair's fd, and a new socket may take its number
+        sockets = _own_tcp_sockets()
+    except OSError:  # no /proc: not Linux
+        return 0
+    own = {port for _, port in _training_listeners(sockets, store_port)}
     count = 0
-    for fd, state, port, _, remote_address, remote_port in sockets:
-        if state != _LISTEN and (port in own or (remote_address, remote_port) in peers):
-            try:
-                with socket.socket(fileno=os.dup(fd)) as connection:
-                    connection.shutdown(socket.SHUT_RDWR)
-                count += 1
-            except OSError:
-                continue
+    for s in sockets:
+        if s.state == _LISTEN or not (s.port in own or (s.remote_address, s.remote_port) in peers):
+            continue
+        try:
+            with socket.socket(fileno=os.dup(s.fd)) as connection:
+                if os.fstat(connection.fileno()).st_ino != s.inode:
+                    continue  # the number was closed and reused since it was read: someone else's socket
+                connection.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            continue
     return count
 
 
@@ -572,7 +610,10 @@ class _Watcher:
             if strikes == 1:
                 print(f"shardadopt.fence: rank {self.rank} is still blocked in {where} {grace:.0f}s after the "
                       "fence was tripped; breaking its process groups again", file=sys.stderr, flush=True)
-                break_training_groups(store=store)
+                with _BREAK_LOCK:
+                    if _STATE["generation"] != generation:  # rebuilt meanwhile: the new groups are not broken
+                        return
+                    break_training_groups(store=store)
             else:
                 _exit_hung(f"rank {self.rank} stayed blocked in {where} for {2 * grace:.0f}s after the fence was "
                            "tripped and its groups were broken twice")
@@ -612,8 +653,9 @@ class _Watcher:
             in_torch = stalled and _waiting_in_torch_distributed()
             beat += 1
             try:
-                publish_listeners(store)  # groups created inside the section (a trial's device mesh)
                 store.set(_key(generation, "beat", rank), f"{beat} {count} {int(stalled)} {int(in_torch)}")
+                # groups created inside the section (a trial's device mesh); never waits for a break or a rebuild
+                publish_listeners(store, blocking=False)
                 if stalled and _STATE["tripped"] != generation:
                     self._decide(store, generation, rank, world, count, in_torch, timeout, tick, what, seen)
             except Exception:  # noqa: BLE001  (the store is gone: the job is ending)
@@ -672,11 +714,19 @@ def _waiting_in_torch_distributed() -> bool:
     return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
 
 
+_DCP_FILE_IO = os.path.join(_TORCH_DISTRIBUTED, "checkpoint", "")  # + "*filesystem.py": DCP's reads and writes
+
+
 def _main_thread_call() -> tuple[Any, int] | None:
-    """(innermost frame, instruction) of the main thread when that frame is ``torch.distributed`` code, else None.
-    The same pair at two reads means the thread did not move in between: it is blocked in a call from there."""
+    """(innermost frame, instruction) of the main thread when that frame is ``torch.distributed`` code waiting on
+    peers (not DCP's file I/O: a long ``fsync`` of a big shard is no wait), else None. The same pair at two reads
+    means the thread did not move in between: it is blocked in a call from there."""
     frame = upstream.thread_frame(threading.main_thread().ident)
-    if frame is None or not frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED):
+    if frame is None:
+        return None
+    filename = frame.f_code.co_filename
+    if not filename.startswith(_TORCH_DISTRIBUTED) or (
+            filename.startswith(_DCP_FILE_IO) and filename.endswith("filesystem.py")):
         return None
     return frame, frame.f_lasti
 

@@ -97,7 +97,7 @@ def _accepting_rank() -> int:
     sockets = fence._own_tcp_sockets()
     own = {port for _, port in fence._training_listeners(sockets, fence._store().port)}
     accepted = [None] * dist.get_world_size()
-    dist.all_gather_object(accepted, any(state != fence._LISTEN and port in own for _, state, port, *_ in sockets))
+    dist.all_gather_object(accepted, any(s.state != fence._LISTEN and s.port in own for s in sockets))
     assert accepted.count(True) == 1, accepted
     return accepted.index(True)
 
@@ -105,13 +105,17 @@ def _accepting_rank() -> int:
 def _only_the_connecting_side_breaks() -> dict:
     """The rank that accepted the pair's connection raises in a fenced section and its break does nothing (what a
     rank does whose watcher comes too late, or that already left the collectives); its peer, the connecting side,
-    waits in a broadcast from it. Its own break must end that wait."""
+    waits in a broadcast from it. Its own break must end that wait. The accepting rank keeps its groups (and so its
+    sockets) until its peer says it left, or 60 s."""
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
 
-    from shardadopt import fence
+    from shardadopt import fence, upstream
 
     rank, acceptor = dist.get_rank(), _accepting_rank()
+    store, left_key = upstream.default_store(), f"connecting-side/{fence.generation()}/left"
     breaks = fence.break_training_groups
     started = time.time()
     try:
@@ -123,8 +127,13 @@ def _only_the_connecting_side_breaks() -> dict:
         outcome = {"raised": None}
     except fence.PeerFailedError as exc:
         outcome = {"raised": "PeerFailedError", "rank": exc.rank, "left": time.time() - started}
+        store.set(left_key, "1")
     except RuntimeError as exc:
         outcome = {"raised": str(exc)}
+        try:
+            store.wait([left_key], timedelta(seconds=60))
+        except Exception:  # noqa: BLE001  (the peer never left: its result says how)
+            pass
     finally:
         fence.break_training_groups = breaks
     fence.rebuild_world()  # the pool's next case gets working groups

@@ -337,8 +337,10 @@ def _stuck(control_timeout: float):
     try:
         optimize(study, objective, n_trials=3, control=ControlOptions(timeout=control_timeout))
     except Exception as exc:
+        from shardadopt import fence
+
         return {"type": type(exc).__name__, "message": str(exc), "ranks": getattr(exc, "ranks", None),
-                "seconds": time.monotonic() - start}
+                "seconds": time.monotonic() - start, "armed": len(fence._WATCHER.armed)}
     return None
 
 
@@ -353,3 +355,5 @@ def test_stuck_peer_becomes_an_error_naming_it():
     assert "rank(s) [1] did not reach control round" in rank0["message"] and "report()" in rank0["message"]
     assert rank0["seconds"] < control_timeout + 5 + 5, "the survivor leaves within the control timeout"
     assert rank1["type"] == "PeerLostError", "the stuck rank, once awake, raises too instead of hanging"
+    # no trial fence is left armed (its hang monitor and its backstop would outlive the search)
+    assert rank0["armed"] == rank1["armed"] == 0, (rank0, rank1)

@@ -331,9 +331,11 @@ class DistributedTrial(optuna.trial.BaseTrial):
         gets here whatever happened in its close (``close`` calls it in ``finally``), so the decision is the same
         everywhere and no rank waits alone in the rebuild's ``init_process_group``."""
         fence, self._fence = self._fence, None
-        if fence is None or self._channel.broken is not None:
+        if fence is None:
             return
-        fence.stop()  # no hang decision of this rank's after this point
+        fence.stop()  # no hang decision, and no backstop exit, of this rank's after this point
+        if self._channel.broken is not None:
+            return
         table = self._channel.exchange(OP_FINISH, aux=int(fence.tripped()))
         if any(row[0] != OP_FINISH for row in table):
             doing = [OP_NAMES.get(row[0], row[0]) for row in table]
