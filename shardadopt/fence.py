@@ -545,7 +545,7 @@ class _Watcher:
             value = _read_trip(store, generation)
             if value is not None:
                 self._tripped(generation, value, connection)
-                self._see_the_break_through(generation, store if connection is not None else None)
+                self._see_the_break_through(generation, connection)
             with self.generation_changed:
                 self.generation_changed.wait_for(
                     lambda seen=generation: _STATE["generation"] != seen or self.exiting)
@@ -577,12 +577,6 @@ class _Watcher:
                 break_training_groups(store=connection)
         if kind == HANG_KIND and armed:
             self._resolve_hang(generation, hung, message, connection)
-
-    def ack(self) -> float:
-        """Seconds a rank is given to answer after a trip (be interrupted, leave a broken collective): 5, or one
-        hang-monitor tick when longer."""
-        settings = self.hang_settings()
-        return max(5.0, settings[1] if settings else 5.0)
 
     def _see_the_break_through(self, generation: int, store: Any) -> None:
         """After a trip: while a fence armed at the trip stays armed, a main thread found in the same
@@ -619,7 +613,8 @@ class _Watcher:
                            "tripped and its groups were broken twice")
 
     def _resolve_hang(self, generation: int, hung: list[int], message: str, connection: Any) -> None:
-        ack = self.ack()
+        settings = self.hang_settings()
+        ack = max(5.0, settings[1] if settings else 5.0)
         store = connection if connection is not None else self.store
         rank = self.rank
         if rank in hung:
@@ -710,8 +705,13 @@ def _waiting_in_torch_distributed() -> bool:
     """Whether the main thread's innermost Python frame is ``torch.distributed`` code: a stalled rank there waits in
     a collective or a process group's rendezvous for a peer (or is blocked inside DCP's writes, which the save's
     progress counts tell apart), where a rank hung in its own code (a dataloader, a read, a lock) is elsewhere."""
+    return _main_thread_frame_in_torch_distributed() is not None
+
+
+def _main_thread_frame_in_torch_distributed() -> Any:
+    """The main thread's innermost Python frame when it is ``torch.distributed`` code, else None."""
     frame = upstream.thread_frame(threading.main_thread().ident)
-    return frame is not None and frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
+    return frame if frame is not None and frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED) else None
 
 
 _DCP_FILE_IO = os.path.join(_TORCH_DISTRIBUTED, "checkpoint", "")  # + "*filesystem.py": DCP's reads and writes
@@ -721,12 +721,9 @@ def _main_thread_call() -> tuple[Any, int] | None:
     """(innermost frame, instruction) of the main thread when that frame is ``torch.distributed`` code waiting on
     peers (not DCP's file I/O: a long ``fsync`` of a big shard is no wait), else None. The same pair at two reads
     means the thread did not move in between: it is blocked in a call from there."""
-    frame = upstream.thread_frame(threading.main_thread().ident)
-    if frame is None:
-        return None
-    filename = frame.f_code.co_filename
-    if not filename.startswith(_TORCH_DISTRIBUTED) or (
-            filename.startswith(_DCP_FILE_IO) and filename.endswith("filesystem.py")):
+    frame = _main_thread_frame_in_torch_distributed()
+    if frame is None or (frame.f_code.co_filename.startswith(_DCP_FILE_IO)
+                         and frame.f_code.co_filename.endswith("filesystem.py")):
         return None
     return frame, frame.f_lasti
 
