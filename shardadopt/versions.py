@@ -11,8 +11,8 @@ from shardadopt.registry import installed_version
 # Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1).
 SUPPORTED: dict[str, str] = {
     "torch": ">=2.13,<2.16",
-    "transformers": ">=5.15,<5.25",
-    "accelerate": ">=1.13,<1.16",
+    "transformers": ">=5.15",
+    "accelerate": ">=1.13",
     "optuna": ">=4,<6",
     "wrapt": ">=2",
 }
