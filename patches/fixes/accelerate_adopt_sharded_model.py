@@ -407,6 +407,20 @@ GATHER_FOR_METRICS = Edit(
 )
 COMMON = (STATE, FREE_STATE, NO_SYNC, MODELS_FIRST, ADOPT, METHODS, SPLIT, GATHER_FOR_METRICS)
 
+# accelerate 1.16 removed MS-AMP: the models are adopted right before the two-pass `_prepare_one`, as above.
+MODELS_FIRST_116 = Edit(
+    ACCELERATOR,
+    "            old_named_params = self._get_parameters_to_remap(*args)\n"
+    "            result = tuple(\n",
+    "            old_named_params = self._get_parameters_to_remap(*args)\n"
+    "            # An already-sharded model decides how the dataloaders split the data, whatever the order of `args`\n"
+    "            for obj in args:\n"
+    "                if isinstance(obj, torch.nn.Module):\n"
+    "                    self._adopt_sharded_model(obj)\n"
+    "            result = tuple(\n",
+)
+COMMON_116 = tuple(MODELS_FIRST_116 if edit is MODELS_FIRST else edit for edit in COMMON)
+
 # accelerate 1.13 / 1.14: backport what 1.15 already has and the adoption relies on.
 GET_MODEL_TP_SIZE = Edit(
     "src/accelerate/utils/other.py",
@@ -545,5 +559,7 @@ FIX = Fix(
         Variant("1.14", edits=COMMON + BACKPORTS, new_files=(TEST_FILE,)),
         # 1.15 has get_model_tp_size, the DTensor placement guard and _clip_grad_norm_dtensor_aware
         Variant("1.15", edits=COMMON, new_files=(TEST_FILE,)),
+        # 1.16 removed MS-AMP (`_prepare_msamp`) next to where the models are adopted first
+        Variant("1.16", edits=COMMON_116, new_files=(TEST_FILE,)),
     ),
 )

@@ -134,7 +134,7 @@ FIX = Fix(
     id="transformers-fused-weight-sharding",
     distribution="transformers",
     kind="proposal",
-    upstream="huggingface/transformers main (not reported upstream yet; still present in 5.24.0)",
+    upstream="huggingface/transformers main (not reported upstream yet; still present in 5.25.0)",
     summary="""
         A WeightConverter that splits one checkpoint tensor into several params (HRM's attn.gqkv_proj chunked
         into gate/q/k/v, mlp.gate_up_proj into gate/up) gets the shard operation of its first target, and
@@ -153,5 +153,7 @@ FIX = Fix(
         # 5.15 builds 5.15's local-tensor TP layers next to the DTensor shard op: the same edits, other context
         Variant(since="5.15.0", edits=EDITS, new_files=NEW_FILES),
         Variant(since="5.16.1", edits=EDITS, new_files=NEW_FILES),
+        # 5.25 rewrote the comment above the conversion spawn (force_cpu): the same edits, other context
+        Variant(since="5.25.0", edits=EDITS, new_files=NEW_FILES),
     ),
 )

@@ -154,7 +154,7 @@ FIX = Fix(
     id="transformers-tp-replicated-grad-accumulation",
     distribution="transformers",
     kind="proposal",
-    upstream="huggingface/transformers main (not reported upstream yet; still present in 5.24.0)",
+    upstream="huggingface/transformers main (not reported upstream yet; still present in 5.25.0)",
     summary="""
         The TP style replicated_with_grad_allreduce (Qwen3, Qwen3-MoE, Gemma3, ... q_norm/k_norm) keeps a parameter
         whole on every rank while each rank's gradient covers only its own heads, and sums the gradients over the
@@ -174,5 +174,7 @@ FIX = Fix(
         Variant("5.15", edits=(V515,), new_files=(TEST_FILE,)),
         Variant("5.16", edits=(V516,), new_files=(TEST_FILE,)),
         Variant("5.22", edits=V522, new_files=(TEST_FILE,)),
+        # 5.25 installs the TP style through a forward pre-hook: the same gradient hook, other context
+        Variant("5.25", edits=V522, new_files=(TEST_FILE,)),
     ),
 )
