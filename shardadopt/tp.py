@@ -24,7 +24,8 @@ from torch import nn
 
 from shardadopt import upstream
 
-__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "install_partial_gradient_sums",
+__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "has_upstream_replicated_hooks",
+           "install_partial_gradient_sums",
            "localize_padding_idx", "stash_rowwise_bias", "add_stashed_bias"]
 
 # Upstream's installer lives on this class in every release since 5.15; its hooks are recognised by qualname.
@@ -164,6 +165,19 @@ def _upstream_hooked(module: nn.Module) -> bool:
     wrapper or a forward pre-hook) sit on ``module``."""
     return (_is_upstream(module.__dict__.get("forward")) or bool(_upstream_pre_hooks(module))
             or any(_is_upstream(hook) for hook in upstream.module_backward_hooks(module).values()))
+
+
+def has_upstream_replicated_hooks(model: nn.Module) -> bool:
+    """Whether any module of ``model`` carries transformers' own ``replicated_with_grad_allreduce`` hooks (the ones
+    :func:`fix_tp_grad_accumulation` replaces).
+
+    Args:
+        model: any module.
+
+    Returns:
+        True when at least one module is hooked by upstream's style.
+    """
+    return any(_upstream_hooked(module) for module in model.modules())
 
 
 def install_partial_gradient_sums(model: nn.Module, on_partial: Callable[[str], None] | None = None) -> nn.Module:
