@@ -26,7 +26,7 @@ def doctor(as_json: bool = False) -> int:
     integrations = versions.integrations()
     backends = _backends()
     behaviour = _torch_behaviour(backends)
-    shardadopt.enable()
+    shardadopt._registry().enable()  # not shardadopt.enable(): its untested-release warning is printed below
     import_errors = {}
     try:
         absent = {name for name in versions.OPTIONAL if installed_version(name) is None}  # e.g. no peft: pending

@@ -77,7 +77,8 @@ def untested_summary(states: list[Any]) -> str | None:
     if newer:
         releases = ", ".join(f"{name} {version}" for name, version in newer.items())
         tested = ", ".join(f"{name} {TESTED[name]}" for name in newer)
-        parts.append(f"{releases} newer than the tested range (up to {tested}): each patch's probe decides")
+        verb = "is" if len(newer) == 1 else "are"
+        parts.append(f"{releases} {verb} newer than the tested range (up to {tested}): each patch's probe decides")
     if unsupported:
         parts.append(f"could not decide or apply: {', '.join(unsupported)} (load-time-sharded models that need "
                      "them are refused at accelerate prepare / Trainer; `shardadopt doctor` says why)")
