@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,12 +25,14 @@ __version__ = "0.1.0.dev0"
 
 logging.getLogger("shardadopt").addHandler(logging.NullHandler())
 
-__all__ = ["enable", "disable", "status", "PatchStatus", "__version__", "clip_grad_norm_", "total_norm",
+__all__ = ["enable", "disable", "status", "PatchStatus", "UntestedUpstreamWarning", "__version__",
+           "clip_grad_norm_", "total_norm",
            "topology", "Topology", "TopologyError",
            "split_param_groups", "split_param_groups_by_mesh", "AdoptionKwargs", "adopt_model",
            "fix_tp_grad_accumulation"]
 
 _REGISTRY: Registry | None = None
+_WARNED: set[str] = set()  # the untested-release lines already shown in this process
 
 # Public functions that live in modules importing torch: loaded on first use so `import shardadopt` stays cheap.
 _LAZY = {
@@ -59,9 +62,30 @@ def enable(only: Iterable[str] | None = None, exclude: Iterable[str] | None = No
     """Enable the patches (all, or ``only`` these ids, minus ``exclude`` and ``$SHARDADOPT_DISABLE``).
 
     Idempotent. Returns the status of every patch; patches whose upstream modules are not imported yet are
-    ``pending`` and apply when those modules are imported.
+    ``pending`` and apply when those modules are imported. When an installed transformers / accelerate / peft / trl
+    is newer than the tested range (``shardadopt.versions.TESTED``), or a patch could not decide or apply, one
+    warning line says so (once per process and situation); a load-time-sharded model that needs such a patch is
+    then refused at accelerate ``prepare`` / ``Trainer``.
+
+    Args:
+        only: enable just these patch ids.
+        exclude: leave these patch ids off (upstream's behaviour for what they fix).
+
+    Returns:
+        One ``PatchStatus`` per registered patch.
     """
-    return _registry().enable(only=only, exclude=exclude)
+    from shardadopt.versions import untested_summary
+
+    states = _registry().enable(only=only, exclude=exclude)
+    line = untested_summary(states)
+    if line is not None and line not in _WARNED:
+        _WARNED.add(line)
+        warnings.warn(line, UntestedUpstreamWarning, stacklevel=2)
+    return states
+
+
+class UntestedUpstreamWarning(UserWarning):
+    """An installed upstream release is newer than the tested range, or a patch could not decide or apply."""
 
 
 def disable() -> list[PatchStatus]:

@@ -14,8 +14,9 @@ def doctor(as_json: bool = False) -> int:
     """Print versions, backends and each patch's state for this installation; non-zero when something is broken.
 
     Broken means: a dependency missing or outside the supported range, an upstream module that fails to import,
-    a patch that is ``unsupported``, or an optional integration (peft, trl) installed outside its tested range or
-    failing to import. An optional package that is not installed is not an error.
+    a patch that is ``unsupported``, or an optional integration (peft, trl) installed below its minimum or failing
+    to import. An optional package that is not installed is not an error. A release newer than the tested range is
+    not an error either: one line says so and names the patches that could not decide.
     """
     import shardadopt
     from shardadopt import versions
@@ -25,7 +26,7 @@ def doctor(as_json: bool = False) -> int:
     integrations = versions.integrations()
     backends = _backends()
     behaviour = _torch_behaviour(backends)
-    shardadopt.enable()
+    shardadopt._registry().enable()  # not shardadopt.enable(): its untested-release warning is printed below
     import_errors = {}
     try:
         absent = {name for name in versions.OPTIONAL if installed_version(name) is None}  # e.g. no peft: pending
@@ -35,21 +36,25 @@ def doctor(as_json: bool = False) -> int:
                 importlib.import_module(module)  # lets every patch's probe look at the real upstream
             except Exception as exc:
                 import_errors[module] = f"{type(exc).__name__}: {exc}"
-        patches = [s.as_dict() for s in shardadopt.status()]
+        statuses = shardadopt.status()
+        patches = [s.as_dict() for s in statuses]
     finally:
         shardadopt.disable()
     broken = (any(not r["ok"] for r in rows + integrations) or bool(import_errors)
               or any(p["state"] == "unsupported" for p in patches))
+    untested = versions.untested_summary(statuses)
     if as_json:
         print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "integrations": integrations,
-                          "backends": backends,
+                          "untested": untested, "backends": backends,
                           "torch_behaviour": behaviour, "import_errors": import_errors, "patches": patches,
                           "ok": not broken}, indent=2))
         return 1 if broken else 0
     print(f"shardadopt {shardadopt.__version__}")
     for row in rows:
         mark = "ok " if row["ok"] else "BAD"
-        print(f"  {mark} {row['name']:<13} {row['installed'] or 'not installed':<16} supported {row['supported']}")
+        tested = f" (tested up to {row['tested']})" if row["tested"] else ""
+        print(f"  {mark} {row['name']:<13} {row['installed'] or 'not installed':<16} supported {row['supported']}"
+              f"{tested}")
     print("optional integrations:")
     for row in integrations:
         mark = "BAD" if not row["ok"] else "ok "
@@ -69,6 +74,8 @@ def doctor(as_json: bool = False) -> int:
         print(f"  {p['id']:<32} {p['state']:<12} {p['reason']}")
     if not patches:
         print("  (none registered)")
+    if untested:
+        print(untested)
     print("status: " + ("BROKEN: see the BAD/unsupported lines above" if broken else "ok"))
     return 1 if broken else 0
 

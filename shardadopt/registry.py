@@ -8,7 +8,8 @@ the original back, so ``getattr(owner, name) is original`` holds again afterward
 
 A patch may name others it ``depends_on``: it applies only once those are ``applied`` or ``not-needed``, and is
 ``unsupported`` (naming the dependency) while one is off or unsupported. Every state change is logged once, on
-rank 0, to the ``shardadopt`` logger at INFO (the package adds no handler but ``logging.NullHandler``).
+rank 0, to the ``shardadopt`` logger at INFO, a patch that could not decide or apply at WARNING (the package adds no
+handler but ``logging.NullHandler``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class Patch:
     probe_modules: tuple[str, ...] = ()
     # Patches this one only works on top of (each must be applied or not-needed first).
     depends_on: tuple[str, ...] = ()
+    # (model, topology) -> whether a model sharded at load time needs this fix to train right; such a model is
+    # refused at accelerate prepare / Trainer while the patch is unsupported (shardadopt.refusal).
+    needed_by: Callable[[Any, Any], bool] | None = None
 
     @property
     def targets(self) -> tuple[Target, ...]:
@@ -329,7 +333,9 @@ class Registry:
         changed = state != entry.state
         entry.state, entry.reason, entry.blocked = state, reason, blocked
         if changed and _rank() == 0:
-            logger.info("%s: %s (%s)", entry.patch.id, state, reason)
+            # a patch that could not decide or apply leaves upstream's code running: a warning, not a note
+            level = logging.WARNING if state == UNSUPPORTED and not blocked else logging.INFO
+            logger.log(level, "%s: %s (%s)", entry.patch.id, state, reason)
 
     def _apply(self, entry: _Entry) -> None:
         patch = entry.patch

@@ -2,7 +2,7 @@
 
 transformers' TP style ``replicated_with_grad_allreduce`` keeps a parameter whole on every TP rank while its
 gradient is partial: Qwen3's per-head ``q_norm``/``k_norm`` sit between a colwise and a rowwise projection and only
-see this rank's heads. Upstream (5.15 .. 5.24 at least) all-reduces the parameter's *accumulated* ``.grad`` after
+see this rank's heads. Upstream (5.15 .. 5.25 at least) all-reduces the parameter's *accumulated* ``.grad`` after
 every backward, so with gradient accumulation every earlier micro-batch's gradient is summed over the group again
 on each later backward (2 micro-batches on a tiny Qwen3: those gradients 58-110 % off).
 
@@ -24,7 +24,8 @@ from torch import nn
 
 from shardadopt import upstream
 
-__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "install_partial_gradient_sums",
+__all__ = ["install_replicated_grad_allreduce", "fix_tp_grad_accumulation", "has_upstream_replicated_hooks",
+           "install_partial_gradient_sums",
            "localize_padding_idx", "stash_rowwise_bias", "add_stashed_bias"]
 
 # Upstream's installer lives on this class in every release since 5.15; its hooks are recognised by qualname.
@@ -89,7 +90,7 @@ def _upstream_mesh(module: nn.Module, function: Callable[..., Any]) -> Any:
     """The TP mesh an upstream hook reduces over: a closure variable (5.16+), a default argument (5.15), or the
     mesh 5.15 records on the module."""
     closure = _closure(function)
-    for inner in closure.values():  # 5.21+: the forward wrapper closes over the gradient hook, which has the mesh
+    for inner in closure.values():  # 5.21+: the forward wrapper / pre-hook closes over the gradient hook (the mesh)
         if _is_upstream(inner) and "mesh" in _closure(inner):
             return _closure(inner)["mesh"]
     if "mesh" in closure:
@@ -99,6 +100,11 @@ def _upstream_mesh(module: nn.Module, function: Callable[..., Any]) -> Any:
     return mesh if mesh is not None else upstream.module_hf_device_mesh(module)
 
 
+def _upstream_pre_hooks(module: nn.Module) -> list[int]:
+    """Handle ids of transformers' forward pre-hooks (5.25+) that hook ``module``'s parameters on first use."""
+    return [key for key, hook in upstream.module_forward_pre_hooks(module).items() if _is_upstream(hook)]
+
+
 def fix_tp_grad_accumulation(model: nn.Module) -> int:
     """Replace transformers' ``replicated_with_grad_allreduce`` gradient hooks on an already loaded model with
     :func:`install_replicated_grad_allreduce`; returns how many modules were repaired.
@@ -106,6 +112,12 @@ def fix_tp_grad_accumulation(model: nn.Module) -> int:
     For models loaded before ``shardadopt.enable()`` (or by users who do not monkeypatch). Call it on every rank
     before the first backward that accumulates. Modules already fixed, and models without such hooks (no tensor
     parallelism, or a transformers whose hook is right), are left alone.
+
+    Args:
+        model: a model loaded with a ``DistributedConfig`` whose ``tp_size`` is above 1 (others are left alone).
+
+    Returns:
+        The number of modules whose upstream hooks were replaced.
     """
     repaired = 0
     for name, module in model.named_modules():
@@ -117,7 +129,9 @@ def fix_tp_grad_accumulation(model: nn.Module) -> int:
             if _is_upstream(hook):
                 meshes.append(_upstream_mesh(module, hook))
                 del upstream.module_backward_hooks(module)[key]
-        # 5.21+: module.forward replaced by a wrapper that registers a post-accumulate-grad hook on first use.
+        # 5.21 .. 5.24: module.forward replaced by a wrapper that registers a post-accumulate-grad hook on first use;
+        # 5.25+: a forward pre-hook that does the same.
+        hooked_on_first_use = False
         forward = module.__dict__.get("forward")
         if _is_upstream(forward):
             meshes.append(_upstream_mesh(module, forward))
@@ -126,6 +140,12 @@ def fix_tp_grad_accumulation(model: nn.Module) -> int:
                 del module.forward
             else:
                 module.forward = original
+            hooked_on_first_use = True
+        for key in _upstream_pre_hooks(module):
+            meshes.append(_upstream_mesh(module, upstream.module_forward_pre_hooks(module)[key]))
+            del upstream.module_forward_pre_hooks(module)[key]
+            hooked_on_first_use = True
+        if hooked_on_first_use:
             for param in module.parameters(recurse=False):
                 hooks = upstream.post_accumulate_grad_hooks(param)
                 for key in [k for k, h in hooks.items() if _is_upstream(h)]:
@@ -141,9 +161,23 @@ def fix_tp_grad_accumulation(model: nn.Module) -> int:
 
 
 def _upstream_hooked(module: nn.Module) -> bool:
-    """Whether transformers' own replicated_with_grad_allreduce hooks (any release) sit on ``module``."""
-    return _is_upstream(module.__dict__.get("forward")) or any(
-        _is_upstream(hook) for hook in upstream.module_backward_hooks(module).values())
+    """Whether transformers' own replicated_with_grad_allreduce hooks (any release: a full backward hook, a forward
+    wrapper or a forward pre-hook) sit on ``module``."""
+    return (_is_upstream(module.__dict__.get("forward")) or bool(_upstream_pre_hooks(module))
+            or any(_is_upstream(hook) for hook in upstream.module_backward_hooks(module).values()))
+
+
+def has_upstream_replicated_hooks(model: nn.Module) -> bool:
+    """Whether any module of ``model`` carries transformers' own ``replicated_with_grad_allreduce`` hooks (the ones
+    :func:`fix_tp_grad_accumulation` replaces).
+
+    Args:
+        model: any module.
+
+    Returns:
+        True when at least one module is hooked by upstream's style.
+    """
+    return any(_upstream_hooked(module) for module in model.modules())
 
 
 def install_partial_gradient_sums(model: nn.Module, on_partial: Callable[[str], None] | None = None) -> nn.Module:

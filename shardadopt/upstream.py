@@ -429,6 +429,12 @@ def module_backward_hooks(module: torch.nn.Module) -> dict[int, Callable[..., An
     return _attribute(module, "_backward_hooks", "module_backward_hooks", "torch")
 
 
+def module_forward_pre_hooks(module: torch.nn.Module) -> dict[int, Callable[..., Any]]:
+    """``nn.Module._forward_pre_hooks``: handle id -> hook of ``register_forward_pre_hook`` (mutable: deleting the
+    key of a hook registered without ``with_kwargs`` removes it). Checked on torch 2.13-2.15."""
+    return _attribute(module, "_forward_pre_hooks", "module_forward_pre_hooks", "torch")
+
+
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict[int, Callable[..., Any]]:
     """``Tensor._post_accumulate_grad_hooks``: handle id -> hook of ``register_post_accumulate_grad_hook``
     (mutable); empty when none was registered (upstream leaves it None). Checked on torch 2.13-2.15."""

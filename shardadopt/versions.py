@@ -1,14 +1,23 @@
-"""The upstream versions shardadopt supports, and what is installed."""
+"""The upstream versions shardadopt supports, the newest it was tested on, and what is installed.
+
+The ranges are lower bounds (torch excepted): a newer transformers / accelerate / peft / trl is never refused by
+version number, and pip never downgrades one to install shardadopt. ``TESTED`` names the newest release line CI ran;
+on a newer release each patch's probe decides (applied, not-needed, or unsupported with the reason), and
+``enable()`` / ``shardadopt doctor`` say once that the release is newer than the tested range.
+"""
 
 from __future__ import annotations
 
 import platform
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
-from shardadopt.registry import installed_version
+from shardadopt.registry import UNSUPPORTED, installed_version
 
-# Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1).
+# Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1). Lower bounds only for
+# the Hugging Face libraries: a release newer than TESTED runs on the probes.
 SUPPORTED: dict[str, str] = {
     "torch": ">=2.13,<2.16",
     "transformers": ">=5.15",
@@ -18,12 +27,64 @@ SUPPORTED: dict[str, str] = {
 }
 
 # Optional integrations (pyproject.toml's `peft` and `trl` extras), tested in CI on both dependency sets. Absent is
-# fine; installed outside the range is reported as unsupported, like a required dependency out of range.
+# fine; installed below the minimum is reported as unsupported, like a required dependency out of range.
 OPTIONAL: dict[str, str] = {
-    "peft": ">=0.21.2,<0.22",
-    "trl": ">=1.16,<1.17",
+    "peft": ">=0.21.2",
+    "trl": ">=1.16",
     "datasets": ">=5,<6",
 }
+
+# The newest release line (major.minor) each upstream was tested on: CI's newest dependency set and the release
+# matrix (tests/data/release_matrix.json) end here.
+TESTED: dict[str, str] = {
+    "transformers": "5.25",
+    "accelerate": "1.16",
+    "peft": "0.21",
+    "trl": "1.16",
+}
+
+
+def _line(version: Version) -> tuple[int, int]:
+    return (version.release + (0,))[:2]
+
+
+def tested_range(name: str) -> str:
+    """The releases of ``name`` that were tested: from its minimum up to and including the ``TESTED`` line (a
+    specifier, e.g. ``>=5.15,<5.26``)."""
+    major, minor = (int(part) for part in TESTED[name].split("."))
+    return f"{SUPPORTED.get(name) or OPTIONAL[name]},<{major}.{minor + 1}"
+
+
+def newer_than_tested() -> dict[str, str]:
+    """Installed distributions whose release line is newer than ``TESTED``: name -> installed version."""
+    newer = {}
+    for name, line in TESTED.items():
+        version = installed_version(name)
+        if version is not None and _line(version) > _line(Version(line)):
+            newer[name] = str(version)
+    return newer
+
+
+def untested_summary(states: list[Any]) -> str | None:
+    """One line for a user: the installed releases newer than ``TESTED`` and the patches whose probe could not
+    decide (``states``: ``PatchStatus`` records); None when everything installed is tested and every patch decided.
+    """
+    newer = newer_than_tested()
+    unsupported = sorted(s.id for s in states if s.state == UNSUPPORTED)
+    if not newer and not unsupported:
+        return None
+    parts = []
+    if newer:
+        releases = ", ".join(f"{name} {version}" for name, version in newer.items())
+        tested = ", ".join(f"{name} {TESTED[name]}" for name in newer)
+        verb = "is" if len(newer) == 1 else "are"
+        parts.append(f"{releases} {verb} newer than the tested range (up to {tested}): each patch's probe decides")
+    if unsupported:
+        parts.append(f"could not decide or apply: {', '.join(unsupported)} (load-time-sharded models that need "
+                     "them are refused at accelerate prepare / Trainer; `shardadopt doctor` says why)")
+    else:
+        parts.append("every probe decided so far")
+    return "shardadopt: " + "; ".join(parts)
 
 
 def supported(*distributions: str) -> dict[str, str]:
@@ -33,31 +94,38 @@ def supported(*distributions: str) -> dict[str, str]:
 
 
 def report() -> list[dict[str, str | bool | None]]:
-    """One row per dependency: name, installed version (or None), supported range, whether it is inside."""
+    """One row per dependency: name, installed version (or None), supported range, whether it is inside, the
+    newest tested release line (None where the range is the whole story) and whether the installed one is newer."""
     rows: list[dict[str, str | bool | None]] = [
-        {"name": "python", "installed": platform.python_version(), "supported": ">=3.10", "ok": True}]
+        {"name": "python", "installed": platform.python_version(), "supported": ">=3.10", "ok": True,
+         "tested": None, "newer_than_tested": False}]
+    newer = newer_than_tested()
     for name, spec in SUPPORTED.items():
         version = installed_version(name)
         rows.append({"name": name, "installed": str(version) if version else None, "supported": spec,
-                     "ok": version is not None and version in SpecifierSet(spec)})
+                     "ok": version is not None and version in SpecifierSet(spec), "tested": TESTED.get(name),
+                     "newer_than_tested": name in newer})
     return rows
 
 
 def integrations() -> list[dict[str, str | bool | None]]:
     """One row per optional integration: name, installed version (or None), supported range, ``state``
-    (``supported``, ``not installed``, ``unsupported``: installed outside the range, or its import fails) and
-    ``ok`` (False only for ``unsupported``: an absent optional package is not an error)."""
+    (``supported``, ``not installed``, ``unsupported``: installed outside the range, or its import fails), ``ok``
+    (False only for ``unsupported``: an absent optional package is not an error), the newest tested release line
+    and whether the installed one is newer."""
     import importlib
 
     rows: list[dict[str, str | bool | None]] = []
+    newer = newer_than_tested()
     for name, spec in OPTIONAL.items():
         version = installed_version(name)
         row: dict[str, str | bool | None] = {"name": name, "installed": str(version) if version else None,
                                              "supported": spec, "state": "not installed", "reason": None,
-                                             "ok": True}
+                                             "ok": True, "tested": TESTED.get(name),
+                                             "newer_than_tested": name in newer}
         if version is not None and version not in SpecifierSet(spec):
             row.update(state="unsupported", ok=False,
-                       reason=f"{name} {version} is outside the tested range: pip install '{name}{spec}'")
+                       reason=f"{name} {version} is outside the supported range: pip install '{name}{spec}'")
         elif version is not None:
             try:
                 importlib.import_module(name)

@@ -1,4 +1,5 @@
-"""The optional PEFT/TRL integrations: pyproject extras, the ranges `shardadopt doctor` checks, its exit code."""
+"""Version ranges and the optional PEFT/TRL integrations: pyproject dependencies and extras, the ranges and tested
+lines `shardadopt doctor` checks, its exit code."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pathlib
 
 import tomllib
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from shardadopt import versions
@@ -76,3 +78,37 @@ def test_an_integration_outside_its_range_makes_doctor_fail(monkeypatch, capsys)
     main(["doctor"])
     text = capsys.readouterr().out
     assert "BAD trl" in text and "status: BROKEN" in text
+
+
+# A newer release of these must never make pip downgrade it: lower bounds only (torch keeps its tested range).
+UNCAPPED = ("transformers", "accelerate", "peft", "trl")
+
+
+def test_no_upper_bound_makes_pip_downgrade_a_newer_release():
+    lines = PYPROJECT["project"]["dependencies"] + [
+        line for extra in PYPROJECT["project"]["optional-dependencies"].values() for line in extra]
+    capped = [line for line in lines if (r := Requirement(line)).name in UNCAPPED
+              and any(spec.operator not in (">=", ">") for spec in r.specifier)]
+    assert capped == []
+    for name in UNCAPPED:
+        spec = versions.SUPPORTED.get(name) or versions.OPTIONAL[name]
+        assert Version("99.0") in SpecifierSet(spec), f"shardadopt.versions: {name}{spec}"
+
+
+def test_the_tested_line_ends_the_tested_range():
+    assert set(versions.TESTED) == set(UNCAPPED)
+    for name, line in versions.TESTED.items():
+        major, minor = (int(part) for part in line.split("."))
+        tested = SpecifierSet(versions.tested_range(name))
+        assert Version(f"{line}.9") in tested and Version(f"{major}.{minor + 1}.0") not in tested, name
+        assert Version(f"{line}.9") in SpecifierSet(versions.SUPPORTED.get(name) or versions.OPTIONAL[name]), name
+
+
+def test_an_integration_newer_than_tested_is_flagged_not_refused(monkeypatch, capsys):
+    baseline, _ = _doctor_json(capsys)
+    _fake_versions(monkeypatch, {"peft": "0.99.0"})
+    code, report = _doctor_json(capsys)
+    (row,) = [row for row in report["integrations"] if row["name"] == "peft"]
+    assert row["state"] == "supported" and row["ok"] and row["newer_than_tested"], row
+    assert "peft 0.99.0 is newer than the tested range" in report["untested"]
+    assert code == baseline

@@ -189,6 +189,18 @@ def test_enabling_again_leaves_a_blocked_patch_as_it_is(upstream, caplog):
     registry.disable()
 
 
+def test_an_unsupported_patch_is_a_warning_and_a_blocked_one_a_note(upstream, caplog):
+    """A patch that could not decide leaves upstream's code running: logged at WARNING; its dependent, unsupported
+    only because of it, at INFO (one warning per cause)."""
+    importlib.import_module(upstream)
+    registry = Registry([make_patch(upstream, probe=lambda: 1 / 0), dependent(upstream)])
+    with caplog.at_level(logging.INFO, logger="shardadopt"):
+        registry.enable()
+    levels = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records if "unsupported" in r.getMessage()}
+    assert levels == {"fix-compute": logging.WARNING, "on-top": logging.INFO}, caplog.text
+    registry.disable()
+
+
 def test_unknown_dependency_is_refused(upstream):
     with pytest.raises(ValueError, match="depends on .'fix-compute'.. which is not another registered patch"):
         Registry([dependent(upstream)])

@@ -5,7 +5,7 @@ accumulated (backward per micro-batch, no zero_grad), every parameter's full gra
 process accumulating the same micro-batches (rtol 1e-5, fp32). Qwen3 uses the ``replicated_with_grad_allreduce``
 style for ``q_norm``/``k_norm``; without the patch exactly those gradients are wrong. Llama's plan has no such
 style: it is the control that the patch changes nothing else. ``fix_tp_grad_accumulation`` repairs a model loaded
-before ``enable()``.
+before ``enable()``, and together with the partial-grad patch each acts on q_norm/k_norm exactly once.
 """
 
 from __future__ import annotations
@@ -60,12 +60,15 @@ def accumulate(model, micro_batches: int) -> None:
         model(input_ids=batch, labels=batch).loss.backward()
 
 
-def tp_grads(path: str, micro_batches: int, exclude: list[str], repair: bool,
+def tp_grads(path: str, micro_batches: int, exclude: list[str] | None, repair: bool,
              shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """Full gradients after ``micro_batches`` accumulated backwards under ``tp_size=2``; loaded after
+    ``enable(exclude=exclude)`` (``None``: without ``enable()``), repaired by ``fix_tp_grad_accumulation`` first
+    when ``repair``."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    if not repair:
+    if exclude is not None:
         shardadopt.enable(exclude=exclude)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
@@ -184,9 +187,28 @@ def test_llama_control_is_right_without_patch(pool2, tiny_models, references):
 
 def test_fix_repairs_a_model_loaded_without_patch(pool2, tiny_models, references):
     reference = references["qwen3", 3]
-    repaired = pool2.run(tp_grads, tiny_models["qwen3"], 3, [], True, shapes_of(reference), timeout=120)
+    repaired = pool2.run(tp_grads, tiny_models["qwen3"], 3, None, True, shapes_of(reference), timeout=120)
     for grads in repaired:
         assert mismatched(grads, reference) == []
+
+
+def test_fix_and_partial_grad_patch_each_act_once(pool2, tiny_models, references):
+    """Upstream's hooks in place at the first forward (this patch excluded), the partial-grad patch on: it must
+    recognise upstream's hooks in every layout (5.15's backward hook, 5.21's forward wrapper, 5.25's forward
+    pre-hook) and leave q_norm/k_norm alone, and ``fix_tp_grad_accumulation`` must then find and replace every one
+    of them; accumulating 2 micro-batches gives one process's gradients (a missed hook: 50 % off, a second sum:
+    2x)."""
+    from shardadopt.patches.transformers_tp_partial_grad import ID as PARTIAL_ID
+
+    try:
+        states = {s.id: s.state for s in shardadopt.enable(only=[PARTIAL_ID])}
+    finally:
+        shardadopt.disable()
+    assert states[PARTIAL_ID] == APPLIED
+    reference = references["qwen3", 2]
+    repaired = pool2.run(tp_grads, tiny_models["qwen3"], 2, [ID], True, shapes_of(reference), timeout=120)
+    for rank, grads in enumerate(repaired):
+        assert mismatched(grads, reference) == [], f"rank {rank}"
 
 
 class _FixedStyle:

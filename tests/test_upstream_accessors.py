@@ -371,6 +371,19 @@ def test_module_backward_hooks():
     assert seen == [1]
 
 
+def test_module_forward_pre_hooks():
+    module = torch.nn.Linear(2, 2)
+    seen = []
+    module.register_forward_pre_hook(lambda m, args: seen.append(1))
+    hooks = upstream.module_forward_pre_hooks(module)
+    assert len(hooks) == 1
+    module(torch.ones(1, 2))
+    assert seen == [1]
+    hooks.clear()  # tp.fix_tp_grad_accumulation deletes upstream's pre-hook (transformers 5.25+) this way
+    module(torch.ones(1, 2))
+    assert seen == [1]
+
+
 def test_post_accumulate_grad_hooks():
     param = torch.nn.Parameter(torch.ones(2))
     assert upstream.post_accumulate_grad_hooks(param) == {}

@@ -64,11 +64,18 @@ def _init(wrapped, instance, args, kwargs):
 
 def _prepare_model(wrapped, instance, args, kwargs):
     from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model
+    from shardadopt.refusal import refuse_unfixed
+    from shardadopt.topology import topology
 
     model = args[0] if args else kwargs.get("model")
     evaluation_mode = kwargs.get("evaluation_mode", args[2] if len(args) > 2 else False)
-    if (evaluation_mode or upstream.is_accelerate_prepared(model) or _plugin_managed(instance)
-            or not is_sharded_model(model, adoption_kwargs(instance).topology)):
+    override = adoption_kwargs(instance).topology
+    if (upstream.is_accelerate_prepared(model) or _plugin_managed(instance)
+            or not is_sharded_model(model, override)):
+        return wrapped(*args, **kwargs)
+    # Trainer 5.19+ prepares a load-time-sharded model for training with evaluation_mode=True: refuse here too
+    refuse_unfixed(model, topology(model, override))
+    if evaluation_mode:
         return wrapped(*args, **kwargs)
     return adopt_model(instance, model, prepare=wrapped)
 

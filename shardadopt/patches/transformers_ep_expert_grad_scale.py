@@ -85,11 +85,18 @@ def _apply_fully_sharded_data_parallelism(wrapped, instance, args, kwargs):
     return model
 
 
+def _expert_parallel(model, layout) -> bool:
+    """A model whose experts are spread over ranks needs this fix to train right."""
+    return layout.ep_size > 1
+
+
+
 PATCH = Patch(
     id="transformers-ep-expert-grad-scale",
     summary="EP + FSDP with efsdp_size == 1: expert gradients are not divided by fsdp_size twice",
     upstream="fixed in huggingface/transformers v5.23.0 (fsdp.py: forced sum only when efsdp_size > 1)",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "apply_fully_sharded_data_parallelism"): _apply_fully_sharded_data_parallelism},
+    needed_by=_expert_parallel,
     probe=probe,
 )

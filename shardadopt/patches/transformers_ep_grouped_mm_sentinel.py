@@ -95,11 +95,18 @@ def _get_interface(wrapped, instance, args, kwargs):
     return _expert_parallel_forward if forward is moe.grouped_mm_experts_forward else forward
 
 
+def _expert_parallel(model, layout) -> bool:
+    """A model whose experts are spread over ranks needs this fix to train right."""
+    return layout.ep_size > 1
+
+
+
 PATCH = Patch(
     id="transformers-ep-grouped-mm-sentinel",
     summary="expert-parallel grouped_mm: zero the undefined sentinel-tail rows after each grouped GEMM (no NaN grads)",
     upstream="huggingface/transformers#48205",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "ExpertsInterface.get_interface"): _get_interface},
+    needed_by=_expert_parallel,
     probe=probe,
 )

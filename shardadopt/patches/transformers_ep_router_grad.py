@@ -117,11 +117,18 @@ def _prepare_output_fn(wrapped, instance, args, kwargs):
     return wrapped(mod, outputs, device_mesh, **kwargs)
 
 
+def _expert_parallel(model, layout) -> bool:
+    """A model whose experts are spread over ranks needs this fix to train right."""
+    return layout.ep_size > 1
+
+
+
 PATCH = Patch(
     id="transformers-ep-router-grad",
     summary="expert-parallel router: sum the routing-score gradient over the EP group before the non-local mask",
     upstream="huggingface/transformers#48205",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "RouterParallel._prepare_output_fn"): _prepare_output_fn},
+    needed_by=_expert_parallel,
     probe=probe,
 )

@@ -71,6 +71,12 @@ def _transform_output_post_forward(wrapped, instance, args, kwargs):
     return wrapped(module, (router_logits, sum_router_score_grad(router_scores, mesh), *rest), mesh, **kwargs)
 
 
+def _expert_parallel(model, layout) -> bool:
+    """A model whose experts are spread over ranks needs this fix to train right."""
+    return layout.ep_size > 1
+
+
+
 PATCH = Patch(
     id="transformers-ep-router-grad-post-forward",
     summary="expert-parallel router (transformers 5.16 layout): sum the routing-score gradient over the EP group "
@@ -79,6 +85,7 @@ PATCH = Patch(
     requires=supported("transformers"),
     wrappers={Target(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward"):
               _transform_output_post_forward},
+    needed_by=_expert_parallel,
     probe=probe,
     probe_modules=_expert_parallel_module(),
 )

@@ -60,11 +60,18 @@ def _maybe_distribute_model(wrapped, instance, args, kwargs):
     return model
 
 
+def _sharded(model, layout) -> bool:
+    """Every load-time-sharded model needs its sharding degrees recorded (Trainer and accelerate read them)."""
+    return layout.is_sharded
+
+
+
 PATCH = Patch(
     id="transformers-sharding-sizes",
     summary="models sharded at load time record _tp_size/_fsdp_size and expose fsdp_size (Trainer needs them)",
     upstream="huggingface/transformers#48208 (_tp_size), huggingface/transformers#48204 (_fsdp_size, fsdp_size)",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    needed_by=_sharded,
     probe=probe,
 )

@@ -75,6 +75,12 @@ def _prepare_output_fn(wrapped, instance, args, kwargs):
     return add_stashed_bias(args[0], wrapped(*args, **kwargs))
 
 
+def _tensor_parallel(model, layout) -> bool:
+    """A model sharded with tensor parallelism needs this fix to train right."""
+    return layout.tp_size > 1
+
+
+
 PATCH = Patch(
     id=ID,
     summary="TP on transformers 5.15: a vocab-parallel embedding's padding_idx made local to each rank's shard (a "
@@ -86,5 +92,6 @@ PATCH = Patch(
     wrappers={Target(MODULE, "EmbeddingParallel._prepare_input_fn"): _prepare_input_fn,
               Target(MODULE, "RowwiseParallel._prepare_input_fn"): _prepare_input_fn,
               Target(MODULE, "RowwiseParallel._prepare_output_fn"): _prepare_output_fn},
+    needed_by=_tensor_parallel,
     probe=probe,
 )

@@ -66,6 +66,12 @@ def _maybe_distribute_model(wrapped, instance, args, kwargs):
     return model
 
 
+def _tensor_parallel(model, layout) -> bool:
+    """A model sharded with tensor parallelism needs this fix to train right."""
+    return layout.tp_size > 1
+
+
+
 PATCH = Patch(
     id=ID,
     summary="TP: parameters the plan leaves out inside a sharded region (Apertus xIELU alpha_p/alpha_n) get their "
@@ -73,5 +79,6 @@ PATCH = Patch(
     upstream="proposal for transformers main (not reported yet); patches/transformers-tp-partial-grad.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    needed_by=_tensor_parallel,
     probe=probe,
 )

@@ -131,6 +131,15 @@ def _install(wrapped, instance, args, kwargs):
     return module
 
 
+def _hooked_by_upstream(model, layout) -> bool:
+    """A model carrying upstream's replicated_with_grad_allreduce hooks (Qwen3 q_norm/k_norm under TP) needs the fix
+    (gradient accumulation would sum earlier micro-batches again)."""
+    from shardadopt.tp import has_upstream_replicated_hooks
+
+    return layout.tp_size > 1 and has_upstream_replicated_hooks(model)
+
+
+
 PATCH = Patch(
     id=ID,
     summary="TP replicated_with_grad_allreduce (Qwen3 q_norm/k_norm): reduce each backward's gradient once, so "
@@ -139,5 +148,6 @@ PATCH = Patch(
              "accumulation@<release>.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, f"ReplicatedWithGradAllReduce.{METHOD}"): _install},
+    needed_by=_hooked_by_upstream,
     probe=probe,
 )
