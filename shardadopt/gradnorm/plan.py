@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from shardadopt import upstream
-from shardadopt.gradnorm.core import Piece, bucket_payload, buckets
+from shardadopt.gradnorm.core import Bucket, Piece, bucket_payload, buckets
 from shardadopt.gradnorm.layout import Group, PlainReplication
 
 __all__ = ["Plan", "MAX_PLANS", "signature", "lookup", "build"]
@@ -54,8 +54,8 @@ class Plan:
 
     def payload(self, locals_: list[Tensor], norm_type: float) -> Tensor:
         """This rank's all-reduce payload for ``locals_`` (the call's local tensors, in order)."""
-        groups = [bucket._replace(tensors=locals_ if indices is None else [locals_[i] for i in indices])
-                  for indices, bucket in self.buckets]
+        groups = [Bucket(b.device, b.dtype, locals_ if indices is None else [locals_[i] for i in indices], b.weights,
+                         b.foreach) for indices, b in self.buckets]
         return bucket_payload(groups, norm_type, self.payload_device)
 
 
