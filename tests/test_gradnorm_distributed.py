@@ -226,6 +226,62 @@ def test_placements_and_submeshes(pool4):
             assert count == (2 if p == "partial" else 1), (p, count)
 
 
+def planned_calls_run(seed: int) -> list:
+    """The layout is worked out once (shardadopt.gradnorm.plan) and reused: repeated calls on the same DTensors see
+    new values, a new placement or a new plain_replication answer is a new layout, and the first layout still
+    counts right after them. Each entry: (what, ours, reference over the full tensors, collectives)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from shardadopt.gradnorm import clip_grad_norm_, total_norm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
+
+    def reference(tensors) -> float:
+        return torch.linalg.vector_norm(torch.cat([t.full_tensor().flatten() for t in tensors])).item()
+
+    out = []
+    sharded = [distribute_tensor(fulls[0], mesh, [Shard(0), Shard(1)], src_data_rank=None),
+               distribute_tensor(fulls[1], mesh["tp"], [Shard(0)], src_data_rank=None)]
+    for step in range(3):  # the same layout, new values every call
+        norm, count = _count_collectives(total_norm, sharded)
+        out.append((f"step {step}", norm.item(), reference(sharded), count))
+        for t in sharded:
+            upstream.dtensor_local(t).mul_(1.5)
+    replicated = [distribute_tensor(f, mesh, [Replicate(), Replicate()], src_data_rank=None) for f in fulls]
+    norm, count = _count_collectives(total_norm, replicated)
+    out.append(("replicated", norm.item(), reference(replicated), count))
+    # A plain tensor: the same one on every rank (the default count), then a different one per rank (count 1).
+    mine = torch.full((3,), float(dist.get_rank() + 1))
+    for name, plain, replicas, full in [
+            ("plain on every rank", torch.ones(3), None, torch.ones(3)),
+            ("plain per rank", mine, lambda t: 1, torch.cat([torch.full((3,), r + 1.0) for r in range(4)]))]:
+        norm, count = _count_collectives(total_norm, [*sharded, plain], plain_replication=replicas)
+        expected = torch.linalg.vector_norm(torch.cat([*(t.full_tensor().flatten() for t in sharded), full]))
+        out.append((name, norm.item(), expected.item(), count))
+    norm, count = _count_collectives(total_norm, sharded)
+    out.append(("first layout again", norm.item(), reference(sharded), count))
+    # clip_grad_norm_ scales through the plan: every local piece by the same coefficient
+    params = [torch.nn.Parameter(distribute_tensor(torch.zeros_like(f), t.device_mesh, t.placements))
+              for f, t in zip(fulls, sharded)]
+    for param, t in zip(params, sharded):
+        param.grad = t
+    before = reference(sharded)
+    norm, count = _count_collectives(clip_grad_norm_, params, 1.0)
+    out.append(("clipped", reference(sharded), min(1.0, 1.0 / (before + 1e-6)) * before, count))
+    return out
+
+
+def test_planned_calls_follow_values_and_layouts(pool4):
+    for rank_results in pool4.run(planned_calls_run, 3):
+        for what, ours, expected, count in rank_results:
+            assert ours == pytest.approx(expected, rel=1e-6, abs=0), what
+            assert count == 1, (what, count)
+
+
 def nonfinite_run(bad_rank: int, value: float) -> dict:
     """A non-finite value on one rank only: every rank sees it, and error_if_nonfinite raises everywhere."""
     import torch.distributed as dist

@@ -16,6 +16,7 @@ Differences from torch, on purpose:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from shardadopt import upstream
+from shardadopt.gradnorm import plan
 from shardadopt.gradnorm.core import check_norm_type, finish, local_payload, poisoned_payload, reduce_op
 from shardadopt.gradnorm.layout import Group, LayoutError, PlainReplication, to_pieces
 
@@ -32,17 +34,25 @@ __all__ = ["total_norm", "clip_grads_with_norm_", "clip_grad_norm_", "LayoutErro
 TensorOrTensors = Tensor | Iterable[Tensor]
 
 
+# Process group -> its Group, for this rank (which does not change for a group); weakly, not keeping groups alive.
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _group(group: dist.ProcessGroup | None) -> tuple[Group, dist.ProcessGroup | None]:
     """The reducing group, or a one-rank group (and no process group) when there is nothing to reduce over."""
     if not (dist.is_available() and dist.is_initialized()):
         return Group([0], 0), None
     group = group or dist.group.WORLD
+    found = _GROUPS.get(group)
+    if found is not None:
+        return found, group
     ranks = dist.get_process_group_ranks(group)
     rank = dist.get_rank()
     if rank not in ranks:
         raise ValueError(f"rank {rank} is not in the process group passed as group= (ranks {sorted(ranks)}); "
                          f"call total_norm/clip_grad_norm_ only on the ranks of that group.")
-    return Group(ranks, rank), group
+    found = _GROUPS[group] = Group(ranks, rank)
+    return found, group
 
 
 def _payload_device(first: torch.device | None, group: dist.ProcessGroup | None) -> torch.device:
@@ -75,36 +85,74 @@ def total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_nonfin
     Exactly one all-reduce on ``group`` (none when torch.distributed is not initialised or the group has one
     rank), plus one redistribution per DTensor with a ``Partial`` placement. A gradient that cannot be counted
     raises :class:`LayoutError` on the ranks that found it, after the collective, while the other ranks get NaN;
-    no rank hangs and none uses a wrong norm.
+    no rank hangs and none uses a wrong norm. The layout is worked out once and reused while the gradients keep
+    it (:mod:`shardadopt.gradnorm.plan`).
     """
-    p = check_norm_type(norm_type)
     tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+    return _planned_norm(tensors, norm_type, error_if_nonfinite, foreach, group, plain_replication)[0]
+
+
+def _planned_norm(tensors: list[Tensor], norm_type: float, error_if_nonfinite: bool, foreach: bool | None,
+                  group: dist.ProcessGroup | None, plain_replication: PlainReplication | None
+                  ) -> tuple[Tensor, plan.Plan | None, list[Tensor]]:
+    """:func:`total_norm`, and the plan and local tensors it used (no plan: the call could not be planned)."""
+    p = check_norm_type(norm_type)
     grp, pg = _group(group)
-    pieces, errors = to_pieces(tensors, grp, plain_replication)
-    first = tensors[0].device if tensors else None
-    if pg is None or grp.size == 1:
-        if errors:
-            raise errors[0]
-        payload = local_payload(pieces, p, first, foreach)
+    reducing = pg is not None and grp.size > 1
+    signed = plan.signature(tensors, grp, pg, plain_replication, foreach)
+    found = None if signed is None else plan.lookup(signed[0], pg)
+    if found is not None:
+        locals_ = signed[2]
+        payload = found.payload(locals_, p)
+        if reducing:
+            dist.all_reduce(payload, op=dist.ReduceOp.MAX if reduce_op(p) == "max" else dist.ReduceOp.SUM, group=pg)
+        result = finish(payload, p).to(device=found.result_device or payload.device, dtype=found.result_dtype)
     else:
-        device = _payload_device(first, pg)
+        pieces, errors = to_pieces(tensors, grp, plain_replication)
+        first = tensors[0].device if tensors else None
+        device = _payload_device(first, pg) if reducing else first
+        if not reducing and errors:
+            raise errors[0]
         payload = poisoned_payload(p, device) if errors else local_payload(pieces, p, device, foreach)
-        dist.all_reduce(payload, op=dist.ReduceOp.MAX if reduce_op(p) == "max" else dist.ReduceOp.SUM, group=pg)
-        if errors:
-            more = f" ({len(errors) - 1} more such gradients)" if len(errors) > 1 else ""
-            raise LayoutError(f"{errors[0]}{more}") from errors[0]
-    result = finish(payload, p).to(device=payload.device if first is None else first, dtype=_result_dtype(tensors))
+        if reducing:
+            dist.all_reduce(payload, op=dist.ReduceOp.MAX if reduce_op(p) == "max" else dist.ReduceOp.SUM, group=pg)
+            if errors:
+                more = f" ({len(errors) - 1} more such gradients)" if len(errors) > 1 else ""
+                raise LayoutError(f"{errors[0]}{more}") from errors[0]
+        result_dtype = _result_dtype(tensors)
+        result = finish(payload, p).to(device=payload.device if first is None else first, dtype=result_dtype)
+        if signed is not None:
+            found = plan.build(signed[0], signed[1], pg, pieces, foreach, payload.device, first, result_dtype)
+            locals_ = signed[2]
     if error_if_nonfinite and not torch.isfinite(result):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
             f"clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
             f"`error_if_nonfinite=False`")
-    return result
+    return result, found, locals_ if found is not None else []
 
 
 def _grads(parameters: TensorOrTensors) -> list[Tensor]:
     parameters = [parameters] if isinstance(parameters, Tensor) else parameters
     return [p.grad for p in parameters if p.grad is not None]
+
+
+def _coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
+    # Always multiply, even by 1: a `coef < 1` test would sync with the device.
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
+def _scale(tensors: list[Tensor], device: torch.device, coef: Tensor, foreach: bool | None) -> None:
+    """Multiply ``tensors`` (one device) by ``coef`` in place: one foreach call where the device has them."""
+    if (foreach is None and upstream.has_foreach_support(tensors, device)) or (
+            foreach and upstream.device_has_foreach_support(device)):
+        upstream.foreach_mul_(tensors, coef.to(device))
+    elif foreach:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    else:
+        device_coef = coef.to(device)
+        for g in tensors:
+            g.mul_(device_coef)
 
 
 @torch.no_grad()
@@ -118,18 +166,9 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
     grads = [upstream.dtensor_local(g) if isinstance(g, DTensor) else g for g in _grads(parameters)]
     if not grads:
         return
-    # Always multiply, even by 1: a `coef < 1` test would sync with the device.
-    coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    coef = _coefficient(max_norm, total_norm)
     for (device, _), ([device_grads], _) in upstream.group_tensors_by_device_and_dtype([grads]).items():
-        if (foreach is None and upstream.has_foreach_support(device_grads, device)) or (
-                foreach and upstream.device_has_foreach_support(device)):
-            upstream.foreach_mul_(device_grads, coef.to(device))
-        elif foreach:
-            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-        else:
-            device_coef = coef.to(device)
-            for g in device_grads:
-                g.mul_(device_coef)
+        _scale(device_grads, device, coef, foreach)
 
 
 @torch.no_grad()
@@ -138,9 +177,15 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
                     group: dist.ProcessGroup | None = None,
                     plain_replication: PlainReplication | None = None) -> Tensor:
     """Clip the gradients of ``parameters`` to a total norm of ``max_norm``; returns the total norm before
-    clipping (the same on every rank). :func:`total_norm` then :func:`clip_grads_with_norm_`."""
+    clipping (the same on every rank). :func:`total_norm` then :func:`clip_grads_with_norm_`, the latter with the
+    norm's plan: one foreach multiply per (device, dtype)."""
     parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    norm = total_norm(_grads(parameters), norm_type, error_if_nonfinite, foreach, group=group,
-                      plain_replication=plain_replication)
-    clip_grads_with_norm_(parameters, max_norm, norm, foreach)
+    norm, used, locals_ = _planned_norm(_grads(parameters), norm_type, error_if_nonfinite, foreach, group,
+                                        plain_replication)
+    if used is None:
+        clip_grads_with_norm_(parameters, max_norm, norm, foreach)
+        return norm
+    coef = _coefficient(max_norm, norm)
+    for device, indices in used.scale_groups:
+        _scale(locals_ if indices is None else [locals_[i] for i in indices], device, coef, foreach)
     return norm

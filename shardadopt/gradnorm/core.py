@@ -15,7 +15,6 @@ NaN, so there the payload is ``[value, nan_flag]`` and every rank still sees the
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from typing import NamedTuple
@@ -25,7 +24,8 @@ from torch import Tensor
 
 from shardadopt import upstream
 
-__all__ = ["Piece", "check_norm_type", "reduce_op", "local_payload", "poisoned_payload", "finish"]
+__all__ = ["Piece", "Bucket", "check_norm_type", "reduce_op", "buckets", "local_payload", "bucket_payload",
+           "poisoned_payload", "finish"]
 
 # The payload and the cross-tensor accumulation are fp64: it is a handful of scalars, and it keeps the sum of
 # p-th powers finite well beyond fp32's range (a fp32 norm of 1e20 has a square of 1e40).
@@ -60,22 +60,45 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _norms(tensors: list[Tensor], p: float, device: torch.device, dtype: torch.dtype,
-           foreach: bool | None) -> list[Tensor]:
-    acc = _accumulation_dtype(dtype)
-    upcast = {} if acc == dtype else {"dtype": acc}  # passing dtype= costs even when it changes nothing
+def _use_foreach(tensors: list[Tensor], device: torch.device, foreach: bool | None) -> bool:
     if (foreach is None and upstream.has_foreach_support(tensors, device)) or (
             foreach and upstream.device_has_foreach_support(device)):
-        return list(upstream.foreach_norm(tensors, p, **upcast))
+        return True
     if foreach:
         raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-    return [torch.linalg.vector_norm(t, p, **upcast) for t in tensors]
+    return False
 
 
-@functools.lru_cache(maxsize=32)
-def _inverse(counts: tuple[int, ...], device: torch.device) -> Tensor:
-    """1/counts as a tensor: the same few layouts recur every step, so build (and copy to the device) once."""
-    return torch.tensor([1.0 / c for c in counts], dtype=PAYLOAD_DTYPE, device=device)
+class Bucket(NamedTuple):
+    """Non-empty local tensors of one (device, dtype): what one fused local reduction covers, with the weights
+    of their norms (1/replicas, a fp64 row on the payload's device) and whether the foreach kernel computes them."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tensors: list[Tensor]
+    weights: Tensor
+    foreach: bool
+
+
+def buckets(pieces: Iterable[Piece], device: torch.device | str | None = None,
+            foreach: bool | None = None) -> list[Bucket]:
+    """``pieces`` grouped by (device, dtype) for a payload on ``device`` (default: the first piece's), empty ones
+    left out (uneven shards leave empty pieces: torch's inf-norm refuses them (torchprobe); they add 0)."""
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
+    for piece in pieces:
+        t, replicas = piece
+        if not (isinstance(replicas, int) and replicas >= 1):
+            raise ValueError(f"replicas must be a positive int, got {replicas!r}")
+        if t.numel():
+            tensors, counts = groups.setdefault((t.device, t.dtype), ([], []))
+            tensors.append(t)
+            counts.append(replicas)
+    if device is None:
+        device = next(iter(groups))[0] if groups else torch.device("cpu")
+    return [Bucket(dev, dtype, tensors,
+                   torch.tensor([[1.0 / c for c in counts]], dtype=PAYLOAD_DTYPE, device=device),
+                   _use_foreach(tensors, dev, foreach))
+            for (dev, dtype), (tensors, counts) in groups.items()]
 
 
 def local_payload(pieces: Iterable[Piece], norm_type: float, device: torch.device | str | None = None,
@@ -85,39 +108,40 @@ def local_payload(pieces: Iterable[Piece], norm_type: float, device: torch.devic
     p finite: ``[replica-weighted sum of local p-th powers]``; NaN and inf travel in the value, as a SUM keeps
     them. p = inf: ``[local max with NaN replaced by 0, NaN flag]``, as a MAX may drop NaN.
     """
+    groups = buckets(pieces, device, foreach)
+    return bucket_payload(groups, norm_type, groups[0].weights.device if groups else device)
+
+
+def bucket_payload(groups: list[Bucket], norm_type: float, device: torch.device | str | None = None) -> Tensor:
+    """:func:`local_payload` of pieces grouped by :func:`buckets` (on ``device``): one fused norm per bucket, one
+    weighted sum."""
     p = check_norm_type(norm_type)
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
-    for piece in pieces:
-        t, replicas = piece
-        if not (isinstance(replicas, int) and replicas >= 1):
-            raise ValueError(f"replicas must be a positive int, got {replicas!r}")
-        if t.numel():  # uneven shards leave empty pieces: torch's inf-norm refuses them (torchprobe); they add 0
-            tensors, counts = groups.setdefault((t.device, t.dtype), ([], []))
-            tensors.append(t)
-            counts.append(replicas)
     if device is None:
-        device = next(iter(groups))[0] if groups else torch.device("cpu")
+        device = torch.device("cpu")
     parts = []
-    for (dev, dtype), (tensors, counts) in groups.items():
-        norms = torch.stack(_norms(tensors, p, dev, dtype, foreach)).to(device=device, dtype=PAYLOAD_DTYPE)
-        if math.isinf(p):
-            parts.append(norms.max())  # torch.max propagates NaN
-            continue
-        powers = norms if p in (0.0, 1.0) else norms.pow(p)  # ord 0 gives counts, ord 1 sums: no power
-        if min(counts) == max(counts):
-            parts.append(powers.sum() / counts[0])
+    for _, dtype, tensors, weights, foreach in groups:
+        acc = _accumulation_dtype(dtype)
+        upcast = {} if acc == dtype else {"dtype": acc}  # passing dtype= costs even when it changes nothing
+        if foreach:
+            norms = upstream.foreach_norm(tensors, p, **upcast)
         else:
-            parts.append(powers @ _inverse(tuple(counts), device))
+            norms = [torch.linalg.vector_norm(t, p, **upcast) for t in tensors]
+        norms = torch.stack(norms).to(device=device, dtype=PAYLOAD_DTYPE)
+        if math.isinf(p):
+            parts.append(norms.max().reshape(1))  # torch.max propagates NaN
+        else:  # ord 0 gives counts, ord 1 sums: no power
+            parts.append(weights @ (norms if p in (0.0, 1.0) else norms.pow(p)))
     if not parts:
-        value = torch.zeros((), dtype=PAYLOAD_DTYPE, device=device)
+        value = torch.zeros(1, dtype=PAYLOAD_DTYPE, device=device)
     elif len(parts) == 1:
         value = parts[0]
     else:
-        value = torch.stack(parts).max() if math.isinf(p) else torch.stack(parts).sum()
+        value = torch.cat(parts)
+        value = (value.max() if math.isinf(p) else value.sum()).reshape(1)
     if not math.isinf(p):
-        return value.reshape(1)
+        return value
     nan = value.isnan()
-    return torch.stack([value.nan_to_num(nan=0.0, posinf=math.inf), nan.to(PAYLOAD_DTYPE)])
+    return torch.cat([value.nan_to_num(nan=0.0, posinf=math.inf), nan.to(PAYLOAD_DTYPE)])
 
 
 def poisoned_payload(norm_type: float, device: torch.device | str) -> Tensor:

@@ -1,0 +1,116 @@
+"""Per-layout plans: what a grad-norm call works out about its gradients, worked out once per layout.
+
+Which ranks hold each gradient (:func:`~shardadopt.gradnorm.layout.to_pieces`), how the local tensors group into
+fused reductions (:func:`~shardadopt.gradnorm.core.buckets`) and where the payload and result live depend only on
+the layout, not on the values; a training loop asks the same question every step. A plan stores the answer and is
+looked up by the call's *signature*: per gradient its DeviceMesh and placements (by identity: a model's gradients
+reuse their parameters' spec objects step after step), or for a plain tensor its ``plain_replication`` count
+(asked every call), and its local dtype, device and emptiness; plus the process group. A plan holds the objects
+whose ids its key uses, so the ids cannot be reused by others while it is cached; at most :data:`MAX_PLANS` are.
+Calls with ``Partial`` gradients (a redistribution per call) or layout errors are never planned.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from shardadopt import upstream
+from shardadopt.gradnorm.core import Bucket, Piece, bucket_payload, buckets
+from shardadopt.gradnorm.layout import Group, PlainReplication
+
+__all__ = ["Plan", "MAX_PLANS", "signature", "lookup", "build"]
+
+MAX_PLANS = 16  # a few models (or parameter groups) per process; the oldest plan goes first
+
+
+class Plan:
+    """The layout of one call's gradients: its buckets by index into the call's local tensors, and the devices."""
+
+    __slots__ = ("anchors", "group_ref", "buckets", "scale_groups", "payload_device", "result_device",
+                 "result_dtype")
+
+    def __init__(self, anchors: tuple, group: dist.ProcessGroup | None, pieces: list[Piece], foreach: bool | None,
+                 payload_device: torch.device, result_device: torch.device | None, result_dtype: torch.dtype):
+        self.anchors = anchors
+        self.group_ref = None if group is None else weakref.ref(group)
+        positions: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        scale: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, (local, _) in enumerate(pieces):
+            scale.setdefault((local.device, local.dtype), []).append(i)
+            if local.numel():  # what buckets() leaves out, in its order
+                positions.setdefault((local.device, local.dtype), []).append(i)
+        self.buckets = [(_all_or(positions[(bucket.device, bucket.dtype)], len(pieces)), bucket)
+                        for bucket in buckets(pieces, payload_device, foreach)]
+        self.scale_groups = [(device, _all_or(indices, len(pieces))) for (device, _), indices in scale.items()]
+        self.payload_device = payload_device
+        self.result_device = result_device
+        self.result_dtype = result_dtype
+
+    def payload(self, locals_: list[Tensor], norm_type: float) -> Tensor:
+        """This rank's all-reduce payload for ``locals_`` (the call's local tensors, in order)."""
+        groups = [Bucket(b.device, b.dtype, locals_ if indices is None else [locals_[i] for i in indices], b.weights,
+                         b.foreach) for indices, b in self.buckets]
+        return bucket_payload(groups, norm_type, self.payload_device)
+
+
+def _all_or(indices: list[int], total: int) -> list[int] | None:
+    """None for "every tensor, in order" (no gather needed), else the indices."""
+    return None if len(indices) == total else indices
+
+
+_PLANS: dict[tuple, Plan] = {}
+
+
+def signature(tensors: Sequence[Tensor], group: Group, group_pg: dist.ProcessGroup | None,
+              plain_replication: PlainReplication | None, foreach: bool | None
+              ) -> tuple[tuple, tuple, list[Tensor]] | None:
+    """``(key, anchors, local tensors)`` of a call, or None when it cannot be planned (a ``plain_replication``
+    that fails or answers out of range: the unplanned path reports it)."""
+    key: list = [id(group_pg), foreach]
+    anchors: list = []
+    locals_: list[Tensor] = []
+    for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            mesh, placements = tensor.device_mesh, tensor.placements
+            local = upstream.dtensor_local(tensor)
+            key.append((id(mesh), id(placements), type(local), local.dtype, local.device, not local.numel()))
+            anchors.append((mesh, placements))
+        else:
+            try:
+                replicas = group.size if plain_replication is None else plain_replication(tensor)
+            except Exception:
+                return None
+            if not isinstance(replicas, int) or not 1 <= replicas <= group.size:
+                return None
+            local = tensor
+            key.append((replicas, type(local), local.dtype, local.device, not local.numel()))
+        locals_.append(local)
+    return tuple(key), tuple(anchors), locals_
+
+
+def lookup(key: tuple, group_pg: dist.ProcessGroup | None) -> Plan | None:
+    """The cached plan for ``key``, if its process group is still the one the key's id named."""
+    plan = _PLANS.get(key)
+    if plan is None or (plan.group_ref is not None and plan.group_ref() is not group_pg):
+        return None
+    return plan
+
+
+def build(key: tuple, anchors: tuple, group_pg: dist.ProcessGroup | None, pieces: list[Piece],
+          foreach: bool | None, payload_device: torch.device, result_device: torch.device | None,
+          result_dtype: torch.dtype) -> Plan | None:
+    """Plan a call whose ``pieces`` :func:`~shardadopt.gradnorm.layout.to_pieces` found without errors, and cache
+    it; None (not cached) when a placement is Partial (its redistribution makes new tensors every call)."""
+    if any(p.is_partial() for _, placements in anchors for p in placements):
+        return None
+    plan = Plan(anchors, group_pg, pieces, foreach, payload_device, result_device, result_dtype)
+    if len(_PLANS) >= MAX_PLANS:
+        del _PLANS[next(iter(_PLANS))]
+    _PLANS[key] = plan
+    return plan
