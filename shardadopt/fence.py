@@ -59,7 +59,7 @@ The mechanism, and why:
   the rendezvous store's, wildcard-bound servers, and every connection to anything else (a database storage).
   Either end's shutdown fails the pair's pending operations on both ranks (measured: the accepting side alone left
   the connecting rank blocked whenever the accepting rank's break came after it had left the collectives), so
-  one live rank's break is enough for each of its pairs. Linux only (``/proc/self/net/tcp``); elsewhere gloo
+  one live rank's break is enough for each of its pairs. Linux only (``/proc/self/fd``); elsewhere gloo
   peers wait for their timeout.
 - **Backstop**. After a trip, while a fence armed at the trip stays armed, the watcher looks at its main thread
   every ``BREAK_GRACE`` (5 s): found twice in the same ``torch.distributed`` call (same frame, same instruction:
@@ -90,6 +90,7 @@ not run here (one GPU); the gloo path is tested.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import signal
@@ -118,7 +119,7 @@ _FAILURE_KIND = "shardadopt_failure_kind"  # the exception attribute shardadopt.
 _HANG_SIGNAL = signal.SIGUSR1
 _CONNECT_TIMEOUT = timedelta(seconds=60)  # a side-channel connection to the store, and how long a fence waits for it
 _FOREVER = timedelta(days=30)  # a watcher's store wait: woken by a trip or a rebuild, never by a timeout
-_LISTEN, _TCP_TABLES = 0x0A, ("/proc/self/net/tcp", "/proc/self/net/tcp6")
+_LISTEN, _CONNECTED = 0x0A, 0x01  # TCP states, numbered as /proc/net/tcp numbers them
 _WILDCARD = {"00000000", "0" * 32}
 _IPV6_LOOPBACK = "0" * 24 + "01000000"  # ::1 as /proc/net/tcp6 writes it
 _HOST = socket.gethostname()
@@ -243,31 +244,39 @@ class _Socket(NamedTuple):
 
 
 def _own_tcp_sockets() -> list[_Socket]:
-    """This process's TCP sockets."""
-    inodes: dict[int, int] = {}
+    """This process's TCP sockets, asked of each socket of ``/proc/self/fd`` (not read from ``/proc/net/tcp``: that
+    table lists every socket of the network namespace, every other rank's gloo pairs included, so parsing it cost
+    each rank time in the world size squared at every break and publication)."""
+    found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if link.startswith("socket:["):
-            inodes[int(link[8:-1])] = int(fd)
-    found = []
-    for table in _TCP_TABLES:
-        try:
-            with open(table) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
+        if not link.startswith("socket:["):
             continue
-        for line in lines:
-            fields = line.split()
-            inode = int(fields[9])
-            if inode in inodes:
-                address, port = fields[1].split(":")
-                remote_address, remote_port = fields[2].split(":")
-                found.append(_Socket(inodes[inode], inode, int(fields[3], 16), int(port, 16), address,
-                                     remote_address, int(remote_port, 16)))
+        try:
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                    continue
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                local, inode = sock.getsockname(), os.fstat(sock.fileno()).st_ino
+                remote = ("::" if sock.family == socket.AF_INET6 else "0.0.0.0", 0)
+                if not listening:
+                    with contextlib.suppress(OSError):  # not connected (yet, or any more)
+                        remote = sock.getpeername()
+        except OSError:  # closed since it was listed
+            continue
+        found.append(_Socket(int(fd), inode, _LISTEN if listening else _CONNECTED, local[1],
+                             _proc_hex(sock.family, local[0]), _proc_hex(sock.family, remote[0]), remote[1]))
     return found
+
+
+def _proc_hex(family: int, address: str) -> str:
+    """``address`` as ``/proc/net/tcp`` writes it (each 32-bit word in host byte order, hex), the form the store's
+    published listeners use."""
+    packed = socket.inet_pton(family, address.split("%")[0])
+    return "".join(f"{int.from_bytes(packed[i:i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
 
 
 def _listen_ports() -> set[int]:
