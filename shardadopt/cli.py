@@ -60,8 +60,10 @@ def doctor(as_json: bool = False) -> int:
     if behaviour:
         print("torch behaviour (workarounds stay on either way):")
     for row in behaviour:
-        state = "fixed in this torch" if row["fixed"] else "still there"
+        state = "fixed in this torch" if row["fixed"] else "still there" if not row["reason"] else "probe failed"
         print(f"  {row['name']:<42} {state:<20} {row['workaround']}")
+        if row["reason"]:
+            print(f"  {'':<42} {'':<20} (the probed call raised {row['reason']}; the workaround stays on)")
     for module, error in import_errors.items():
         print(f"  BAD import {module}: {error}")
     print(f"patches ({len(patches)}):")
