@@ -228,7 +228,9 @@ def environment(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, s
         if not nccl:
             return "FAIL", ", ".join(parts)
     devices = ("cpu", "cuda") if args.device == "cuda" else ("cpu",)
-    probes = [f"{row['name']}: {'fixed' if row['fixed'] else 'still there'}" for row in torchprobe.report(devices)]
+    probes = [f"{row['name']}: {'fixed' if row['fixed'] else 'still there'}"
+              + (f" (the probed call raised {row['reason']}; the workaround stays on)" if row["reason"] else "")
+              for row in torchprobe.report(devices)]
     return "PASS", ", ".join(parts) + "\n" + "\n".join(probes)
 
 

@@ -65,8 +65,10 @@ def doctor(as_json: bool = False) -> int:
     if behaviour:
         print("torch behaviour (workarounds stay on either way):")
     for row in behaviour:
-        state = "fixed in this torch" if row["fixed"] else "still there"
+        state = "fixed in this torch" if row["fixed"] else "still there" if not row["reason"] else "probe failed"
         print(f"  {row['name']:<42} {state:<20} {row['workaround']}")
+        if row["reason"]:
+            print(f"  {'':<42} {'':<20} (the probed call raised {row['reason']}; the workaround stays on)")
     for module, error in import_errors.items():
         print(f"  BAD import {module}: {error}")
     print(f"patches ({len(patches)}):")
@@ -118,11 +120,36 @@ def selftest(nproc: int, device: str, only: Sequence[str] | None, timeout: float
             print(f"selftest --device cuda needs {nproc} GPUs on nccl, found {found}; pass --nproc {found}, "
                   f"--backend gloo (ranks share the GPUs) or --device cpu", file=sys.stderr)
             return 2
+        if backend == "gloo":
+            backend = _gloo_on_cuda_or_alternative(nproc, found)
+            if backend is None:
+                return 2
     print(f"shardadopt selftest: {nproc} ranks on {device} ({backend})")
     outcomes = run_selftest(nproc=nproc, device=device, only=only, timeout=timeout, backend=backend)
-    failed = [o for o in outcomes if not o.ok]
-    print(f"{len(outcomes) - len(failed)} passed, {len(failed)} failed")
+    failed = sum(not o.ok for o in outcomes)
+    skipped = sum(o.skipped for o in outcomes)
+    print(f"{len(outcomes) - failed - skipped} passed, {failed} failed, {skipped} skipped")
     return 1 if failed else 0
+
+
+def _gloo_on_cuda_or_alternative(nproc: int, gpus: int) -> str | None:
+    """``"gloo"`` when gloo's collectives work on CUDA tensors here (asked of two subprocesses), else ``"nccl"``
+    when there is a GPU per rank, else None after saying why and what to do."""
+    import torch
+
+    from shardadopt.selftest.device_check import gloo_collectives_problem
+
+    problem = gloo_collectives_problem("cuda", nproc)
+    if problem is None:
+        return "gloo"
+    why = (f"gloo collectives on CUDA tensors do not work with torch {torch.__version__} here "
+           f"(distribute_tensor(...).full_tensor() on {nproc} ranks):\n{problem}")
+    if gpus >= nproc:
+        print(f"{why}\nrunning the scenarios on nccl instead ({gpus} GPUs for {nproc} ranks)", file=sys.stderr)
+        return "nccl"
+    print(f"selftest --device cuda --backend gloo refused: {why}\nrun --backend nccl --nproc {gpus} (one rank per "
+          f"GPU), --device cpu, or a supported torch release (see `shardadopt doctor`)", file=sys.stderr)
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -6,6 +6,10 @@ cheap and correct on every torch), so a probe never changes results; it tells ``
 suite (once per torch in CI) and ``benchmarks/gpu_check.py`` (on CUDA) when a torch release has fixed one, and
 the workaround can go. Measured on torch 2.13.0 (CPU build) and 2.15.0 (CUDA build on CPU): all three hold.
 
+A probe answers, it never raises: when the probed call itself fails (fused AdamW refuses a strided CUDA parameter
+on torch 2.11: "params, grads, exp_avgs, and exp_avg_sqs must have same dtype, device, and layout") the answer is
+"not fixed" (the workaround stays on) and :func:`report` gives the exception as the row's ``reason``.
+
 - fused AdamW mis-updates a non-contiguous parameter (a strided view) whose gradient is contiguous: the kernel
   pairs them element by element (CPU: off by up to 2x the learning rate). Workaround: plain shards get their own
   contiguous storage before the optimizer is built (:func:`shardadopt.optimizer_ready.make_shards_contiguous`).
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -27,8 +33,25 @@ from shardadopt import upstream
 
 __all__ = ["fused_adamw_strided_ok", "strided_shard_is_shard", "inf_norm_accepts_empty", "report"]
 
+_Probe = TypeVar("_Probe", bound=Callable[..., bool])
+# Why a probe answered "not fixed" without deciding: (probe name, its arguments) -> the exception it caught.
+_FAILURES: dict[tuple[str, tuple[object, ...]], str] = {}
 
-@functools.cache
+
+def _answers(probe: _Probe) -> _Probe:
+    """Cache ``probe`` and turn an exception from the probed call into "not fixed", remembering the reason."""
+    @functools.cache
+    def guarded(*args: object) -> bool:
+        try:
+            return probe(*args)
+        except Exception as exc:  # the probed torch call itself failed: the workaround is needed all the more
+            _FAILURES[(probe.__name__, args)] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            return False
+
+    return functools.wraps(probe)(guarded)  # type: ignore[return-value]
+
+
+@_answers
 def fused_adamw_strided_ok(device: str = "cpu") -> bool:
     """Whether one fused AdamW step on a strided-view parameter on ``device`` equals the single-tensor step."""
     def step(fused: bool) -> torch.Tensor:
@@ -43,7 +66,7 @@ def fused_adamw_strided_ok(device: str = "cpu") -> bool:
     return torch.allclose(step(fused=True), step(fused=False), rtol=1e-5, atol=1e-6)
 
 
-@functools.cache
+@_answers
 def strided_shard_is_shard() -> bool:
     """Whether ``_StridedShard`` placements are ``Shard`` instances."""
     from torch.distributed.tensor.placement_types import Shard
@@ -51,7 +74,7 @@ def strided_shard_is_shard() -> bool:
     return issubclass(upstream.strided_shard_type(), Shard)
 
 
-@functools.cache
+@_answers
 def inf_norm_accepts_empty() -> bool:
     """Whether ``torch.nn.utils.get_total_norm`` of order inf accepts an empty tensor among its inputs."""
     try:
@@ -62,12 +85,12 @@ def inf_norm_accepts_empty() -> bool:
 
 
 def report(devices: tuple[str, ...] = ("cpu",)) -> list[dict[str, str | bool]]:
-    """One row per probe: ``name``, ``fixed`` (torch no longer needs the workaround) and ``workaround``."""
-    rows: list[dict[str, str | bool]] = [
-        {"name": f"fused AdamW on strided {device} parameters", "fixed": fused_adamw_strided_ok(device),
-         "workaround": "plain shards made contiguous before the optimizer is built"} for device in devices]
-    rows.append({"name": "_StridedShard is a Shard", "fixed": strided_shard_is_shard(),
-                 "workaround": "layouts test Shard and _StridedShard"})
-    rows.append({"name": "inf-norm of an empty shard", "fixed": inf_norm_accepts_empty(),
-                 "workaround": "empty pieces left out of the norm"})
-    return rows
+    """One row per probe: ``name``, ``fixed`` (torch no longer needs the workaround), ``workaround`` and ``reason``
+    (empty, or the exception the probed call raised: then ``fixed`` is False)."""
+    checks: list[tuple[str, Callable[..., bool], tuple[str, ...], str]] = [
+        (f"fused AdamW on strided {device} parameters", fused_adamw_strided_ok, (device,),
+         "plain shards made contiguous before the optimizer is built") for device in devices]
+    checks.append(("_StridedShard is a Shard", strided_shard_is_shard, (), "layouts test Shard and _StridedShard"))
+    checks.append(("inf-norm of an empty shard", inf_norm_accepts_empty, (), "empty pieces left out of the norm"))
+    return [{"name": name, "fixed": probe(*args), "workaround": workaround,
+             "reason": _FAILURES.get((probe.__name__, args), "")} for name, probe, args, workaround in checks]

@@ -83,3 +83,32 @@ def test_report_names_every_probe():
     assert [row["name"] for row in rows] == ["fused AdamW on strided cpu parameters", "_StridedShard is a Shard",
                                              "inf-norm of an empty shard"]
     assert all(isinstance(row["fixed"], bool) and row["workaround"] for row in rows)
+
+
+CUDA_REFUSAL = "params, grads, exp_avgs, and exp_avg_sqs must have same dtype, device, and layout"
+
+
+def test_a_probe_whose_call_raises_answers_and_doctor_shows_why(monkeypatch, capsys):
+    """Fused AdamW refusing a strided parameter (torch 2.11 on CUDA) is a verdict, not a traceback in doctor."""
+    from shardadopt import cli
+
+    def refuse(self, closure=None):
+        raise RuntimeError(CUDA_REFUSAL)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", refuse)
+    monkeypatch.setattr(torchprobe, "_FAILURES", {})
+    torchprobe.fused_adamw_strided_ok.cache_clear()
+    try:
+        row = torchprobe.report(("cpu",))[0]
+        assert row == {"name": "fused AdamW on strided cpu parameters", "fixed": False,
+                       "workaround": "plain shards made contiguous before the optimizer is built",
+                       "reason": f"RuntimeError: {CUDA_REFUSAL}"}
+        cli.doctor()
+        out = capsys.readouterr()
+        assert "Traceback" not in out.out + out.err
+        line = next(i for i, text in enumerate(out.out.splitlines()) if "fused AdamW on strided cpu" in text)
+        assert "probe failed" in out.out.splitlines()[line]
+        assert f"the probed call raised RuntimeError: {CUDA_REFUSAL}; the workaround stays on" in \
+            out.out.splitlines()[line + 1]
+    finally:
+        torchprobe.fused_adamw_strided_ok.cache_clear()  # the next caller probes the real step again

@@ -51,6 +51,7 @@ class Outcome:
     ok: bool
     seconds: float
     detail: str
+    skipped: bool = False  # the scenario cannot run on this world size: neither passed nor failed
 
 
 def _scenarios() -> list[Scenario]:
@@ -87,7 +88,8 @@ def run_selftest(nproc: int = 2, device: str = "cpu", only: Sequence[str] | None
             for scenario in scenarios:
                 reason = scenario.unsupported(nproc)
                 if reason:
-                    outcomes.append(Outcome(scenario.name, True, 0.0, f"skipped: {reason}"))
+                    outcomes.append(Outcome(scenario.name, True, 0.0, reason, skipped=True))
+                    print(_row(outcomes[-1]), file=out, flush=True)
                     continue
                 start, begin = time.monotonic(), os.path.getsize(log)
                 _note(log, f"=== {scenario.name}")
@@ -139,7 +141,8 @@ def _tail(log: str, begin: int, end: int, lines: int) -> str:
 
 def _row(outcome: Outcome) -> str:
     first, *rest = outcome.detail.strip().splitlines() or [""]
-    text = f"{'PASS' if outcome.ok else 'FAIL'}  {outcome.scenario:<28} {outcome.seconds:6.1f}s  {first}"
+    status = "SKIP" if outcome.skipped else "PASS" if outcome.ok else "FAIL"
+    text = f"{status}  {outcome.scenario:<28} {outcome.seconds:6.1f}s  {first}"
     if not outcome.ok and rest:
         text += "\n" + "\n".join("      " + line for line in rest)
     return text

@@ -55,6 +55,7 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
         os.close(fd)
     stacks_file = open(stacks, "w")  # noqa: SIM115  (kept open for the life of the process: faulthandler writes it)
     faulthandler.register(_STACKS_SIGNAL, file=stacks_file, all_threads=True)
+    faulthandler.enable(file=stacks_file, all_threads=True)  # a rank killed by SIGSEGV & co. leaves its stack
     sys.path[:] = sys_path
     os.environ.update(env)
     import torch
@@ -88,6 +89,16 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
             _flush()
             outbox.put((rank, "error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def signal_name(returncode: int) -> str:
+    """``SIGSEGV (signal 11)`` for a process killed by a signal (negative return code), else ``exit code N``."""
+    if returncode < 0:
+        try:
+            return f"{signal.Signals(-returncode).name} (signal {-returncode})"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
 
 
 def _size(path: str) -> int:
@@ -168,8 +179,7 @@ class RankPool:
                 missing = sorted(set(range(self.nproc)) - set(results) - set(failures))
                 dead = [r for r in missing if not self._procs[r].is_alive()]
                 if dead:  # a killed rank never answers: fail now instead of waiting out the timeout
-                    failures.update({r: f"process exited (code {self._procs[r].exitcode}) without answering"
-                                     for r in dead})
+                    failures.update({r: self._death(r) for r in dead})
                     grace = grace if grace is not None else time.monotonic() + 10.0
                     continue
                 if time.monotonic() < end:
@@ -191,6 +201,16 @@ class RankPool:
             self.close(force=True)
             raise RankError(failures)
         return [results[r] for r in range(self.nproc)]
+
+    def _death(self, rank: int) -> str:
+        """How ``rank`` died: its signal by name and, when faulthandler caught it, the stack it died in."""
+        code = self._procs[rank].exitcode
+        text = f"process died of {signal_name(code)} without answering" if code is not None and code < 0 else \
+            f"process exited ({signal_name(code or 0)}) without answering"
+        with open(self._stacks[rank], errors="replace") as f:
+            dump = f.read()
+        fatal = dump.rfind("Fatal Python error")
+        return text + (f"; its stack (faulthandler):\n{dump[fatal:].rstrip()}" if fatal >= 0 else "")
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every thread's Python stack of each of ``ranks`` (what a hang looked like), before the pool kills them."""
