@@ -12,11 +12,20 @@ from typing import Any
 
 from shardadopt.registry import UNSUPPORTED, PatchStatus
 
-__all__ = ["UnfixedUpstreamError", "unfixed_patches", "refuse_unfixed"]
+__all__ = ["UnfixedUpstreamError", "unfixed_possible", "unfixed_patches", "refuse_unfixed"]
 
 
 class UnfixedUpstreamError(RuntimeError):
     """A load-time-sharded model needs a fix that could not apply on the installed upstream."""
+
+
+def unfixed_possible() -> bool:
+    """Whether any patch that declares ``needed_by`` is ``unsupported`` (cheap: no model is looked at)."""
+    import shardadopt
+
+    registry = shardadopt._registry()
+    unsupported = {s.id for s in registry.status() if s.state == UNSUPPORTED}
+    return any(patch.needed_by is not None and patch.id in unsupported for patch in registry.patches())
 
 
 def unfixed_patches(model: Any, layout: Any) -> list[PatchStatus]:

@@ -7,8 +7,8 @@ source), whose docstring names the upstream object and the releases it was check
 training. ``tests/test_upstream_accessors.py`` runs every accessor against the installed upstream (so a rename fails
 one test named after its accessor) and fails when code elsewhere in shardadopt spells a private upstream name.
 
-"Checked on" ranges are the releases CI runs (torch 2.13.0/2.15.0, transformers 5.15.0/5.24.0, accelerate
-1.13.0/1.15.0, optuna 4.9.0/5.0.0). Upstream modules are imported inside the accessors, because
+"Checked on" ranges are the releases CI runs (torch 2.13.0/2.15.0, transformers 5.15.0/5.25.0, accelerate
+1.13.0/1.16.0, optuna 4.9.0/5.0.0). Upstream modules are imported inside the accessors, because
 ``shardadopt.enable()`` (which imports the patch modules, and so the constants here) must not import them.
 """
 
@@ -83,53 +83,53 @@ def upstream_method(target: Target, where: str) -> Callable[..., Any]:
 
 def accelerator_models(accelerator: Any) -> list[Any]:
     """``Accelerator._models``: the list ``prepare()`` appends models to (mutable: appending registers a model).
-    Checked on accelerate 1.13-1.15."""
+    Checked on accelerate 1.13-1.16."""
     return _attribute(accelerator, "_models", "accelerator_models", "accelerate")
 
 
 def accelerator_optimizers(accelerator: Any) -> list[Any]:
-    """``Accelerator._optimizers``: the prepared (wrapped) optimizers. Checked on accelerate 1.13-1.15."""
+    """``Accelerator._optimizers``: the prepared (wrapped) optimizers. Checked on accelerate 1.13-1.16."""
     return _attribute(accelerator, "_optimizers", "accelerator_optimizers", "accelerate")
 
 
 def accelerator_schedulers(accelerator: Any) -> list[Any]:
-    """``Accelerator._schedulers``: the prepared schedulers. Checked on accelerate 1.13-1.15."""
+    """``Accelerator._schedulers``: the prepared schedulers. Checked on accelerate 1.13-1.16."""
     return _attribute(accelerator, "_schedulers", "accelerator_schedulers", "accelerate")
 
 
 def accelerator_dataloaders(accelerator: Any) -> list[Any]:
-    """``Accelerator._dataloaders``: the prepared dataloaders. Checked on accelerate 1.13-1.15."""
+    """``Accelerator._dataloaders``: the prepared dataloaders. Checked on accelerate 1.13-1.16."""
     return _attribute(accelerator, "_dataloaders", "accelerator_dataloaders", "accelerate")
 
 
 def accelerator_custom_objects(accelerator: Any) -> list[Any]:
     """``Accelerator._custom_objects``: what ``register_for_checkpointing`` registered. Checked on accelerate
-    1.13-1.15."""
+    1.13-1.16."""
     return _attribute(accelerator, "_custom_objects", "accelerator_custom_objects", "accelerate")
 
 
 def accelerator_save_state_pre_hooks(accelerator: Any) -> dict[Any, Callable[..., Any]]:
     """``Accelerator._save_model_state_pre_hook``: handle -> hook, from ``register_save_state_pre_hook``. Checked
-    on accelerate 1.13-1.15."""
+    on accelerate 1.13-1.16."""
     return _attribute(accelerator, "_save_model_state_pre_hook", "accelerator_save_state_pre_hooks", "accelerate")
 
 
 def accelerator_load_state_pre_hooks(accelerator: Any) -> dict[Any, Callable[..., Any]]:
     """``Accelerator._load_model_state_pre_hook``: handle -> hook, from ``register_load_state_pre_hook``. Checked
-    on accelerate 1.13-1.15."""
+    on accelerate 1.13-1.16."""
     return _attribute(accelerator, "_load_model_state_pre_hook", "accelerator_load_state_pre_hooks", "accelerate")
 
 
 def is_accelerate_prepared(obj: Any) -> bool:
     """``obj._is_accelerate_prepared``: the flag ``Accelerator.prepare`` sets on models and dataloaders it prepared
-    (unset, so False, on anything it did not). Checked on accelerate 1.13-1.15."""
+    (unset, so False, on anything it did not). Checked on accelerate 1.13-1.16."""
     return bool(getattr(obj, "_is_accelerate_prepared", False))
 
 
 def reset_accelerate_state() -> None:
     """``AcceleratorState._reset_state(reset_partial_state=True)`` and ``GradientState._reset_state()``: forget the
     process-wide accelerate singletons, so the next ``Accelerator()`` reads its configuration afresh. Checked on
-    accelerate 1.13-1.15."""
+    accelerate 1.13-1.16."""
     from accelerate.state import AcceleratorState, GradientState
 
     _attribute(AcceleratorState, "_reset_state", "reset_accelerate_state", "accelerate")(reset_partial_state=True)
@@ -139,7 +139,7 @@ def reset_accelerate_state() -> None:
 def reset_accelerator_state() -> None:
     """``AcceleratorState._reset_state()``: forget accelerate's process-wide accelerator state (its
     ``ParallelismConfig`` and plugins) but keep the process state (``PartialState``: ranks and backend), so the
-    next ``Accelerator()`` takes its own ``parallelism_config``. Checked on accelerate 1.13-1.15."""
+    next ``Accelerator()`` takes its own ``parallelism_config``. Checked on accelerate 1.13-1.16."""
     from accelerate.state import AcceleratorState
 
     _attribute(AcceleratorState, "_reset_state", "reset_accelerator_state", "accelerate")()
@@ -148,7 +148,7 @@ def reset_accelerator_state() -> None:
 # -- transformers ----------------------------------------------------------------------------------------------------
 
 TRAINER_MODULE = "transformers.trainer"
-# Private Trainer methods shardadopt's patches replace or probe. Checked on transformers 5.15-5.24.
+# Private Trainer methods shardadopt's patches replace or probe. Checked on transformers 5.15-5.25.
 TRAINER_MOVE_MODEL_TO_DEVICE = Target(TRAINER_MODULE, "Trainer._move_model_to_device")
 TRAINER_PREPARE_FOR_TRAINING = Target(TRAINER_MODULE, "Trainer._prepare_for_training")
 TRAINER_SAVE_CHECKPOINT = Target(TRAINER_MODULE, "Trainer._save_checkpoint")
@@ -160,57 +160,57 @@ TRAINER_TARGETS = (TRAINER_MOVE_MODEL_TO_DEVICE, TRAINER_PREPARE_FOR_TRAINING, T
                    TRAINER_LOAD_FROM_CHECKPOINT, TRAINER_LOAD_OPTIMIZER_AND_SCHEDULER, TRAINER_LOAD_BEST_MODEL,
                    TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER)
 
-# ``Trainer.save_model(output_dir, _internal_call=False)``'s private keyword. Checked on transformers 5.15-5.24.
+# ``Trainer.save_model(output_dir, _internal_call=False)``'s private keyword. Checked on transformers 5.15-5.25.
 SAVE_MODEL_INTERNAL_CALL = "_internal_call"
 
 # Attributes ``from_pretrained(..., distributed_config=...)`` sets on a model, as probes find them in upstream
-# source: the device mesh, and the sharding degrees. Checked on transformers 5.15-5.24.
+# source: the device mesh, and the sharding degrees. Checked on transformers 5.15-5.25.
 MODEL_DEVICE_MESH_ATTRIBUTE = "_device_mesh"
 MODEL_SHARDING_SIZE_ATTRIBUTES = ("_tp_size", "_fsdp_size")
 
 # The name of transformers' grouped GEMM helper that ``grouped_mm_experts_forward`` calls, as a probe finds it in
-# upstream source (``transformers.integrations.moe._grouped_linear``). Checked on transformers 5.15-5.24.
+# upstream source (``transformers.integrations.moe._grouped_linear``). Checked on transformers 5.15-5.25.
 MOE_GROUPED_LINEAR = "_grouped_linear"
 
 
 def trainer_output_dir(trainer: Any, trial: Any) -> str:
     """``Trainer._get_output_dir(trial=trial)``: the run directory checkpoints go to (per trial under HPO).
-    Checked on transformers 5.15-5.24."""
+    Checked on transformers 5.15-5.25."""
     return _attribute(trainer, "_get_output_dir", "trainer_output_dir", "transformers")(trial=trial)
 
 
 def trainer_save_scaler(trainer: Any, output_dir: str) -> None:
-    """``Trainer._save_scaler(output_dir)``: the grad scaler's state. Checked on transformers 5.15-5.24."""
+    """``Trainer._save_scaler(output_dir)``: the grad scaler's state. Checked on transformers 5.15-5.25."""
     _attribute(trainer, "_save_scaler", "trainer_save_scaler", "transformers")(output_dir)
 
 
 def trainer_save_rng_state(trainer: Any, output_dir: str) -> None:
-    """``Trainer._save_rng_state(output_dir)``: this process's RNG states. Checked on transformers 5.15-5.24."""
+    """``Trainer._save_rng_state(output_dir)``: this process's RNG states. Checked on transformers 5.15-5.25."""
     _attribute(trainer, "_save_rng_state", "trainer_save_rng_state", "transformers")(output_dir)
 
 
 def trainer_push_from_checkpoint(trainer: Any, checkpoint_dir: str) -> None:
     """``Trainer._push_from_checkpoint(checkpoint_dir)``: the hub upload of a saved checkpoint. Checked on
-    transformers 5.15-5.24."""
+    transformers 5.15-5.25."""
     _attribute(trainer, "_push_from_checkpoint", "trainer_push_from_checkpoint", "transformers")(checkpoint_dir)
 
 
 def model_device_mesh(model: Any) -> Any:
     """``PreTrainedModel._device_mesh``: the mesh a model was sharded on at load time; None (the class default) for
-    a model loaded without ``distributed_config``. Checked on transformers 5.15-5.24."""
+    a model loaded without ``distributed_config``. Checked on transformers 5.15-5.25."""
     return getattr(model, MODEL_DEVICE_MESH_ATTRIBUTE, None)
 
 
 def model_mesh_manager(model: Any) -> Any:
     """``PreTrainedModel._mesh_manager``: the ``TransformersDeviceMesh`` (dense and expert meshes) of a model
     sharded at load time; None for other models, and on releases before 5.19 (which have none). Checked on
-    transformers 5.15-5.24."""
+    transformers 5.15-5.25."""
     return getattr(model, "_mesh_manager", None)
 
 
 def is_mesh_manager(obj: Any) -> bool:
     """Whether ``obj`` is a ``transformers.distributed.utils.TransformersDeviceMesh`` (False on releases without
-    that class). Checked on transformers 5.15-5.24."""
+    that class). Checked on transformers 5.15-5.25."""
     try:
         from transformers.distributed.utils import TransformersDeviceMesh
     except ImportError:
@@ -221,14 +221,14 @@ def is_mesh_manager(obj: Any) -> bool:
 def mesh_manager_meshes(manager: Any) -> tuple[Any, Any]:
     """``(TransformersDeviceMesh._dense_mesh, TransformersDeviceMesh._expert_mesh)``: the (pp, [dp_replicate,]
     fsdp, tp) and (pp, [dp_replicate,] efsdp, ep) meshes (the class exists from 5.19). Checked on transformers
-    5.24."""
+    5.24-5.25."""
     return (_attribute(manager, "_dense_mesh", "mesh_manager_meshes", "transformers"),
             _attribute(manager, "_expert_mesh", "mesh_manager_meshes", "transformers"))
 
 
 def set_model_sharding_sizes(model: Any, tp_size: int, fsdp_size: int) -> None:
     """Set ``PreTrainedModel._tp_size`` / ``_fsdp_size``, the degrees its ``tp_size`` / ``fsdp_size`` properties
-    return. Checked on transformers 5.15-5.24 (a plain attribute write: nothing to be missing)."""
+    return. Checked on transformers 5.15-5.25 (a plain attribute write: nothing to be missing)."""
     tp_name, fsdp_name = MODEL_SHARDING_SIZE_ATTRIBUTES
     setattr(model, tp_name, tp_size)
     setattr(model, fsdp_name, fsdp_size)
@@ -236,13 +236,13 @@ def set_model_sharding_sizes(model: Any, tp_size: int, fsdp_size: int) -> None:
 
 def from_config_constructor(model_class: type) -> Callable[..., Any] | None:
     """``PreTrainedModel._from_config``: builds a model from a config honouring the dtype/attention settings;
-    None for a class that is not a transformers model. Checked on transformers 5.15-5.24."""
+    None for a class that is not a transformers model. Checked on transformers 5.15-5.25."""
     return getattr(model_class, "_from_config", None)
 
 
 def experts_is_expert_parallel(experts: Any) -> bool | None:
     """``experts._is_expert_parallel``: whether transformers sharded an experts module by expert; None when unset
-    (releases before 5.18 never set it). Checked on transformers 5.15-5.24."""
+    (releases before 5.18 never set it). Checked on transformers 5.15-5.25."""
     return getattr(experts, "_is_expert_parallel", None)
 
 
@@ -253,26 +253,26 @@ def set_experts_expert_parallel(experts: Any, flag: bool) -> None:
 
 def experts_apply_gate(experts: Any, projected: torch.Tensor) -> torch.Tensor:
     """``experts._apply_gate(projected)``: the gated activation of a gate+up projection. Checked on transformers
-    5.15-5.24."""
+    5.15-5.25."""
     return _attribute(experts, "_apply_gate", "experts_apply_gate", "transformers")(projected)
 
 
 def moe_grouped_linear() -> Callable[..., torch.Tensor]:
     """``transformers.integrations.moe._grouped_linear``: the grouped GEMM (kernel choice included) that
-    ``grouped_mm_experts_forward`` calls. Checked on transformers 5.15-5.24."""
+    ``grouped_mm_experts_forward`` calls. Checked on transformers 5.15-5.25."""
     return _module_attribute("transformers.integrations.moe", MOE_GROUPED_LINEAR, "moe_grouped_linear", "transformers")
 
 
 def moe_can_use_grouped_mm(hidden: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> bool:
     """``transformers.integrations.moe._can_use_grouped_mm``: whether ``_grouped_linear`` runs torch's grouped_mm
-    kernel for these operands (else its fallback loop). Checked on transformers 5.15-5.24."""
+    kernel for these operands (else its fallback loop). Checked on transformers 5.15-5.25."""
     return _module_attribute("transformers.integrations.moe", "_can_use_grouped_mm", "moe_can_use_grouped_mm",
                              "transformers")(hidden, weight, offsets)
 
 
 def module_hf_device_mesh(module: torch.nn.Module) -> Any:
     """``module._hf_device_mesh``: the mesh transformers 5.15's tensor parallelism records on the modules it shards;
-    None where it is unset (other modules; 5.16 and later never set it). Checked on transformers 5.15-5.24."""
+    None where it is unset (other modules; 5.16 and later never set it). Checked on transformers 5.15-5.25."""
     return getattr(module, "_hf_device_mesh", None)
 
 

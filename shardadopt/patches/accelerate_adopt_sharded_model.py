@@ -21,6 +21,7 @@ plugins are not in charge) each call is routed to ``shardadopt.adopt``; plain mo
 A model prepared for evaluation only (``prepare_model(model, evaluation_mode=True)``: ``Trainer.evaluate``, and
 Trainer 5.19+ for training) keeps upstream's path, but ``gather_for_metrics`` still keeps each sample once when its
 TP ranks share a batch.
+A sharded model that needs a patch which could not apply (``shardadopt.refusal``) is refused here, in either mode.
 ``Accelerator.free_memory``/``clear`` also forget the adopted models (shardadopt's own record would keep a search's
 earlier trials' models alive). ``Accelerator(kwargs_handlers=[shardadopt.AdoptionKwargs(...)])`` is accepted
 (upstream raises ``KeyError`` on a handler class it does not know).
@@ -64,19 +65,22 @@ def _init(wrapped, instance, args, kwargs):
 
 def _prepare_model(wrapped, instance, args, kwargs):
     from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model
-    from shardadopt.refusal import refuse_unfixed
+    from shardadopt.refusal import refuse_unfixed, unfixed_possible
     from shardadopt.topology import topology
 
     model = args[0] if args else kwargs.get("model")
     evaluation_mode = kwargs.get("evaluation_mode", args[2] if len(args) > 2 else False)
+    if upstream.is_accelerate_prepared(model) or _plugin_managed(instance):
+        return wrapped(*args, **kwargs)
     override = adoption_kwargs(instance).topology
-    if (upstream.is_accelerate_prepared(model) or _plugin_managed(instance)
-            or not is_sharded_model(model, override)):
-        return wrapped(*args, **kwargs)
-    # Trainer 5.19+ prepares a load-time-sharded model for training with evaluation_mode=True: refuse here too
-    refuse_unfixed(model, topology(model, override))
     if evaluation_mode:
+        # Trainer 5.19+ prepares a load-time-sharded model for training this way: refuse one a missing fix needs
+        if unfixed_possible() and is_sharded_model(model, override):
+            refuse_unfixed(model, topology(model, override))
         return wrapped(*args, **kwargs)
+    if not is_sharded_model(model, override):
+        return wrapped(*args, **kwargs)
+    refuse_unfixed(model, topology(model, override))
     return adopt_model(instance, model, prepare=wrapped)
 
 

@@ -1,6 +1,6 @@
 """``Trainer(model_init=...)`` with a tensor-parallel model: the accelerator takes the model's parallelism.
 
-Upstream (``Trainer.__init__``, transformers 5.15 .. 5.24)::
+Upstream (``Trainer.__init__``, transformers 5.15 .. 5.25)::
 
     self.model = model
     self.create_accelerator_and_postprocess()

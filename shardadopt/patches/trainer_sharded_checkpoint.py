@@ -1,6 +1,6 @@
-"""Resumable, atomic Trainer checkpoints for models sharded at load time (transformers 5.15 .. 5.24).
+"""Resumable, atomic Trainer checkpoints for models sharded at load time (transformers 5.15 .. 5.25).
 
-Upstream (``transformers/trainer.py``): 5.18 .. 5.24 refuse in ``Trainer.__init__``, after resolving the model
+Upstream (``transformers/trainer.py``): 5.18 .. 5.25 refuse in ``Trainer.__init__``, after resolving the model
 (``model = self.call_model_init()`` when only ``model_init`` is given)::
 
     if self.is_distributed_loading_by_transformers and args.save_strategy != SaveStrategy.NO

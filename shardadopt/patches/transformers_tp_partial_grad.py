@@ -4,7 +4,7 @@ Upstream: not reported yet (proposal, ``patches/transformers-tp-partial-grad.dif
 projections of a block (``up_proj`` colwise, ``down_proj`` rowwise) and leaves every other module replicated. A
 module between the two that owns parameters then computes on this rank's slice of the activations, and its
 parameters' gradients are partial sums that nothing adds up: Apertus' xIELU activation
-(``ApertusMLP.act_fn``, scalars ``alpha_p``/``alpha_n``) in every release 5.15 .. 5.24, found by
+(``ApertusMLP.act_fn``, scalars ``alpha_p``/``alpha_n``) in every release 5.15 .. 5.25, found by
 ``tools/arch_sweep.py``: with ``tp_size=2`` their first-step gradients are off by up to 10^4 times the sweep's
 tolerance and training diverges from one process (silently). Upstream's own fix would list the module as
 ``replicated_with_grad_allreduce`` in the model's plan (the diff); shardadopt cannot know every model's plan
