@@ -277,6 +277,11 @@ def main(argv: list[str] | None = None) -> dict:
         extrapolated = {c: fit(xs, [table[x][c] for x in xs], 512) for c in COLUMNS}
         print(f"{'512*':>6} " + " ".join(f"{extrapolated[c]:>10.3f}" for c in COLUMNS)
               + "   (* least-squares line through the rows above)")
+    xs = sorted(table)
+    print("README (ranks " + ", ".join(map(str, xs)) + "): fault to every rank out "
+          + ", ".join(f"{table[x]['out s']:.2g}" for x in xs) + " s; `rebuild_world` "
+          + ", ".join(f"{table[x]['rebuild s']:.2g}" for x in xs) + " s; fault to every rank in the next trial "
+          + ", ".join(f"{table[x]['next s']:.2g}" for x in xs) + " s")
     capacity = store_capacity(seconds=args.capacity_seconds)
     print(f"TCPStore capacity: {capacity:.0f} requests/s (8 client processes, check requests)")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
