@@ -26,6 +26,9 @@ Items (each with its own timeout; a failed item never stops the next):
   after the fault; ``2 * hang_timeout + 5`` s after the hang) with its own error or ``HangError`` on that rank and
   ``PeerFailedError`` on the others, and on NCCL every rank must have broken its group with
   ``ProcessGroup.abort()``.
+- ``bf16-parity``: the README's accelerate loop on a tiny llama in bf16, ``fsdp_size=--nproc``, against one process
+  in bf16 on the same global batches: losses and grad norms within 2 %, parameters within 2e-3 + 4 % of their
+  value (one bf16 ulp per step).
 - ``selftest``: every ``shardadopt selftest`` scenario on ``--nproc`` ranks (at least 2): NCCL with a GPU per
   rank (fsdp, tp, ep+fsdp; 2-D and the 4-rank layouts at 4), else the ranks share the GPU over gloo after the
   selftest checked that gloo collectives work on CUDA tensors on this torch (it refuses with the reason if not).
@@ -233,6 +236,26 @@ def fence_rank(device: str, fault: str) -> dict[str, Any]:
             "aborted": aborted, "backend": dist.get_backend()}
 
 
+BF16_RTOL = 2e-2  # losses and grad norms: a few bf16 ulps (2^-8) of reduction-order difference
+# Parameters: an Adam step (LR 1e-3) on a bf16 weight rounds to 0 or 1 ulp (2^-8 to 2^-7 of its value), so each
+# of the 5 steps may land one ulp apart from one process: 5 * 2^-7 = 4 % of the value, plus two steps absolute.
+BF16_PARAM_ATOL = 2e-3
+BF16_PARAM_RTOL = 4e-2
+
+
+def bf16_rank(path: str, device: str) -> dict[str, Any]:
+    from shardadopt.selftest.accelerate import train_rank
+
+    world = torch_world()
+    return train_rank(path, {"fsdp_size": world}, world, cpu=device == "cpu", dtype="bfloat16")
+
+
+def torch_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size()
+
+
 # -- items (run in the launcher) -----------------------------------------------------------------------------------
 
 @dataclass
@@ -276,6 +299,37 @@ def _fence_case(args: argparse.Namespace, state: dict[str, Any], fault: str) -> 
     detail = (f"last of {args.nproc} ranks out {slowest:.1f}s after the {fault} (bound {bound:.0f}s) on "
               f"{results[0]['backend']}; ProcessGroup.abort() calls per rank: {[len(r['aborted']) for r in results]}; "
               f"rank {args.nproc - 1}: {results[-1]['raised']}; rank 0: {results[0]['raised']}")
+    return ("FAIL", "; ".join(problems) + "\n" + detail) if problems else ("PASS", detail)
+
+
+def bf16_parity(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    """The README's accelerate loop on a bf16 model sharded fsdp_size=N against one process in bf16."""
+    import torch
+
+    from shardadopt.selftest.accelerate import _whole, train_reference
+    from shardadopt.testing import RankPool, tiny_checkpoints
+
+    if args.nproc < 2:
+        return "SKIP", "parity needs 2 ranks or more (--nproc)"
+    with tempfile.TemporaryDirectory(prefix="shardadopt-gpu-check-") as root:
+        path = tiny_checkpoints(root)["llama"]
+        expected = train_reference(path, args.nproc, dtype="bfloat16")
+        with RankPool(args.nproc, device=args.device, env={"HF_HUB_DISABLE_PROGRESS_BARS": "1"}) as pool:
+            result = pool.run(bf16_rank, path, args.device, timeout=_seconds(args, state))[0]
+    if "error" in result:
+        return "FAIL", f"the accelerate loop failed: {result['error']}"
+    problems = [f"per-step {what} {result[what]} != one process {expected[what]}" for what in ("losses", "norms")
+                if not torch.allclose(torch.tensor(result[what]), torch.tensor(expected[what]), rtol=BF16_RTOL)]
+    worst = 0.0  # the largest parameter difference as a fraction of its tolerance
+    for name, want in expected["params"].items():
+        got = _whole([r[name] for r in result["params"]], want.shape).float()
+        bound = BF16_PARAM_ATOL + BF16_PARAM_RTOL * want.float().abs()
+        worst = max(worst, float(((got - want.float()).abs() / bound).max()) if got.shape == want.shape else 1e9)
+    if worst > 1:
+        problems.append(f"parameters differ from one process by up to {worst:.1f}x the bf16 tolerance")
+    detail = (f"llama bf16, fsdp_size={args.nproc} on {args.device}: losses {[f'{x:.4f}' for x in result['losses']]}"
+              f" vs one process {[f'{x:.4f}' for x in expected['losses']]}, params within {worst:.2f}x the bf16 "
+              f"tolerance ({BF16_PARAM_ATOL:g} + {BF16_PARAM_RTOL:g} |p|)")
     return ("FAIL", "; ".join(problems) + "\n" + detail) if problems else ("PASS", detail)
 
 
@@ -380,7 +434,7 @@ def _env() -> dict[str, str]:
 ITEMS = [Item("environment", environment), Item("grouped-mm-sentinel", grouped_mm_sentinel),
          Item("fused-adamw-mesh", fused_adamw_mesh), Item("checkpoint-cuda-rng", checkpoint_cuda_rng),
          Item("hpo-gloo-beside-nccl", hpo_gloo_beside_nccl), Item("fence-fault", fence_fault),
-         Item("fence-hang", fence_hang), Item("selftest", selftest_ranks)]
+         Item("fence-hang", fence_hang), Item("bf16-parity", bf16_parity), Item("selftest", selftest_ranks)]
 
 
 def _row(status: str, name: str, seconds: float, detail: str) -> str:
@@ -417,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.nproc = max(torch.cuda.device_count(), 1) if args.device == "cuda" else 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     state: dict[str, Any] = {"deadline": time.monotonic() + args.budget}
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
     start_all = time.monotonic()

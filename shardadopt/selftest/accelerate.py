@@ -44,11 +44,11 @@ def _dataset(dp_size: int, steps: int = STEPS, accum: int = ACCUM):
     return list(rows)
 
 
-def _load(path: str, sizes: dict[str, Any] | None):
+def _load(path: str, sizes: dict[str, Any] | None, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
     if sizes:
         from transformers.distributed import DistributedConfig
 
@@ -70,9 +70,11 @@ def streamed_dataset(rows: list[Any]):
 
 
 def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "together", patched: bool = True,
-               cpu: bool = True, steps: int = STEPS, accum: int = ACCUM, streamed: bool = False) -> dict[str, Any]:
+               cpu: bool = True, steps: int = STEPS, accum: int = ACCUM, streamed: bool = False,
+               dtype: str = "float32") -> dict[str, Any]:
     """The user's accelerate loop on a load-time-sharded model; returns rank-side observations. ``streamed``: the
-    rows come from a streamed ``datasets`` dataset, which accelerate dispatches from rank 0 by default."""
+    rows come from a streamed ``datasets`` dataset, which accelerate dispatches from rank 0 by default. ``dtype``:
+    the model's, by its torch name (``"bfloat16"``)."""
     import torch
     import torch.distributed as dist
 
@@ -82,7 +84,7 @@ def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "tog
     shardadopt.enable() if patched else shardadopt.disable()
     try:
         accelerator = fresh_accelerator(cpu=cpu, gradient_accumulation_steps=accum)
-        model = _load(path, sizes)
+        model = _load(path, sizes, dtype)
         before = {n: _local(p) for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         rows = _dataset(dp_size, steps, accum)
@@ -143,12 +145,13 @@ def _fsdp_reduces(model) -> bool | None:
     return all(flags) if flags else None
 
 
-def train_reference(path: str, dp_size: int, steps: int = STEPS, accum: int = ACCUM) -> dict[str, Any]:
+def train_reference(path: str, dp_size: int, steps: int = STEPS, accum: int = ACCUM,
+                    dtype: str = "float32") -> dict[str, Any]:
     """One process, same global batches: each optimizer step sees ``accum`` micro-batches of
     dp_size * PER_DP_BATCH."""
     import torch
 
-    model = _load(path, None)
+    model = _load(path, None, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     rows = torch.stack(_dataset(dp_size, steps, accum))
     global_micro = dp_size * PER_DP_BATCH
