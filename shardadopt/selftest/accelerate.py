@@ -251,15 +251,25 @@ def _multiple_of(needed: int):
     return lambda nproc: None if nproc % needed == 0 else f"needs a multiple of {needed} processes"
 
 
-def _two_d_unsupported(nproc: int) -> str | None:
-    """fsdp x tp needs 4 ranks and a transformers that loads it (5.18 and newer)."""
+def _layout_unsupported(layout: str):
+    """Why ``layout`` (``"2d"``: fsdp x tp, transformers 5.18 and newer; ``"hsdp"``: a transformers with
+    ``dp_replicate_size``) cannot run on ``nproc`` ranks (it needs 4), or None."""
     from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
 
-    try:
-        distributed_sizes("2d", nproc)
-    except LayoutUnsupported as exc:
-        return str(exc)
-    return None
+    def reason(nproc: int) -> str | None:
+        try:
+            distributed_sizes(layout, nproc)
+        except LayoutUnsupported as exc:
+            return str(exc)
+        return None
+
+    return reason
+
+
+def _layout_sizes(layout: str):
+    from shardadopt.selftest.trainer import distributed_sizes
+
+    return lambda nproc: distributed_sizes(layout, nproc)[0]
 
 
 SCENARIOS = [
@@ -268,5 +278,7 @@ SCENARIOS = [
     # tiny qwen3 has 2 KV heads, so tp_size is 2.
     _scenario("accelerate-tp", "qwen3", lambda n: {"tp_size": 2}, lambda n: 1,
               lambda n: None if n == 2 else "tp_size 2 (the tiny qwen3 has 2 KV heads) needs exactly 2 processes"),
-    _scenario("accelerate-2d", "qwen3", lambda n: {"fsdp_size": 2, "tp_size": 2}, lambda n: 2, _two_d_unsupported),
+    _scenario("accelerate-2d", "qwen3", lambda n: {"fsdp_size": 2, "tp_size": 2}, lambda n: 2,
+              _layout_unsupported("2d")),
+    _scenario("accelerate-hsdp", "llama", _layout_sizes("hsdp"), lambda n: 4, _layout_unsupported("hsdp")),
 ]
