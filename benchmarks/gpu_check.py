@@ -246,16 +246,12 @@ BF16_PARAM_RTOL = 2.0**-7
 
 
 def bf16_rank(path: str, device: str) -> dict[str, Any]:
-    from shardadopt.selftest.accelerate import train_rank
-
-    world = torch_world()
-    return train_rank(path, {"fsdp_size": world}, world, cpu=device == "cpu", dtype="bfloat16")
-
-
-def torch_world() -> int:
     import torch.distributed as dist
 
-    return dist.get_world_size()
+    from shardadopt.selftest.accelerate import train_rank
+
+    world = dist.get_world_size()
+    return train_rank(path, {"fsdp_size": world}, world, cpu=device == "cpu", dtype="bfloat16")
 
 
 # -- items (run in the launcher) -----------------------------------------------------------------------------------
