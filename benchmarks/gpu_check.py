@@ -276,7 +276,7 @@ def _fence_case(args: argparse.Namespace, state: dict[str, Any], fault: str) -> 
 
     if args.nproc < 2:
         return "SKIP", "a fence needs 2 ranks or more (--nproc)"
-    with RankPool(args.nproc, device=args.device, env={"SHARDADOPT_THREADS_PER_RANK": "1"}) as pool:
+    with RankPool(args.nproc, device=args.device) as pool:
         results = pool.run(fence_rank, args.device, fault, timeout=_seconds(args, state))
     fault_at = results[-1]["fault_at"]
     bound = 30.0 if fault == "raise" else 2 * FENCE_HANG_TIMEOUT + 5 + 5  # + 5 s: a loaded machine's slack

@@ -35,7 +35,7 @@ def test_dry_run_on_two_ranks_runs_every_item():
     """``gpu_check.py --nproc 2 --dry-run``: every item's code path on gloo/CPU (the selftest item on two of its
     scenarios, one of them skipped on 2 ranks), so the GPU session's one command has run before."""
     out = subprocess.run([sys.executable, str(SCRIPT), "--nproc", "2", "--dry-run", "--budget", "1500",
-                          "--scenarios", "accelerate-fsdp", "accelerate-2d"],
+                          "--timeout", "600", "--scenarios", "accelerate-fsdp", "accelerate-2d"],
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr
     for item in ["environment", *RANK_ITEMS, "fence-fault", "fence-hang", "bf16-parity", "selftest"]:
