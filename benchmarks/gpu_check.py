@@ -1,8 +1,11 @@
-"""The CUDA paths of shardadopt on one GPU, one PASS/FAIL/SKIP line per item; exits 1 on any failure.
+"""The CUDA paths of shardadopt on the GPUs of one machine, one PASS/FAIL/SKIP line per item; exits 1 on any failure.
 
-    python benchmarks/gpu_check.py                      # on a CUDA machine (one GPU is enough); < 8 minutes
-    python benchmarks/gpu_check.py --device cpu         # the same items on gloo/CPU (a dry run; CUDA-only items skip)
-    python benchmarks/gpu_check.py --only fused-adamw-mesh checkpoint-cuda-rng   # some items; --list names them
+The prepared command for a session with GPUs (from a checkout; one GPU or several, about 5-8 minutes):
+
+    PYTHONPATH=$PWD python benchmarks/gpu_check.py 2>&1 | tee gpu_check.txt     # --nproc: the GPUs present
+
+    python benchmarks/gpu_check.py --nproc 2 --dry-run  # the same code paths on gloo/CPU (CI; CUDA-only items skip)
+    python benchmarks/gpu_check.py --only fence-fault fence-hang   # some items; --list names them
 
 Items (each with its own timeout; a failed item never stops the next):
 
@@ -18,11 +21,20 @@ Items (each with its own timeout; a failed item never stops the next):
   the CUDA shards to the CPU.
 - ``hpo-gloo-beside-nccl``: ``shardadopt.hpo.optimize`` with pruning whose objective all-reduces CUDA tensors on
   the NCCL default group while control messages use their own gloo group; study equal to plain Optuna.
-- ``selftest-2-ranks``: every ``shardadopt selftest`` scenario on 2 ranks: NCCL when there are 2 GPUs, else the
-  2 ranks share the GPU over gloo (NCCL refuses two ranks on one device; gloo all-reduces, all-gathers and
-  reduce-scatters CUDA tensors, and shardadopt sends point-to-point traffic through the CPU).
+- ``fence-fault`` / ``fence-hang``: ``shardadopt.fence.fenced`` around a loop of all-reduces on ``--nproc``
+  ranks (NCCL on cuda), the last rank raising / hanging at step 1: every rank must be out within the bound (30 s
+  after the fault; ``2 * hang_timeout + 5`` s after the hang) with its own error or ``HangError`` on that rank and
+  ``PeerFailedError`` on the others, and on NCCL every rank must have broken its group with
+  ``ProcessGroup.abort()``.
+- ``bf16-parity``: the README's accelerate loop on a tiny llama in bf16, ``fsdp_size=--nproc``, against one process
+  in bf16 on the same global batches: losses and grad norms within 2 %, every parameter element within 2 LR per
+  step plus one bf16 ulp of its value.
+- ``selftest``: every ``shardadopt selftest`` scenario on ``--nproc`` ranks (at least 2): NCCL with a GPU per
+  rank (fsdp, tp, ep+fsdp; 2-D and the 4-rank layouts at 4), else the ranks share the GPU over gloo after the
+  selftest checked that gloo collectives work on CUDA tensors on this torch (it refuses with the reason if not).
 
-Items 3-5 run on one rank of a real process group (NCCL on cuda, gloo on cpu), the rest in subprocesses. This is
+Items 3-5 run on one rank of a real process group (NCCL on cuda, gloo on cpu), the fence items on ``--nproc``
+ranks of their own pool, the rest in subprocesses. This is
 a script, not a selftest mode: the grouped-GEMM check and the torch probes look at kernels and torch itself, not at
 a capability users turn on, and one file keeps the whole GPU session to one command.
 """
@@ -178,6 +190,70 @@ def hpo_rank(device: str) -> dict[str, Any]:
                                for group in per_world.values()})}
 
 
+FENCE_HANG_TIMEOUT = 5.0  # seconds without progress that make a hang; the bound is 2 * this + 5 s
+FENCE_STEPS = 4
+
+
+def fence_rank(device: str, fault: str) -> dict[str, Any]:
+    """A fenced training loop of all-reduces where the last rank raises (``fault="raise"``) or hangs
+    (``fault="hang"``) at step 1: when each rank got out, what it raised, and how many groups it aborted."""
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt.fence import fenced
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    aborted = []
+    original_abort = dist.ProcessGroup.abort
+
+    def counted_abort(group, *args, **kwargs):  # the fence's NCCL break: ProcessGroup.abort()
+        aborted.append(dist.get_backend(group))
+        return original_abort(group, *args, **kwargs)
+
+    dist.ProcessGroup.abort = counted_abort
+    faulty = rank == world - 1
+    started = time.time()
+    fault_at = raised = None
+    try:
+        with fenced(f"gpu-check {fault}", hang_timeout=FENCE_HANG_TIMEOUT):
+            for step in range(FENCE_STEPS):
+                if faulty and step == 1:
+                    fault_at = time.time()
+                    if fault == "raise":
+                        raise RuntimeError("injected fault mid-step")
+                    time.sleep(10**6)  # a rank that stops making progress; the fence interrupts it
+                torch.nn.Linear(4, 4)(torch.ones(1, 4))  # progress (a forward call), then the step's collective
+                value = torch.ones(1024, device=_device(device)) * (rank + 1)
+                dist.all_reduce(value)
+                total = value[0].item()  # waits for it: NCCL's all_reduce only enqueues
+                if total != world * (world + 1) / 2:
+                    raise RuntimeError(f"all_reduce gave {total}, expected {world * (world + 1) / 2}")
+    except BaseException as exc:  # noqa: BLE001  (HangError and the peers' PeerFailedError are what we look for)
+        raised = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}"
+    finally:
+        dist.ProcessGroup.abort = original_abort
+    return {"rank": rank, "out": time.time(), "started": started, "fault_at": fault_at, "raised": raised,
+            "aborted": aborted, "backend": dist.get_backend()}
+
+
+BF16_RTOL = 2e-2  # losses and grad norms: a few bf16 ulps (2^-8) of reduction-order difference
+# Parameters, element by element: Adam moves an element by at most about LR per step, and a gradient element that
+# nearly cancels can change sign with bf16 reduction order (seen on CPU: 1.7 LR after 5 steps), so no per-element
+# tolerance below 2 * LR * steps is safe; plus one bf16 ulp (2^-7) of the value. A systematic error shows in the
+# losses and grad norms, which must agree within BF16_RTOL.
+BF16_PARAM_STEPS_OF_LR = 2.0
+BF16_PARAM_RTOL = 2.0**-7
+
+
+def bf16_rank(path: str, device: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from shardadopt.selftest.accelerate import train_rank
+
+    world = dist.get_world_size()
+    return train_rank(path, {"fsdp_size": world}, world, cpu=device == "cpu", dtype="bfloat16")
+
+
 # -- items (run in the launcher) -----------------------------------------------------------------------------------
 
 @dataclass
@@ -192,6 +268,75 @@ def _pool(args: argparse.Namespace, state: dict[str, Any]):
     if state.get("pool") is None:
         state["pool"] = RankPool(1, device=args.device, env={"HF_HUB_DISABLE_PROGRESS_BARS": "1"})
     return state["pool"]
+
+
+def _fence_case(args: argparse.Namespace, state: dict[str, Any], fault: str) -> tuple[str, str]:
+    """``fence_rank`` on ``--nproc`` ranks of their own pool (the fence breaks its groups, so it is closed after)."""
+    from shardadopt.testing import RankPool
+
+    if args.nproc < 2:
+        return "SKIP", "a fence needs 2 ranks or more (--nproc)"
+    with RankPool(args.nproc, device=args.device) as pool:
+        results = pool.run(fence_rank, args.device, fault, timeout=_seconds(args, state))
+    fault_at = results[-1]["fault_at"]
+    bound = 30.0 if fault == "raise" else 2 * FENCE_HANG_TIMEOUT + 5 + 5  # + 5 s: a loaded machine's slack
+    late = [r["rank"] for r in results if r["out"] - fault_at > bound]
+    expected = {"raise": ("RuntimeError", "PeerFailedError"), "hang": ("HangError", "PeerFailedError")}[fault]
+    wrong = [r["rank"] for r in results
+             if not (r["raised"] or "").startswith(expected[0] if r["rank"] == args.nproc - 1 else expected[1])]
+    nccl = results[0]["backend"] == "nccl"
+    unaborted = [r["rank"] for r in results if nccl and "nccl" not in r["aborted"]]
+    problems = []
+    if late:
+        problems.append(f"rank(s) {late} out later than {bound:.0f}s after the {fault}")
+    if wrong:
+        problems.append("unexpected errors: " + "; ".join(f"rank {r['rank']}: {r['raised']}" for r in results))
+    if unaborted:
+        problems.append(f"rank(s) {unaborted} never called ProcessGroup.abort() on an NCCL group")
+    slowest = max(r["out"] for r in results) - fault_at
+    detail = (f"last of {args.nproc} ranks out {slowest:.1f}s after the {fault} (bound {bound:.0f}s) on "
+              f"{results[0]['backend']}; ProcessGroup.abort() calls per rank: {[len(r['aborted']) for r in results]}; "
+              f"rank {args.nproc - 1}: {results[-1]['raised']}; rank 0: {results[0]['raised']}")
+    return ("FAIL", "; ".join(problems) + "\n" + detail) if problems else ("PASS", detail)
+
+
+def bf16_parity(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    """The README's accelerate loop on a bf16 model sharded fsdp_size=N against one process in bf16."""
+    import torch
+
+    from shardadopt.selftest.accelerate import LR, STEPS, _whole, train_reference
+    from shardadopt.testing import RankPool, tiny_checkpoints
+
+    if args.nproc < 2:
+        return "SKIP", "parity needs 2 ranks or more (--nproc)"
+    with tempfile.TemporaryDirectory(prefix="shardadopt-gpu-check-") as root:
+        path = tiny_checkpoints(root)["llama"]
+        expected = train_reference(path, args.nproc, dtype="bfloat16")
+        with RankPool(args.nproc, device=args.device, env={"HF_HUB_DISABLE_PROGRESS_BARS": "1"}) as pool:
+            result = pool.run(bf16_rank, path, args.device, timeout=_seconds(args, state))[0]
+    if "error" in result:
+        return "FAIL", f"the accelerate loop failed: {result['error']}"
+    problems = [f"per-step {what} {result[what]} != one process {expected[what]}" for what in ("losses", "norms")
+                if not torch.allclose(torch.tensor(result[what]), torch.tensor(expected[what]), rtol=BF16_RTOL)]
+    worst = 0.0  # the largest parameter difference as a fraction of its tolerance
+    for name, want in expected["params"].items():
+        got = _whole([r[name] for r in result["params"]], want.shape).float()
+        bound = BF16_PARAM_STEPS_OF_LR * LR * STEPS + BF16_PARAM_RTOL * want.float().abs()
+        worst = max(worst, float(((got - want.float()).abs() / bound).max()) if got.shape == want.shape else 1e9)
+    if worst > 1:
+        problems.append(f"parameters differ from one process by up to {worst:.1f}x the bf16 tolerance")
+    detail = (f"llama bf16, fsdp_size={args.nproc} on {args.device}: losses {[f'{x:.4f}' for x in result['losses']]}"
+              f" vs one process {[f'{x:.4f}' for x in expected['losses']]}, params within {worst:.2f}x the bf16 "
+              f"tolerance ({BF16_PARAM_STEPS_OF_LR:g} LR per step + {BF16_PARAM_RTOL:g} |p|)")
+    return ("FAIL", "; ".join(problems) + "\n" + detail) if problems else ("PASS", detail)
+
+
+def fence_fault(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    return _fence_case(args, state, "raise")
+
+
+def fence_hang(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    return _fence_case(args, state, "hang")
 
 
 def _seconds(args: argparse.Namespace, state: dict[str, Any]) -> float:
@@ -266,14 +411,15 @@ def hpo_gloo_beside_nccl(args: argparse.Namespace, state: dict[str, Any]) -> tup
     return ("FAIL", problem) if problem else ("PASS", detail)
 
 
-def selftest_two_ranks(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+def selftest_ranks(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
     import torch
 
     left = max(state["deadline"] - time.monotonic(), 1.0)
-    command = [sys.executable, "-m", "shardadopt", "selftest", "--nproc", "2", "--device", args.device,
-               "--timeout", f"{min(args.timeout, left):.0f}"]
-    if args.device == "cuda" and torch.cuda.device_count() < 2:
-        command += ["--backend", "gloo"]
+    nproc = max(args.nproc, 2)
+    command = [sys.executable, "-m", "shardadopt", "selftest", "--nproc", str(nproc), "--device", args.device,
+               "--timeout", f"{min(args.timeout, left):.0f}", *(["--only", *args.scenarios] if args.scenarios else [])]
+    if args.device == "cuda" and torch.cuda.device_count() < nproc:
+        command += ["--backend", "gloo"]  # ranks share the GPU; the selftest checks first that gloo can
     out = subprocess.run(command, capture_output=True, text=True, timeout=left, env=_env())
     status = "PASS" if out.returncode == 0 else "FAIL"
     return status, " ".join(command[1:]) + "\n" + (out.stdout + out.stderr).strip()
@@ -285,7 +431,8 @@ def _env() -> dict[str, str]:
 
 ITEMS = [Item("environment", environment), Item("grouped-mm-sentinel", grouped_mm_sentinel),
          Item("fused-adamw-mesh", fused_adamw_mesh), Item("checkpoint-cuda-rng", checkpoint_cuda_rng),
-         Item("hpo-gloo-beside-nccl", hpo_gloo_beside_nccl), Item("selftest-2-ranks", selftest_two_ranks)]
+         Item("hpo-gloo-beside-nccl", hpo_gloo_beside_nccl), Item("fence-fault", fence_fault),
+         Item("fence-hang", fence_hang), Item("bf16-parity", bf16_parity), Item("selftest", selftest_ranks)]
 
 
 def _row(status: str, name: str, seconds: float, detail: str) -> str:
@@ -296,11 +443,16 @@ def _row(status: str, name: str, seconds: float, detail: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--dry-run", action="store_true", help="the same code paths on CPU/gloo (--device cpu)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks for the multi-rank items (default: the GPUs present, 2 on cpu)")
     parser.add_argument("--only", nargs="+", metavar="ITEM", help="run only these items")
     parser.add_argument("--timeout", type=float, default=150.0,
                         help="seconds per item (per scenario in the selftest item; default 150)")
     parser.add_argument("--budget", type=float, default=450.0,
                         help="seconds for all items together; items past it fail as out of time (default 450)")
+    parser.add_argument("--scenarios", nargs="+", metavar="SCENARIO",
+                        help="the selftest item runs only these scenarios (default: all)")
     parser.add_argument("--list", action="store_true", help="print the item names and exit")
     args = parser.parse_args(argv)
     names = [item.name for item in ITEMS]
@@ -310,7 +462,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.only or ()) - set(names))
     if unknown:
         parser.error(f"unknown item(s) {unknown}; known: {names}")
+    if args.dry_run:
+        args.device = "cpu"
+    if args.nproc is None:
+        import torch
+
+        args.nproc = max(torch.cuda.device_count(), 1) if args.device == "cuda" else 2
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     state: dict[str, Any] = {"deadline": time.monotonic() + args.budget}
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
     start_all = time.monotonic()

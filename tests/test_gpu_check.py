@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py, the one-command GPU session, as far as a CPU machine can run it: its argument handling
-and its process-group items on gloo/CPU (``--device cpu``), so the script a GPU session gets has run before."""
+and every item on gloo/CPU (``--nproc 2 --dry-run``), so the script a GPU session gets has run before."""
 
 from __future__ import annotations
 
@@ -31,11 +31,16 @@ def test_lists_items_and_refuses_unknown_ones(capsys, monkeypatch):
     assert exc.value.code == 2 and "known:" in capsys.readouterr().err
 
 
-def test_cpu_dry_run_of_the_process_group_items():
-    out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "grouped-mm-sentinel",
-                          *RANK_ITEMS], capture_output=True, text=True, timeout=600)
+def test_dry_run_on_two_ranks_runs_every_item():
+    """``gpu_check.py --nproc 2 --dry-run``: every item's code path on gloo/CPU (the selftest item on two of its
+    scenarios, one of them skipped on 2 ranks), so the GPU session's one command has run before."""
+    out = subprocess.run([sys.executable, str(SCRIPT), "--nproc", "2", "--dry-run", "--budget", "1500",
+                          "--timeout", "600", "--scenarios", "accelerate-fsdp", "accelerate-2d"],
+                         capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr
-    for item in RANK_ITEMS:
+    for item in ["environment", *RANK_ITEMS, "fence-fault", "fence-hang", "bf16-parity", "selftest"]:
         assert f"PASS  {item}" in out.stdout, out.stdout
     assert "SKIP  grouped-mm-sentinel" in out.stdout
-    assert "3 passed, 0 failed, 1 skipped" in out.stdout
+    assert "last of 2 ranks out" in out.stdout and "ProcessGroup.abort() calls per rank: [2, 2]" in out.stdout
+    assert "      SKIP  accelerate-2d" in out.stdout and "1 passed, 0 failed, 1 skipped" in out.stdout, out.stdout
+    assert "8 passed, 0 failed, 1 skipped" in out.stdout, out.stdout

@@ -44,11 +44,11 @@ def _dataset(dp_size: int, steps: int = STEPS, accum: int = ACCUM):
     return list(rows)
 
 
-def _load(path: str, sizes: dict[str, Any] | None):
+def _load(path: str, sizes: dict[str, Any] | None, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
     if sizes:
         from transformers.distributed import DistributedConfig
 
@@ -70,9 +70,11 @@ def streamed_dataset(rows: list[Any]):
 
 
 def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "together", patched: bool = True,
-               cpu: bool = True, steps: int = STEPS, accum: int = ACCUM, streamed: bool = False) -> dict[str, Any]:
+               cpu: bool = True, steps: int = STEPS, accum: int = ACCUM, streamed: bool = False,
+               dtype: str = "float32") -> dict[str, Any]:
     """The user's accelerate loop on a load-time-sharded model; returns rank-side observations. ``streamed``: the
-    rows come from a streamed ``datasets`` dataset, which accelerate dispatches from rank 0 by default."""
+    rows come from a streamed ``datasets`` dataset, which accelerate dispatches from rank 0 by default. ``dtype``:
+    the model's, by its torch name (``"bfloat16"``)."""
     import torch
     import torch.distributed as dist
 
@@ -82,7 +84,7 @@ def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "tog
     shardadopt.enable() if patched else shardadopt.disable()
     try:
         accelerator = fresh_accelerator(cpu=cpu, gradient_accumulation_steps=accum)
-        model = _load(path, sizes)
+        model = _load(path, sizes, dtype)
         before = {n: _local(p) for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         rows = _dataset(dp_size, steps, accum)
@@ -143,12 +145,13 @@ def _fsdp_reduces(model) -> bool | None:
     return all(flags) if flags else None
 
 
-def train_reference(path: str, dp_size: int, steps: int = STEPS, accum: int = ACCUM) -> dict[str, Any]:
+def train_reference(path: str, dp_size: int, steps: int = STEPS, accum: int = ACCUM,
+                    dtype: str = "float32") -> dict[str, Any]:
     """One process, same global batches: each optimizer step sees ``accum`` micro-batches of
     dp_size * PER_DP_BATCH."""
     import torch
 
-    model = _load(path, None)
+    model = _load(path, None, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     rows = torch.stack(_dataset(dp_size, steps, accum))
     global_micro = dp_size * PER_DP_BATCH
@@ -248,15 +251,25 @@ def _multiple_of(needed: int):
     return lambda nproc: None if nproc % needed == 0 else f"needs a multiple of {needed} processes"
 
 
-def _two_d_unsupported(nproc: int) -> str | None:
-    """fsdp x tp needs 4 ranks and a transformers that loads it (5.18 and newer)."""
+def _layout_unsupported(layout: str):
+    """Why ``layout`` (``"2d"``: fsdp x tp, transformers 5.18 and newer; ``"hsdp"``: a transformers with
+    ``dp_replicate_size``) cannot run on ``nproc`` ranks (it needs 4), or None."""
     from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
 
-    try:
-        distributed_sizes("2d", nproc)
-    except LayoutUnsupported as exc:
-        return str(exc)
-    return None
+    def reason(nproc: int) -> str | None:
+        try:
+            distributed_sizes(layout, nproc)
+        except LayoutUnsupported as exc:
+            return str(exc)
+        return None
+
+    return reason
+
+
+def _layout_sizes(layout: str):
+    from shardadopt.selftest.trainer import distributed_sizes
+
+    return lambda nproc: distributed_sizes(layout, nproc)[0]
 
 
 SCENARIOS = [
@@ -265,5 +278,7 @@ SCENARIOS = [
     # tiny qwen3 has 2 KV heads, so tp_size is 2.
     _scenario("accelerate-tp", "qwen3", lambda n: {"tp_size": 2}, lambda n: 1,
               lambda n: None if n == 2 else "tp_size 2 (the tiny qwen3 has 2 KV heads) needs exactly 2 processes"),
-    _scenario("accelerate-2d", "qwen3", lambda n: {"fsdp_size": 2, "tp_size": 2}, lambda n: 2, _two_d_unsupported),
+    _scenario("accelerate-2d", "qwen3", lambda n: {"fsdp_size": 2, "tp_size": 2}, lambda n: 2,
+              _layout_unsupported("2d")),
+    _scenario("accelerate-hsdp", "llama", _layout_sizes("hsdp"), lambda n: 4, _layout_unsupported("hsdp")),
 ]

@@ -25,6 +25,9 @@ _STOP = "stop"
 # interrupt is SIGUSR1, so the dump takes the other user signal.
 _STACKS_SIGNAL = signal.SIGUSR2
 _STACKS_WAIT = 3.0  # seconds a rank gets to write its stacks
+# Starts with a fresh port when another process took the free one before rank 0 listened on it (starting ranks
+# takes seconds on a loaded machine; seen on a machine shared by several test runs).
+_PORT_ATTEMPTS = 3
 
 
 class RankError(RuntimeError):
@@ -140,23 +143,32 @@ class RankPool:
                              f"cuda")
         self.nproc = nproc
         self.backend = backend
+        for attempt in range(_PORT_ATTEMPTS):
+            self._launch(device, env, log)
+            try:
+                self._collect("start", start_timeout)
+                return
+            except RankError as exc:  # the port free_port() found was taken before rank 0 listened on it
+                if attempt + 1 == _PORT_ATTEMPTS or not any("EADDRINUSE" in tb for tb in exc.failures.values()):
+                    raise
+
+    def _launch(self, device: str, env: dict[str, str] | None, log: str | os.PathLike | None) -> None:
         ctx = mp.get_context("spawn")
-        self._inboxes = [ctx.Queue() for _ in range(nproc)]
+        self._inboxes = [ctx.Queue() for _ in range(self.nproc)]
         self._outbox = ctx.Queue()
         port = free_port()
         self._stacks_dir = tempfile.TemporaryDirectory(prefix="shardadopt-pool-stacks-")
-        self._stacks = [os.path.join(self._stacks_dir.name, f"rank{rank}.txt") for rank in range(nproc)]
+        self._stacks = [os.path.join(self._stacks_dir.name, f"rank{rank}.txt") for rank in range(self.nproc)]
         self._procs = [
             ctx.Process(target=_worker, daemon=True, name=f"shardadopt-rank{rank}",
-                        args=(rank, nproc, port, list(sys.path), backend, device, dict(env or {}),
+                        args=(rank, self.nproc, port, list(sys.path), self.backend, device, dict(env or {}),
                               None if log is None else os.fspath(log), self._stacks[rank], self._inboxes[rank],
                               self._outbox))
-            for rank in range(nproc)
+            for rank in range(self.nproc)
         ]
         for proc in self._procs:
             proc.start()
         self._broken = False
-        self._collect("start", start_timeout)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; the ranks' return values, in rank order."""
