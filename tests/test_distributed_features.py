@@ -13,7 +13,6 @@ import transformers
 from transformers.distributed import DistributedConfig
 
 from shardadopt.selftest.accelerate import compare_training, train_rank, train_reference
-from shardadopt.selftest.trainer import distributed_sizes
 
 FIELDS = DistributedConfig.__dataclass_fields__
 
@@ -78,11 +77,16 @@ def test_unsupported_option_is_refused_by_name(pool2, tiny_models, sizes, names,
     assert outcomes[0].startswith(names) and fix in outcomes[0], outcomes[0]
 
 
+# all_to_all exchanges tokens over ep_size=2 x fsdp_size=2 (two data-parallel ranks); all_reduce needs every rank of
+# the expert group to hold the same batch (upstream refuses it unless ep_size == tp_size): ep_size=2 x tp_size=2.
+EP_LAYOUTS = {"all_to_all": ({"ep_size": 2, "fsdp_size": 2}, 2), "all_reduce": ({"ep_size": 2, "tp_size": 2}, 1)}
+
+
 @pytest.mark.multiproc
 @_has("ep_implementation")
-@pytest.mark.parametrize("implementation", ["all_to_all", "all_reduce"])
+@pytest.mark.parametrize("implementation", sorted(EP_LAYOUTS))
 def test_ep_implementation_matches_single_process(pool2, tiny_models, implementation):
-    sizes, dp = distributed_sizes("ep", 2)
+    sizes, dp = EP_LAYOUTS[implementation]
     results = pool2.run(train_rank, tiny_models["qwen3moe"], {**sizes, "ep_implementation": implementation}, dp,
                         timeout=300)
     expected = train_reference(tiny_models["qwen3moe"], dp)
