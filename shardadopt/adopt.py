@@ -167,7 +167,7 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     return model
 
 
-# DistributedConfig flags (transformers 5.25+) adoption does not train like one process, and what to load instead.
+# DistributedConfig flags adoption does not train like one process, and what to load instead.
 _UNSUPPORTED_FEATURES = {
     "fsdp_cpu_offload": ("FSDP2 CPU offload is not supported (the optimizer, clipping and checkpoints assume the "
                          "parameters stay on the model's device); load without it and, to fit in memory, shard over "

@@ -1,4 +1,4 @@
-"""transformers 5.25's new ``DistributedConfig`` options on the accelerate loop and PEFT (2 ranks).
+"""``DistributedConfig``'s FSDP policy, pipeline and EP-implementation options on the accelerate loop and PEFT (2 ranks).
 
 ``ep_implementation`` (``all_to_all``, ``all_reduce``) trains like one process on the same global batch;
 ``fsdp_cpu_offload``, ``fsdp_mixed_precision`` and ``pp_size > 1`` are refused at ``prepare`` (a model or a PEFT
