@@ -1,4 +1,4 @@
-"""``DistributedConfig``'s FSDP policy, pipeline and EP-implementation options on the accelerate loop and PEFT (2 ranks).
+"""``DistributedConfig``'s FSDP policy, pipeline and EP-implementation options with accelerate and PEFT (2 ranks).
 
 ``ep_implementation`` (``all_to_all``, ``all_reduce``) trains like one process on the same global batch;
 ``fsdp_cpu_offload``, ``fsdp_mixed_precision`` and ``pp_size > 1`` are refused at ``prepare`` (a model or a PEFT
