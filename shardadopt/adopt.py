@@ -41,6 +41,7 @@ from shardadopt.topology import Topology, TopologyError, topology
 
 __all__ = ["AdoptionKwargs", "AdoptionError", "DataParallelSource", "adopt_model", "adopted", "adoption_kwargs",
            "dispatch_per_mesh_dp_group", "is_sharded_model", "refuse_fused_lm_head_on_plain_shards",
+           "refuse_unsupported_distributed_features",
            "shard_dataloader", "gather_for_metrics", "no_sync", "clip_grad_norm_"]
 
 _STATE_ATTR = "_shardadopt_adoption"
@@ -122,6 +123,7 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     wrapping, moving or re-sharding. Dataloaders this accelerator prepared before are re-split by data-parallel
     rank.
     """
+    refuse_unsupported_distributed_features(model)
     kwargs = adoption_kwargs(accelerator)
     topo = topology(model, kwargs.topology)
     if "peft" in sys.modules:  # LoRA layers not laid out by shardadopt.adapters would train wrong: refuse them
@@ -163,6 +165,34 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     for loader in upstream.accelerator_dataloaders(accelerator):
         shard_dataloader(loader, topo, state.dp_ranks)
     return model
+
+
+# DistributedConfig flags adoption does not train like one process, and what to load instead.
+_UNSUPPORTED_FEATURES = {
+    "fsdp_cpu_offload": ("FSDP2 CPU offload is not supported (the optimizer, clipping and checkpoints assume the "
+                         "parameters stay on the model's device); load without it and, to fit in memory, shard over "
+                         "more ranks (a larger fsdp_size)"),
+    "fsdp_mixed_precision": ("FSDP2's bf16 parameter policy is not supported (adoption keeps the loaded fp32 "
+                             "parameters and trains in their precision); load without it and use "
+                             "Accelerator(mixed_precision=\"bf16\") / TrainingArguments(bf16=True) instead"),
+}
+
+
+def refuse_unsupported_distributed_features(model: nn.Module) -> None:
+    """Refuse (:class:`AdoptionError`) a model loaded with a ``DistributedConfig`` option adoption cannot train
+    like one process: ``fsdp_cpu_offload=True``, ``fsdp_mixed_precision=True`` (``pp_size > 1``:
+    :func:`shardadopt.topology` refuses it).
+
+    Args:
+        model: the model handed to ``prepare`` / the Trainer (a PEFT model reads its base model's config).
+    """
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if config is None:
+        return
+    for name, why in _UNSUPPORTED_FEATURES.items():
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if value:
+            raise AdoptionError(f"DistributedConfig({name}={value!r}): {why}.")
 
 
 def _fused_lm_head_forwards(model: nn.Module) -> Iterator[nn.Module]:

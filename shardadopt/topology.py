@@ -180,7 +180,10 @@ def _from_transformers(model: nn.Module, config: Any) -> Topology:
     world, rank = _world()
     pp = int(getattr(config, "pp_size", 1) or 1)
     if pp > 1:
-        raise TopologyError(f"pipeline parallelism (pp_size={pp}) is not supported; load with pp_size=1")
+        raise TopologyError(f"DistributedConfig(pp_size={pp}): pipeline parallelism is not supported (accelerate's "
+                            f"loop and the Trainer run the whole model on every rank). Supported: fsdp_size, "
+                            f"tp_size, ep_size and dp_replicate_size as the installed transformers combines them; "
+                            f"load with pp_size=1")
     tp = int(getattr(config, "tp_size", 1) or 1)
     fsdp = int(getattr(config, "fsdp_size", 1) or 1)
     replicate = int(getattr(config, "dp_replicate_size", 1) or 1)
