@@ -41,7 +41,7 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
         "(`out.add_(...)`) to the shared expert's output, which under TP is a view of a DTensor's local tensor "
         "(rowwise `to_local`), and autograd forbids modifying it in place; the fix is an out-of-place add upstream",
     ("gemma4_unified_text", "tp", "fails"):
-        "marginal, a limit of the check: transformers 5.15 only (verified on 5.24 at 0.90 of the allowance); every "
+        "marginal, a limit of the check: transformers 5.15 and 5.25 (verified on 5.24 at 0.90 of the allowance); every "
         "first-step gradient (0.09 of its tolerance), loss and norm matches, and after 3 Adam steps two parameters "
         "are 1.13x the allowance (10x what reordering one process's sums moves them): Adam's step normalisation "
         "amplifies fp32 noise in near-zero gradient elements; a missing or doubled reduction shows in the "
