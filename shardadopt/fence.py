@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import math
 import os
 import signal
@@ -243,6 +244,20 @@ class _Socket(NamedTuple):
     remote_port: int
 
 
+@contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket]:
+    """A Python socket over a duplicate of ``fd``. The duplicate shares the open file's status flags, and a socket
+    built while ``socket.setdefaulttimeout`` is set switches them to non-blocking: they are put back as they were,
+    so gloo's and the store's sockets keep their own mode."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            yield sock
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
 def _own_tcp_sockets() -> list[_Socket]:
     """This process's TCP sockets, asked of each socket of ``/proc/self/fd`` (not read from ``/proc/net/tcp``: that
     table lists every socket of the network namespace, every other rank's gloo pairs included, so parsing it cost
@@ -256,7 +271,7 @@ def _own_tcp_sockets() -> list[_Socket]:
         if not link.startswith("socket:["):
             continue
         try:
-            with socket.socket(fileno=os.dup(int(fd))) as sock:
+            with _borrowed(int(fd)) as sock:
                 if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
                     continue
                 listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
@@ -429,7 +444,7 @@ def _shutdown_gloo_connections(store: Any = None) -> int:
         if s.state == _LISTEN or not (s.port in own or (s.remote_address, s.remote_port) in peers):
             continue
         try:
-            with socket.socket(fileno=os.dup(s.fd)) as connection:
+            with _borrowed(s.fd) as connection:
                 if os.fstat(connection.fileno()).st_ino != s.inode:
                     continue  # the number was closed and reused since it was read: someone else's socket
                 connection.shutdown(socket.SHUT_RDWR)

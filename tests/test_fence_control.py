@@ -731,3 +731,27 @@ def test_an_error_whose_str_raises_still_travels():
 
     packed = errors.pack(Unprintable(), 0)
     assert packed.summary == "Unprintable"
+
+
+def test_reading_the_sockets_leaves_their_blocking_mode_alone_under_a_default_timeout():
+    """The fence reads its TCP sockets through duplicates of their fds; a Python socket built while
+    ``socket.setdefaulttimeout`` is set would switch the shared file to non-blocking under gloo and the store."""
+    import fcntl
+    import socket
+
+    from shardadopt import fence
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    previous = socket.getdefaulttimeout()
+    modes = {sock: fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) for sock in (server, client, accepted)}
+    try:
+        socket.setdefaulttimeout(5.0)
+        ports = {s.port for s in fence._own_tcp_sockets()}
+        assert {server.getsockname()[1], client.getsockname()[1]} <= ports, ports
+        assert {sock: fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) for sock in modes} == modes
+    finally:
+        socket.setdefaulttimeout(previous)
+        for sock in (accepted, client, server):
+            sock.close()
