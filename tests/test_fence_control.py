@@ -276,10 +276,15 @@ def _hanging_search(hang: dict | None, marks_file: str | None = None) -> dict:
     """On ``hang["rank"]`` in trial 0, after step ``hang.get("at", 1)``, user code stops making progress: ``sleep``
     (interruptible) or ``read`` (``os.read`` on a pipe with every signal blocked: Python cannot interrupt it)."""
     import optuna
+    import torch._dynamo.utils  # noqa: F401  # upstream-private: imported here, not first inside trial 0
     import torch.distributed as dist
 
     from shardadopt.hpo import ControlOptions, optimize
 
+    # DDP's first construction imports torch's compiler stack (torch._dynamo.utils): on a loaded machine that took
+    # longer than HANG_TIMEOUT inside trial 0, and the hang interrupt left the import half done ("module
+    # 'torch._dynamo' has no attribute 'utils'"). This test's HANG_TIMEOUT (5 s, the default is 900 s) is about the
+    # user's stalled code, not a first import of torch's.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     rank = dist.get_rank()
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
