@@ -212,7 +212,7 @@ def test_killed_job_is_requeued_once_and_the_retry_resumes_beside_a_fresh_trial_
     root = str(tmp_path / "ckpt")
     try:
         with RankPool(2) as doomed:
-            with pytest.raises(Exception, match="exited"):  # both ranks SIGKILLed themselves
+            with pytest.raises(Exception, match="died of SIGKILL"):  # both ranks SIGKILLed themselves
                 doomed.run(_job, POSTGRES, name, 1, root=root, die_in_trial=0, timeout=60)
         study = _load(POSTGRES, name)
         (dead,) = study.get_trials()
