@@ -3,6 +3,8 @@ says where it was."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -38,17 +40,14 @@ def test_a_timeout_reports_the_silent_ranks_stacks():
 
 
 def _segfault_on_rank_one() -> int:
-    import os
-    import signal
-
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        _crash_in_native_code(os, signal)
+        _crash_in_native_code()
     return dist.get_rank()
 
 
-def _crash_in_native_code(os, signal) -> None:
+def _crash_in_native_code() -> None:
     os.kill(os.getpid(), signal.SIGSEGV)
 
 
