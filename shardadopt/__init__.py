@@ -21,7 +21,7 @@ from typing import Any
 
 from shardadopt.registry import PatchStatus, Registry
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"  # pyproject.toml reads it from here
 
 logging.getLogger("shardadopt").addHandler(logging.NullHandler())
 
