@@ -41,7 +41,7 @@ def doctor(as_json: bool = False) -> int:
     finally:
         shardadopt.disable()
     broken = (any(not r["ok"] for r in rows + integrations) or bool(import_errors)
-              or any(p["state"] == "unsupported" for p in patches))
+              or any(s.state == "unsupported" and not versions.integration_absent(s) for s in statuses))
     untested = versions.untested_summary(statuses)
     if as_json:
         print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "integrations": integrations,
@@ -153,7 +153,10 @@ def _gloo_on_cuda_or_alternative(nproc: int, gpus: int) -> str | None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    import shardadopt
+
     parser = argparse.ArgumentParser(prog="shardadopt", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"shardadopt {shardadopt.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="versions, backends and the state of every patch")
     doc.add_argument("--json", action="store_true", help="machine-readable output")

@@ -70,7 +70,7 @@ def untested_summary(states: list[Any]) -> str | None:
     decide (``states``: ``PatchStatus`` records); None when everything installed is tested and every patch decided.
     """
     newer = newer_than_tested()
-    unsupported = sorted(s.id for s in states if s.state == UNSUPPORTED)
+    unsupported = sorted(s.id for s in states if s.state == UNSUPPORTED and not integration_absent(s))
     if not newer and not unsupported:
         return None
     parts = []
@@ -85,6 +85,13 @@ def untested_summary(states: list[Any]) -> str | None:
     else:
         parts.append("every probe decided so far")
     return "shardadopt: " + "; ".join(parts)
+
+
+def integration_absent(status: Any) -> bool:
+    """Whether ``status`` (a ``PatchStatus``) is a patch left ``unsupported`` only because the optional integration
+    it patches (peft) is not installed: nothing can use it then, so like the package itself it is not an error."""
+    return status.state == UNSUPPORTED and any(status.reason.startswith(f"{name} is not installed")
+                                               for name in OPTIONAL)
 
 
 def supported(*distributions: str) -> dict[str, str]:
