@@ -1,17 +1,20 @@
 """Version ranges and the optional PEFT/TRL integrations: pyproject dependencies and extras, the ranges and tested
-lines `shardadopt doctor` checks, its exit code."""
+lines `shardadopt doctor` checks, its exit code; shardadopt's own version and its CHANGELOG section."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 
+import pytest
 import tomllib
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from shardadopt import versions
+import shardadopt
+from shardadopt import registry, versions
 from shardadopt.cli import main
 
 PYPROJECT = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
@@ -55,17 +58,23 @@ def test_doctor_reports_installed_integrations(capsys):
 
 def _fake_versions(monkeypatch, fake: dict[str, str | None]) -> None:
     real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version",
-                        lambda name: (Version(fake[name]) if fake[name] else None) if name in fake else real(name))
+
+    def installed(name: str) -> Version | None:
+        return (Version(fake[name]) if fake[name] else None) if name in fake else real(name)
+
+    monkeypatch.setattr(versions, "installed_version", installed)
+    monkeypatch.setattr(registry, "installed_version", installed)  # what the patches' version gates read
 
 
 def test_absent_integrations_are_not_an_error(monkeypatch, capsys):
-    baseline, _ = _doctor_json(capsys)
+    baseline, baseline_report = _doctor_json(capsys)
     _fake_versions(monkeypatch, {"peft": None, "trl": None, "datasets": None})
     code, report = _doctor_json(capsys)
     assert {row["state"] for row in report["integrations"]} == {"not installed"}
     assert all(row["ok"] for row in report["integrations"])
-    assert code == baseline
+    (peft_patch,) = [p for p in report["patches"] if p["id"] == "peft-sharded-adapters"]
+    assert peft_patch["reason"].startswith("peft is not installed"), peft_patch
+    assert code == baseline and report["untested"] == baseline_report["untested"]  # no warning about it either
 
 
 def test_an_integration_outside_its_range_makes_doctor_fail(monkeypatch, capsys):
@@ -112,3 +121,33 @@ def test_an_integration_newer_than_tested_is_flagged_not_refused(monkeypatch, ca
     assert row["state"] == "supported" and row["ok"] and row["newer_than_tested"], row
     assert "peft 0.99.0 is newer than the tested range" in report["untested"]
     assert code == baseline
+
+
+def test_the_version_is_written_once():
+    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "shardadopt.__version__"}
+    assert str(Version(shardadopt.__version__)) == shardadopt.__version__  # a PEP 440 version in canonical form
+
+
+def test_the_changelog_has_this_release_below_unreleased():
+    text = (pathlib.Path(__file__).parents[1] / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## \[([^\]]+)\](.*)$", text, flags=re.MULTILINE)
+    assert headings[0] == ("Unreleased", ""), headings[:1]
+    releases = [(Version(name), rest) for name, rest in headings[1:]]
+    assert releases, "no release section below [Unreleased]"
+    for _, rest in releases:
+        assert re.fullmatch(r" - \d{4}-\d{2}-\d{2}", rest), rest
+    versions_in_order = [version for version, _ in releases]
+    assert versions_in_order == sorted(versions_in_order, reverse=True), "newest release first"
+    installed = Version(shardadopt.__version__)
+    if installed.is_devrelease or installed.is_prerelease:  # between releases: the newest one is below it
+        assert versions_in_order[0] < installed
+    else:
+        assert versions_in_order[0] == installed, f"CHANGELOG.md's newest release is not {installed}"
+
+
+def test_the_command_reports_the_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"shardadopt {shardadopt.__version__}"
