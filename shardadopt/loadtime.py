@@ -53,7 +53,7 @@ def refuse_fsdp_with_tp(distributed_config: Any, transformers_version: str) -> N
         transformers_version: the installed transformers release, e.g. ``"5.16.1"``.
 
     Raises:
-        UnsupportedShardingError: ``fsdp_size`` and ``tp_size`` both above 1 on a release that applies only TP.
+        UnsupportedShardingError: ``fsdp_size`` and ``tp_size`` are both above 1.
     """
     if distributed_config is None:
         return
