@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'512*':>6} " + " ".join(f"{extrapolated[c]:>10.3f}" for c in COLUMNS)
               + "   (* least-squares line through the rows above)")
     xs = sorted(table)
-    print("README (ranks " + ", ".join(map(str, xs)) + "): fault to every rank out "
+    print("docs/benchmarks.md (ranks " + ", ".join(map(str, xs)) + "): fault to every rank out "
           + ", ".join(f"{table[x]['out s']:.2g}" for x in xs) + " s; `rebuild_world` "
           + ", ".join(f"{table[x]['rebuild s']:.2g}" for x in xs) + " s; fault to every rank in the next trial "
           + ", ".join(f"{table[x]['next s']:.2g}" for x in xs) + " s")

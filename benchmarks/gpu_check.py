@@ -26,7 +26,7 @@ Items (each with its own timeout; a failed item never stops the next):
   after the fault; ``2 * hang_timeout + 5`` s after the hang) with its own error or ``HangError`` on that rank and
   ``PeerFailedError`` on the others, and on NCCL every rank must have broken its group with
   ``ProcessGroup.abort()``.
-- ``bf16-parity``: the README's accelerate loop on a tiny llama in bf16, ``fsdp_size=--nproc``, against one process
+- ``bf16-parity``: the examples' accelerate loop on a tiny llama in bf16, ``fsdp_size=--nproc``, against one process
   in bf16 on the same global batches: losses and grad norms within 2 %, every parameter element within 2 LR per
   step plus one bf16 ulp of its value.
 - ``selftest``: every ``shardadopt selftest`` scenario on ``--nproc`` ranks (at least 2): NCCL with a GPU per
@@ -301,7 +301,7 @@ def _fence_case(args: argparse.Namespace, state: dict[str, Any], fault: str) -> 
 
 
 def bf16_parity(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
-    """The README's accelerate loop on a bf16 model sharded fsdp_size=N against one process in bf16."""
+    """The examples' accelerate loop on a bf16 model sharded fsdp_size=N against one process in bf16."""
     import torch
 
     from shardadopt.selftest.accelerate import LR, STEPS, _whole, train_reference

@@ -89,12 +89,20 @@ class UntestedUpstreamWarning(UserWarning):
 
 
 def disable() -> list[PatchStatus]:
-    """Revert every applied patch, restoring the original upstream objects."""
+    """Revert every applied patch, restoring the original upstream objects.
+
+    Returns:
+        One ``PatchStatus`` per registered patch, after the revert.
+    """
     return _registry().disable()
 
 
 def status() -> list[PatchStatus]:
-    """One record per patch: ``id``, ``state`` (applied, not-needed, unsupported, off, pending) and ``reason``."""
+    """One record per patch: ``id``, ``state`` (applied, not-needed, unsupported, off, pending) and ``reason``.
+
+    Returns:
+        One ``PatchStatus`` per registered patch.
+    """
     return _registry().status()
 
 

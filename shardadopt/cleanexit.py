@@ -56,7 +56,11 @@ _LOCK = threading.Lock()
 
 
 def exiting_successfully() -> bool:
-    """Whether the interpreter is exiting without an uncaught exception (meaningful in an atexit handler)."""
+    """Whether the interpreter is exiting without an uncaught exception (meaningful in an atexit handler).
+
+    Returns:
+        False when an exception went uncaught (``sys.last_exc``/``sys.last_value`` set), else True.
+    """
     return getattr(sys, "last_value", None) is None and getattr(sys, "last_exc", None) is None
 
 
@@ -135,6 +139,12 @@ def release_process_groups(timeout: float = DEFAULT_TIMEOUT) -> int:
     afterwards torch.distributed is no longer initialised where every group was gloo. Local: no collective, and it
     never waits for a peer; groups with an NCCL backend are left alone (see the module docstring). ``timeout``
     bounds the wait for busy threads.
+
+    Args:
+        timeout: seconds to wait, at most, for torch's threads to drop their last tensors.
+
+    Returns:
+        The number of process groups destroyed.
     """
     destroyed = _destroy_gloo_groups()
     gc.collect()  # groups only reference cycles hold are destructed (workers joined) while Python is whole
@@ -157,6 +167,9 @@ def arm_at_exit(timeout: float = DEFAULT_TIMEOUT) -> None:
 
     Idempotent per process. shardadopt arms it when transformers shards a model while loading (patch
     ``transformers-sharded-clean-exit``); call it yourself for models sharded by hand.
+
+    Args:
+        timeout: passed to :func:`release_process_groups` at exit.
     """
     global _ARMED_PID
     with _LOCK:
@@ -167,5 +180,9 @@ def arm_at_exit(timeout: float = DEFAULT_TIMEOUT) -> None:
 
 
 def armed() -> bool:
-    """Whether this process releases its process groups when it exits successfully."""
+    """Whether this process releases its process groups when it exits successfully.
+
+    Returns:
+        True once :func:`arm_at_exit` was called in this process.
+    """
     return _ARMED_PID == os.getpid()

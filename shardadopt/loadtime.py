@@ -47,6 +47,13 @@ def refuse_fsdp_with_tp(distributed_config: Any, transformers_version: str) -> N
     Such a release (5.16, 5.17) builds a ``tp_size``-rank mesh and applies tensor parallelism alone: FSDP is never
     applied, ranks outside that mesh fail with an ``IndexError`` and the others wait for them in collectives. The
     check reads only the config, so every rank raises the same error before any collective.
+
+    Args:
+        distributed_config: the ``DistributedConfig`` passed to ``from_pretrained`` (None: nothing to check).
+        transformers_version: the installed transformers release, e.g. ``"5.16.1"``.
+
+    Raises:
+        UnsupportedShardingError: ``fsdp_size`` and ``tp_size`` are both above 1.
     """
     if distributed_config is None:
         return
@@ -62,7 +69,15 @@ def refuse_fsdp_with_tp(distributed_config: Any, transformers_version: str) -> N
 
 
 def record_sharding_degrees(model: Any, distributed_config: Any) -> Any:
-    """Stamp ``_tp_size`` / ``_fsdp_size`` (and ``fsdp_size`` where the class has no such property) on ``model``."""
+    """Stamp ``_tp_size`` / ``_fsdp_size`` (and ``fsdp_size`` where the class has no such property) on ``model``.
+
+    Args:
+        model: the model ``from_pretrained`` just loaded.
+        distributed_config: the ``DistributedConfig`` it was loaded with (None: nothing is stamped).
+
+    Returns:
+        ``model``.
+    """
     if distributed_config is None:
         return model
     sizes = _sizes(distributed_config)
@@ -118,6 +133,13 @@ def reuse_device_mesh(distributed_config: Any, build: Callable[[], tuple[Any, An
     process group: a re-initialised world, or a mesh whose process group was destroyed, builds afresh. Every rank
     takes the same path (the key is the same on every rank), so a build stays a collective that all ranks join.
     Models loaded with the same layout then share one mesh, as the parts of a torchtitan model do.
+
+    Args:
+        distributed_config: the ``DistributedConfig`` the model is loaded with.
+        build: upstream's mesh building, called on a layout's first load.
+
+    Returns:
+        The ``(device_map, mesh)`` pair built for this layout.
     """
     import torch.distributed as dist
 
@@ -138,7 +160,16 @@ def is_fused_source(source_shape: tuple[int, ...], param_shape: tuple[int, ...],
     sharded on: a fused tensor that a weight conversion turns into several parameters (HRM's ``gqkv_proj``
     chunked into gate/q/k/v), or several into one. Slicing it with the parameter's own shard bounds takes the
     wrong rows (rank 0 gets gate and q, rank 1 k and v); it must be converted whole and each result sharded.
-    A tensor with another number of dimensions (one expert of a stacked parameter) is sliced per piece upstream."""
+    A tensor with another number of dimensions (one expert of a stacked parameter) is sliced per piece upstream.
+
+    Args:
+        source_shape: the checkpoint tensor's shape.
+        param_shape: the global shape of the parameter it is loaded into.
+        sharded_dims: the dimensions the parameter is sharded on.
+
+    Returns:
+        True when the tensor must be read and converted whole before sharding.
+    """
     if len(source_shape) != len(param_shape):
         return False
     return any(source_shape[dim] != param_shape[dim] for dim in sharded_dims)

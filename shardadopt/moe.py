@@ -37,7 +37,14 @@ __all__ = ["fix_single_rank_expert_grad_divide", "grouped_mm_experts_forward", "
 
 
 def is_expert_parallel(experts: torch.nn.Module) -> bool:
-    """Whether an experts module was sharded by expert at load time (its routing carries sentinel slots)."""
+    """Whether an experts module was sharded by expert at load time (its routing carries sentinel slots).
+
+    Args:
+        experts: an experts module of a MoE model.
+
+    Returns:
+        True when it holds this rank's experts of an expert-parallel load.
+    """
     flag = upstream.experts_is_expert_parallel(experts)  # set by upstream from 5.18
     if flag is not None:
         return bool(flag)
@@ -52,6 +59,16 @@ def grouped_mm_experts_forward(self: torch.nn.Module, hidden_states: torch.Tenso
 
     A faithful port of the transformers 5.17 function (transformers#48205). ``grouped_linear`` defaults to the
     installed ``transformers.integrations.moe._grouped_linear``, so the kernel choice stays upstream's.
+
+    Args:
+        self: the experts module (the function replaces its ``forward``).
+        hidden_states: the tokens routed to this rank, ``(tokens, hidden)``.
+        top_k_index: the expert index of each token's routing slots (sentinel slots included).
+        top_k_weights: the routing weight of each slot.
+        grouped_linear: the grouped GEMM to call (default: the installed transformers').
+
+    Returns:
+        The experts' weighted output per token, as upstream's function returns it.
     """
     if grouped_linear is None:
         grouped_linear = upstream.moe_grouped_linear()
@@ -130,6 +147,13 @@ def sum_router_score_grad(router_scores: torch.Tensor, ep_mesh: Any) -> torch.Te
 
     Apply it to the router's scores before the non-local mask. Only with autograd recording (inference pays no
     collective) and only for a group of more than one rank.
+
+    Args:
+        router_scores: the router's scores.
+        ep_mesh: the expert-parallel mesh (1-D), whose group the gradient is summed over.
+
+    Returns:
+        ``router_scores`` itself when no sum is needed, else the same values with the summing backward.
     """
     if not (torch.is_grad_enabled() and router_scores.requires_grad) or ep_mesh.size() == 1:
         return router_scores
@@ -144,6 +168,12 @@ def fix_single_rank_expert_grad_divide(model: torch.nn.Module) -> list[str]:
     factor once, and nothing else does (with a replicate all-reduce the reduce op is then a plain SUM). This is what
     transformers 5.23 does by setting the forced sum only when ``efsdp_size > 1``. Call it after the model is sharded
     and before its first backward; modules with a reduce-scatter over several ranks are left alone.
+
+    Args:
+        model: a model sharded with ``fully_shard`` (expert parallelism with FSDP).
+
+    Returns:
+        The names of the submodules whose forced sum reduction was turned off.
     """
     from torch.distributed.fsdp import FSDPModule
 

@@ -38,7 +38,14 @@ _STATE_ATTR = "_shardadopt_split"
 
 def group_key(param: torch.Tensor) -> tuple:
     """What a multi-tensor kernel needs to be equal across its list: DTensor-ness, mesh, placements, device,
-    dtype."""
+    dtype.
+
+    Args:
+        param: a parameter, DTensor or plain.
+
+    Returns:
+        A hashable key; parameters with equal keys can share one foreach/fused kernel call.
+    """
     if isinstance(param, DTensor):
         mesh = param.device_mesh
         return ("dtensor", tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names,
@@ -56,7 +63,14 @@ def _partition(params: Sequence[torch.Tensor]) -> list[list[int]]:
 
 def split_param_groups(param_groups: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each group split into homogeneous groups with the same hyperparameters (groups already homogeneous are
-    returned as they are). Accepts what an optimizer constructor accepts: dicts with ``params``."""
+    returned as they are). Accepts what an optimizer constructor accepts: dicts with ``params``.
+
+    Args:
+        param_groups: parameter groups as an optimizer constructor takes them (dicts with ``params``).
+
+    Returns:
+        The groups, each split into homogeneous groups that keep its other keys.
+    """
     out = []
     for group in param_groups:
         params = list(group["params"])
@@ -125,6 +139,12 @@ def split_param_groups_by_mesh(optimizer: torch.optim.Optimizer) -> torch.optim.
 
     Works for any ``torch.optim.Optimizer`` (foreach, fused or neither); returns the same optimizer. A wrapper
     such as accelerate's ``AcceleratedOptimizer`` is unwrapped to the optimizer it holds.
+
+    Args:
+        optimizer: the optimizer, or a wrapper holding one as ``.optimizer``.
+
+    Returns:
+        The same optimizer object, now splitting its groups around each ``step()``.
     """
     inner = getattr(optimizer, "optimizer", optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
@@ -137,7 +157,11 @@ def split_param_groups_by_mesh(optimizer: torch.optim.Optimizer) -> torch.optim.
 
 
 def unsplit_param_groups_by_mesh(optimizer: torch.optim.Optimizer) -> None:
-    """Undo :func:`split_param_groups_by_mesh` (remove its hooks)."""
+    """Undo :func:`split_param_groups_by_mesh` (remove its hooks).
+
+    Args:
+        optimizer: an optimizer :func:`split_param_groups_by_mesh` was called on (others are left as they are).
+    """
     inner = getattr(optimizer, "optimizer", optimizer)
     split = getattr(inner, _STATE_ATTR, None)
     if split is not None:

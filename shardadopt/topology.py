@@ -84,7 +84,15 @@ class Topology:
         return self.source != "plain"
 
     def plain_replication(self, parameter: torch.Tensor) -> int:
-        """How many ranks hold an identical copy of the plain parameter ``parameter``."""
+        """How many ranks hold an identical copy of the plain parameter ``parameter``.
+
+        Args:
+            parameter: a plain (non-DTensor) parameter of the model.
+
+        Returns:
+            The number of ranks holding the same values (the world size for a parameter the topology did not
+            record).
+        """
         return self._plain_counts.get(id(parameter), self.world_size)
 
     def tp_group(self) -> Any:
@@ -98,13 +106,22 @@ class Topology:
 
     def grad_replication(self, parameters: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], int]:
         """``plain_replication`` for the current gradients of ``parameters`` (what ``shardadopt.gradnorm`` asks
-        about): gradients are new tensors every step, so the map is built per call."""
+        about): gradients are new tensors every step, so the map is built per call.
+
+        Args:
+            parameters: the model's parameters, whose ``.grad`` the returned function is asked about.
+
+        Returns:
+            A function from a gradient tensor to the number of ranks holding an identical copy of it (the world size
+            for a tensor it does not know).
+        """
         counts = {id(p.grad): self._plain_counts[id(p)] for p in parameters
                   if p.grad is not None and id(p) in self._plain_counts}
         world = self.world_size
         return lambda grad: counts.get(id(grad), world)
 
     def describe(self) -> str:
+        """One line for logs and errors: where the layout was read from, the sizes and this rank's coordinates."""
         return (f"{self.source}: world {self.world_size} = dp_replicate {self.dp_replicate_size} x dp_shard "
                 f"{self.dp_shard_size} x tp {self.tp_size} (ep {self.ep_size}); rank {self.rank} -> dp rank "
                 f"{self.dp_rank}, tp rank {self.tp_rank}, ep rank {self.ep_rank}")
@@ -132,6 +149,13 @@ def topology(model: nn.Module, override: Mapping[str, int] | None = None) -> Top
     ``override`` maps any of ``dp_replicate``, ``dp_shard``, ``tp``, ``ep`` to a size (missing: 1; their product
     must be the world size). Raises :class:`TopologyError` naming the fix when the model's meshes do not match the
     world or a hand-sharded layout is ambiguous.
+
+    Args:
+        model: a model sharded at load time (``DistributedConfig``) or by hand (FSDP2, DTensor).
+        override: sizes for layouts the meshes cannot tell apart.
+
+    Returns:
+        The :class:`Topology` of ``model`` on this rank.
     """
     model = _unwrap(model)
     key = tuple(sorted(override.items())) if override else None

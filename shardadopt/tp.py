@@ -49,6 +49,13 @@ def install_replicated_grad_allreduce(module: nn.Module, mesh: Any) -> nn.Module
 
     The hooks go on the parameters the module holds when it runs forward with autograd recording (loading or FSDP
     swap parameters in later), once per parameter object. Idempotent per module.
+
+    Args:
+        module: the module whose own (non-recursive) parameters are replicated over ``mesh``.
+        mesh: the tensor-parallel group: a 1-D ``DeviceMesh`` or a ``ProcessGroup``.
+
+    Returns:
+        ``module``, hooked.
     """
     if getattr(module, _MARK, None) is not None:
         return module
@@ -196,6 +203,13 @@ def install_partial_gradient_sums(model: nn.Module, on_partial: Callable[[str], 
     (transformers' or :func:`install_replicated_grad_allreduce`) are not considered. ``on_partial(name)`` is called
     once per parameter found partial. Call on every rank before the first forward; a model without tensor
     parallelism is left as it is. Idempotent.
+
+    Args:
+        model: the tensor-parallel model.
+        on_partial: called with a parameter's name once it is found partial.
+
+    Returns:
+        ``model``, hooked.
     """
     if getattr(model, _PARTIAL_MARK, None) is not None:
         return model
@@ -295,6 +309,10 @@ def localize_padding_idx(embedding: nn.Module, rank: int) -> None:
     table, so the global id kept on every rank gives rank 1's first real token no gradient (the padding id being 0)
     or raises (a padding id beyond the shard). The global id is remembered on the module; ranks whose shard does not
     hold it get None. Idempotent.
+
+    Args:
+        embedding: a vocab-parallel embedding holding this rank's rows of the table.
+        rank: this rank's index in the tensor-parallel group.
     """
     global_idx = embedding.__dict__.setdefault(_GLOBAL_PADDING, getattr(embedding, "padding_idx", None))
     if global_idx is None:
@@ -306,7 +324,11 @@ def localize_padding_idx(embedding: nn.Module, rank: int) -> None:
 
 def stash_rowwise_bias(module: nn.Module) -> None:
     """Before a rowwise projection's forward: take its bias out of the matmul (it must be added once, after the
-    all-reduce), without renaming the parameter (kept outside ``_parameters`` for this forward only)."""
+    all-reduce), without renaming the parameter (kept outside ``_parameters`` for this forward only).
+
+    Args:
+        module: the rowwise projection about to run forward.
+    """
     bias = getattr(module, "bias", None)
     if isinstance(bias, nn.Parameter):
         module.__dict__[_STASHED_BIAS] = bias
@@ -314,7 +336,15 @@ def stash_rowwise_bias(module: nn.Module) -> None:
 
 
 def add_stashed_bias(module: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
-    """After the all-reduce of a rowwise projection: add the stashed bias once and put the parameter back."""
+    """After the all-reduce of a rowwise projection: add the stashed bias once and put the parameter back.
+
+    Args:
+        module: the rowwise projection whose bias :func:`stash_rowwise_bias` stashed.
+        outputs: its all-reduced output.
+
+    Returns:
+        ``outputs`` plus the bias (``outputs`` as they are when nothing was stashed).
+    """
     bias = module.__dict__.pop(_STASHED_BIAS, None)
     if bias is None:
         return outputs

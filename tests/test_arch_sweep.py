@@ -1,5 +1,5 @@
-"""The architecture matrix: the README states what the recorded data says, a fixed sample of the sweep still holds
-on the installed release, and ``shardadopt doctor --model`` reports it.
+"""The architecture matrix: ``docs/architectures.md`` states what the recorded data says, a fixed sample of the
+sweep still holds on the installed release, and ``shardadopt doctor --model`` reports it.
 
 ``tools/arch_sweep.py`` records one verdict per model type and layout for each release line
 (``shardadopt/data/arch_matrix/transformers-<minor>.json``). Re-running the whole sweep takes far longer than CI has;
@@ -45,13 +45,13 @@ def _installed_matrix() -> dict:
     return json.loads(path.read_text())
 
 
-def test_readme_coverage_section_is_what_the_matrices_derive():
+def test_docs_coverage_section_is_what_the_matrices_derive():
     tool = _tool()
-    block = tool.readme_block((REPO / "README.md").read_text())
-    assert block is not None, f"README.md lacks the {tool.BEGIN} ... {tool.END} block"
-    assert block == tool.readme_section(tool.load_matrices()), (
-        "the README's architecture coverage differs from shardadopt/data/arch_matrix; run "
-        "`python tools/arch_sweep.py --readme`")
+    block = tool.coverage_block((REPO / "docs" / "architectures.md").read_text())
+    assert block is not None, f"docs/architectures.md lacks the {tool.BEGIN} ... {tool.END} block"
+    assert block == tool.coverage_section(tool.load_matrices()), (
+        "docs/architectures.md's coverage differs from shardadopt/data/arch_matrix; run "
+        "`python tools/arch_sweep.py --docs`")
 
 
 def test_every_recorded_cell_has_a_known_verdict_and_a_reason():

@@ -1,11 +1,11 @@
-"""The README's "Examples" section, run as users run it.
+"""The examples page (``docs/examples.md``), run as users run it.
 
-Every ``bash`` block of that section runs verbatim (``bash -e -o pipefail``) in a scratch directory that holds
+Every ``bash`` block of that page runs verbatim (``bash -e -o pipefail``) in a scratch directory that holds
 ``examples/`` (a link to this checkout's) and ``runs/tiny-models`` (the session's tiny checkpoints, the path the
 examples generate them at), with the active interpreter's ``bin`` first on ``PATH`` as an activated virtual
 environment has it. Then the test checks what the block left behind: checkpoints, the step a resumed run started
 from, the consolidated export (loaded with a plain ``from_pretrained``), the trials' states in storage. Every
-``python`` block of the section must be lines of an example file, so the README cannot drift from the code.
+``python`` block of the page must be lines of an example file, so the page cannot drift from the code.
 """
 
 from __future__ import annotations
@@ -46,15 +46,12 @@ ONE_SET_BLOCKS = {"accelerate_loop-fsdp": "oldest", "accelerate_loop-tp": "oldes
                   "custom_loop_hpo": "oldest", "hpo_search": "newest", "lora_sft-tp": "newest"}
 
 
-def section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("\n## Examples\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else len(text)]
+def page() -> str:
+    return (ROOT / "docs" / "examples.md").read_text()
 
 
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```$", section(), flags=re.M | re.S)
+    return re.findall(rf"^```{language}\n(.*?)^```$", page(), flags=re.M | re.S)
 
 
 def commands(block: str) -> list[list[str]]:
@@ -106,12 +103,12 @@ def blocks_for_this_set() -> list[str]:
     return [b for b in blocks("bash") if ONE_SET_BLOCKS.get(block_id(b), here) == here]
 
 
-# -- the section is complete and its code is the examples' code ----------------------------------------------------
+# -- the page is complete and its code is the examples' code ----------------------------------------------------
 
 
 def test_every_example_is_run_by_a_block_and_every_python_block_is_example_code():
     ran = {script(b) for b in blocks("bash")}
-    assert ran == {p.name for p in EXAMPLES.glob("*.py")}, "each example needs a command block in README"
+    assert ran == {p.name for p in EXAMPLES.glob("*.py")}, "each example needs a command block in docs/examples.md"
     assert set(ONE_SET_BLOCKS) <= {block_id(b) for b in blocks("bash")}, "ONE_SET_BLOCKS names a missing block"
     assert set(ONE_SET_BLOCKS.values()) <= {"oldest", "newest"}
     sources = {p.name: p.read_text().splitlines() for p in EXAMPLES.glob("*.py")}
@@ -120,7 +117,7 @@ def test_every_example_is_run_by_a_block_and_every_python_block_is_example_code(
         found = [name for name, lines in sources.items()
                  if any(textwrap.dedent("\n".join(lines[i:i + len(want)])).splitlines() == want
                         for i in range(len(lines) - len(want) + 1))]
-        assert found, f"README python block is not a verbatim excerpt of any example:\n{code}"
+        assert found, f"docs/examples.md python block is not a verbatim excerpt of any example:\n{code}"
 
 
 # -- running the blocks --------------------------------------------------------------------------------------------
@@ -193,7 +190,7 @@ def load_study(url: str, name: str):
 
 
 @pytest.mark.parametrize("block", blocks_for_this_set(), ids=block_id)
-def test_readme_block(block, tmp_path, tiny_models):
+def test_example_block(block, tmp_path, tiny_models):
     reason = skip_reason(block)
     if reason:
         pytest.skip(reason)

@@ -6,12 +6,12 @@ TP/2-D/EP), a tiny random model derived from the type's default config runs the 
 ``shardadopt.enable()`` against one process (``shardadopt/testing/sweep.py`` states the check and its
 tolerances). All types of one layout share one process group. The verdicts go to
 ``shardadopt/data/arch_matrix/transformers-<minor>.json`` (one file per release line, cells merged, written after each
-type so a long run keeps its progress); ``tests/test_arch_sweep.py`` checks the README against them and re-runs a
-fixed sample in CI.
+type so a long run keeps its progress); ``tests/test_arch_sweep.py`` checks ``docs/architectures.md`` against them
+and re-runs a fixed sample in CI.
 
     python tools/arch_sweep.py                           # every layout and type, with this interpreter's releases
     python tools/arch_sweep.py --layouts tp --types apertus llama4_text     # refresh some cells
-    python tools/arch_sweep.py --readme                  # rewrite the README's coverage section from the data
+    python tools/arch_sweep.py --docs                    # rewrite docs/architectures.md's coverage table from the data
 
 Run it with each CI set's interpreter (``/path/to/venv/bin/python tools/arch_sweep.py``), from the repository root.
 """
@@ -30,7 +30,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "shardadopt" / "data" / "arch_matrix"
-README = REPO / "README.md"
+COVERAGE_PAGE = REPO / "docs" / "architectures.md"
 BEGIN, END = "<!-- arch-sweep:begin -->", "<!-- arch-sweep:end -->"
 LAYOUT_ORDER = ("fsdp", "tp", "ep", "hsdp", "2d")
 # What was found out about a cell that is not verified, beyond what the check says: (type, layout, verdict) -> why.
@@ -165,8 +165,8 @@ def _line(transformers_version: str) -> str:
     return ".".join(transformers_version.split(".")[:2])
 
 
-def readme_section(matrices: list[dict]) -> str:
-    """The README's coverage section, derived from the recorded matrices."""
+def coverage_section(matrices: list[dict]) -> str:
+    """The coverage table and notes of ``docs/architectures.md``, derived from the recorded matrices."""
     from shardadopt.testing.sweep import VERDICTS
 
     lines = ["| transformers | layout | types | " + " | ".join(VERDICTS) + " | run time |",
@@ -204,29 +204,29 @@ def _short(text: str, limit: int = 220) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def readme_block(text: str) -> str | None:
+def coverage_block(text: str) -> str | None:
     if BEGIN not in text or END not in text:
         return None
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
 
 
-def write_readme() -> None:
+def write_coverage_page() -> None:
     sys.path.insert(0, str(REPO))
-    text = README.read_text()
-    if readme_block(text) is None:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block to rewrite")
+    text = COVERAGE_PAGE.read_text()
+    if coverage_block(text) is None:
+        raise SystemExit(f"docs/architectures.md has no {BEGIN} ... {END} block to rewrite")
     for path in DATA.glob("transformers-*.json"):  # explanations added since a matrix was recorded
         matrix = json.loads(path.read_text())
         annotate(matrix)
         path.write_text(json.dumps(matrix, indent=1) + "\n")
     before, rest = text.split(BEGIN, 1)
     after = rest.split(END, 1)[1]
-    README.write_text(f"{before}{BEGIN}\n{readme_section(load_matrices())}\n{END}{after}")
+    COVERAGE_PAGE.write_text(f"{before}{BEGIN}\n{coverage_section(load_matrices())}\n{END}{after}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="only rewrite the README's coverage section")
+    parser.add_argument("--docs", action="store_true", help="only rewrite the coverage table of docs/architectures.md")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUT_ORDER, default=list(LAYOUT_ORDER))
     parser.add_argument("--types", nargs="+", help="only these model types (default: every one)")
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "shardadopt-arch-sweep",
@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true", help="skip the cells this release already has")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type before its ranks count as hung")
     args = parser.parse_args(argv)
-    if args.readme:
-        write_readme()
+    if args.docs:
+        write_coverage_page()
         return 0
     return run(args.layouts, args.types, args.root, args.timeout, args.resume)
 

@@ -159,6 +159,13 @@ def full_state_dict(model: torch.nn.Module, *, rank0_only: bool = True) -> dict[
 
     A collective. With ``rank0_only`` the other ranks return ``{}``: each tensor is gathered to rank 0 only (see
     :func:`save_full`), so no other rank allocates anything and only rank 0 ever holds the whole model.
+
+    Args:
+        model: the (sharded) model.
+        rank0_only: gather to rank 0 only; the other ranks return ``{}``.
+
+    Returns:
+        Parameter and buffer name -> full CPU tensor.
     """
     out = {}
     with fenced("a full_state_dict gather"):  # rank 0 failing to allocate must not leave the senders waiting
@@ -199,6 +206,16 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
     converted back to the format transformers saves (e.g. fused MoE experts split per expert). Writes
     ``config.json`` (and ``generation_config.json``) with ``write_config``. Returns the weight files written
     (on rank 0; ``[]`` elsewhere).
+
+    Args:
+        model: the (sharded) model.
+        directory: where the weights are written (the same path on every rank).
+        max_shard_size: the largest safetensors file, in bytes or as ``"5GB"``.
+        original_format: convert names and layout back to what transformers saves.
+        write_config: also write the model's ``config.json`` (and generation config).
+
+    Returns:
+        The weight files written, on rank 0; ``[]`` on the other ranks.
     """
     from huggingface_hub import constants
 

@@ -111,6 +111,16 @@ def staged(directory: str | os.PathLike, *, step: int | None = None, models: Seq
     same name), then a barrier so no rank reads before publication. If the block raises, nothing is published.
     ``after_publish`` (every rank calls it, e.g. rotating older checkpoints on rank 0) runs after publication,
     still under the fence, followed by a barrier: one rank raising there makes every rank raise at once.
+
+    Args:
+        directory: where the checkpoint is published.
+        step: the training step, recorded in the completion marker.
+        models: the models saved, whose layout the marker records.
+        metadata: JSON-able values for the completion marker.
+        after_publish: called on every rank after publication.
+
+    Yields:
+        The staging directory to write into (the same path on every rank).
     """
     directory = os.path.abspath(os.fspath(directory))
     with fenced(f"the checkpoint save into {directory}"):  # a rank raising anywhere in here: every rank raises
@@ -155,7 +165,14 @@ def _publish(staging: str, directory: str, step: int | None, world_size: int, mo
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
-    """Whether ``directory`` holds a completely written shardadopt checkpoint."""
+    """Whether ``directory`` holds a completely written shardadopt checkpoint.
+
+    Args:
+        directory: a checkpoint directory.
+
+    Returns:
+        True when its completion marker is there.
+    """
     return os.path.isfile(os.path.join(os.fspath(directory), MARKER))
 
 
@@ -163,7 +180,14 @@ def read_info(directory: str | os.PathLike) -> CheckpointInfo:
     """The completion marker of ``directory``; ``IncompleteCheckpointError`` when it is missing.
 
     Where a re-save of ``directory`` was killed between its two renames, the previous checkpoint is read where that
-    save moved it (``info.directory``) until the next save of that name puts it back."""
+    save moved it (``info.directory``) until the next save of that name puts it back.
+
+    Args:
+        directory: a checkpoint directory.
+
+    Returns:
+        Its :class:`CheckpointInfo`.
+    """
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory) and is_complete(_aside_path(directory)):
         directory = _aside_path(directory)
@@ -198,6 +222,12 @@ def latest(root: str | os.PathLike) -> str | None:
 
     Staging directories of interrupted saves and directories without a completion marker are skipped; a checkpoint
     that a same-name re-save moved aside and was killed before replacing counts, at the path it was moved to.
+
+    Args:
+        root: the directory holding the checkpoints.
+
+    Returns:
+        The path of the newest complete checkpoint, or None.
     """
     root = os.fspath(root)
     if not os.path.isdir(root):

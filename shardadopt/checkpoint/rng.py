@@ -17,7 +17,11 @@ def _rng_file(directory: str, rank: int) -> str:
 
 
 def save_rng_state(directory: str) -> None:
-    """This rank's python, numpy and torch (CPU and current accelerator) RNG states."""
+    """This rank's python, numpy and torch (CPU and current accelerator) RNG states.
+
+    Args:
+        directory: the checkpoint directory; this rank's states go into a file of its own there.
+    """
     import numpy as np
 
     state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
@@ -28,7 +32,14 @@ def save_rng_state(directory: str) -> None:
 
 
 def load_rng_state(directory: str) -> bool:
-    """Restore this rank's RNG states; False when the checkpoint has no file for this rank."""
+    """Restore this rank's RNG states; False when the checkpoint has no file for this rank.
+
+    Args:
+        directory: a checkpoint directory written with :func:`save_rng_state`.
+
+    Returns:
+        True when this rank's states were restored.
+    """
     import numpy as np
 
     path = _rng_file(directory, _world()[1])

@@ -23,6 +23,12 @@ def rank_local(model: torch.nn.Module) -> bool:
 
     transformers 5.15 shards TP (and EP through TP) this way. Such tensors carry no placement, so DCP cannot tell
     them from replicas: they are checkpointed per rank, and load back only into the same world and layout.
+
+    Args:
+        model: the model.
+
+    Returns:
+        True when some parameter is a plain tensor holding this rank's TP shard.
     """
     config = getattr(getattr(model, "config", None), "distributed_config", None)
     return (config is not None and getattr(config, "tp_size", 1) > 1
@@ -30,7 +36,14 @@ def rank_local(model: torch.nn.Module) -> bool:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether any parameter is a DTensor or a rank-local TP shard, or any submodule is an FSDP2 module."""
+    """Whether any parameter is a DTensor or a rank-local TP shard, or any submodule is an FSDP2 module.
+
+    Args:
+        model: the model.
+
+    Returns:
+        True when the model is sharded in any way shardadopt knows.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     return (any(_is_dtensor(p) for p in model.parameters()) or any(isinstance(m, FSDPModule) for m in model.modules())
@@ -38,7 +51,14 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def layout(model: torch.nn.Module) -> dict[str, Any]:
-    """A JSON-able description of how ``model`` is distributed: its ``DistributedConfig`` and its device meshes."""
+    """A JSON-able description of how ``model`` is distributed: its ``DistributedConfig`` and its device meshes.
+
+    Args:
+        model: the model.
+
+    Returns:
+        A dict for the checkpoint's completion marker, compared at load time.
+    """
     meshes = {}
     for p in model.parameters():
         if _is_dtensor(p):

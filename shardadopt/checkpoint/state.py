@@ -110,7 +110,14 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
 
     ``frozen=False`` (or one flag per model) leaves out the frozen base (:func:`frozen_base`: an adapter run's base
     weights, which the model loads from its own checkpoint; every adapter is kept, active or not): what upstream's
-    Trainer leaves out of a PEFT model's checkpoint."""
+    Trainer leaves out of a PEFT model's checkpoint.
+
+    Args:
+        directory: the checkpoint directory (usually a staging one, see :func:`staged`).
+        models: the model, or several.
+        optimizers: their optimizers (none, one, or a list).
+        frozen: whether to keep each model's frozen base (one flag for all, or one per model).
+    """
     import torch.distributed.checkpoint as dcp
 
     path = os.path.join(directory, _STATE_DIR)
@@ -211,7 +218,15 @@ def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
 
     ``weights=False`` reads the optimizers' state only (the models' weights were loaded already: the Trainer loads
     the model, then the optimizer). ``frozen=False`` (or one flag per model) reads all but the frozen base (which
-    keeps what the model holds), from a checkpoint written either way."""
+    keeps what the model holds), from a checkpoint written either way.
+
+    Args:
+        directory: a checkpoint directory written by :func:`save_sharded_state`.
+        models: the model, or several, in the order they were saved.
+        optimizers: their optimizers, in the order they were saved.
+        weights: whether to read the models' weights too.
+        frozen: whether to read each model's frozen base (one flag for all, or one per model).
+    """
     models, optimizers = _as_list(models), _as_list(optimizers)
     flags = _per_model(frozen, len(models))
     with contextlib.ExitStack() as stack:
@@ -261,6 +276,14 @@ def check_compatible(info: CheckpointInfo, models: Sequence[torch.nn.Module], *,
 
     Raises ``CheckpointMismatchError`` when the layouts differ and ``reshard`` is False, or when the number of
     models differs. Global shapes are checked when the state is read.
+
+    Args:
+        info: the checkpoint's completion marker (:func:`read_info`).
+        models: the models it is about to be loaded into.
+        reshard: whether a different layout may be resharded.
+
+    Returns:
+        True when the load reshards, False when it resumes the layout it was saved with.
     """
     world_size = _world()[0]
     current = [layout(m) for m in models]
@@ -292,6 +315,19 @@ def save(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.n
     ``model``/``optimizer``/``scheduler`` may be lists (one optimizer per model, or several for one model).
     ``extra`` is any picklable object (dataloader position, counters), saved from rank 0. ``metadata`` (JSON-able)
     goes into the completion marker.
+
+    Args:
+        directory: where the checkpoint is published (the same path on every rank).
+        model: the model, or a list of models.
+        optimizer: an optimizer, or a list.
+        scheduler: a learning-rate scheduler, or a list.
+        step: the training step, recorded in the completion marker.
+        extra: a picklable object saved from rank 0.
+        rng: whether to save every rank's RNG states.
+        metadata: JSON-able values for the completion marker.
+
+    Returns:
+        ``directory``, as a string.
     """
     models = _as_list(model)
     with staged(directory, step=step, models=models, metadata=metadata) as stage:
@@ -315,6 +351,17 @@ def load(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.n
     restores everything, per-rank RNG included. With a different layout it reshards the weights and optimizer
     state through DCP (``info.resharded``) and leaves the RNG alone, with a warning; ``reshard=False`` refuses
     instead (``CheckpointMismatchError``).
+
+    Args:
+        directory: a checkpoint written by :func:`save` (e.g. ``latest(root)``).
+        model: the model, or a list of models, as saved.
+        optimizer: an optimizer, or a list, as saved.
+        scheduler: a scheduler, or a list, as saved.
+        rng: whether to restore the RNG states (same layout only).
+        reshard: whether a checkpoint saved with another layout may be resharded.
+
+    Returns:
+        The checkpoint's :class:`CheckpointInfo` (``step``, ``extra``, ``resharded``, ...).
     """
     info = read_info(directory)
     models = _as_list(model)

@@ -87,6 +87,17 @@ def total_norm(tensors: TensorOrTensors, norm_type: float = 2.0, error_if_nonfin
     raises :class:`LayoutError` on the ranks that found it, after the collective, while the other ranks get NaN;
     no rank hangs and none uses a wrong norm. The layout is worked out once and reused while the gradients keep
     it (:mod:`shardadopt.gradnorm.plan`).
+
+    Args:
+        tensors: this rank's tensors (usually gradients), DTensor or plain, in the same order on every rank.
+        norm_type: the norm's order, ``inf`` included, as for ``torch.nn.utils.get_total_norm``.
+        error_if_nonfinite: raise ``RuntimeError`` when the norm is NaN or infinite.
+        foreach: use foreach kernels for the local norms (default: where torch would).
+        group: the process group the tensors are spread over (default: the world).
+        plain_replication: how many ranks of ``group`` hold an identical copy of a plain tensor.
+
+    Returns:
+        The total norm, a scalar tensor, equal on every rank.
     """
     tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
     return _planned_norm(tensors, norm_type, error_if_nonfinite, foreach, group, plain_replication)[0]
@@ -162,6 +173,12 @@ def clip_grads_with_norm_(parameters: TensorOrTensors, max_norm: float, total_no
 
     DTensor gradients are scaled through their local tensors (any placement, Partial included: scaling is
     linear), with foreach kernels per (device, dtype); no collective.
+
+    Args:
+        parameters: the parameters whose ``.grad`` is scaled (those without a gradient are skipped).
+        max_norm: the norm the gradients are clipped to.
+        total_norm: the total norm of the gradients, e.g. from :func:`total_norm`.
+        foreach: use foreach kernels (default: where torch would).
     """
     grads = [upstream.dtensor_local(g) if isinstance(g, DTensor) else g for g in _grads(parameters)]
     if not grads:
@@ -178,7 +195,21 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
                     plain_replication: PlainReplication | None = None) -> Tensor:
     """Clip the gradients of ``parameters`` to a total norm of ``max_norm``; returns the total norm before
     clipping (the same on every rank). :func:`total_norm` then :func:`clip_grads_with_norm_`, the latter with the
-    norm's plan: one foreach multiply per (device, dtype)."""
+    norm's plan: one foreach multiply per (device, dtype).
+
+    Args:
+        parameters: the parameters whose ``.grad`` is clipped, in the same order on every rank.
+        max_norm: the norm the gradients are clipped to.
+        norm_type: the norm's order, ``inf`` included.
+        error_if_nonfinite: raise ``RuntimeError`` when the norm is NaN or infinite.
+        foreach: use foreach kernels (default: where torch would).
+        group: the process group the gradients are spread over (default: the world).
+        plain_replication: how many ranks of ``group`` hold an identical copy of a plain gradient, e.g.
+            ``shardadopt.topology(model).grad_replication(model.parameters())``.
+
+    Returns:
+        The total norm before clipping, a scalar tensor, equal on every rank.
+    """
     parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     norm, used, locals_ = _planned_norm(_grads(parameters), norm_type, error_if_nonfinite, foreach, group,
                                         plain_replication)

@@ -43,6 +43,24 @@ def attach_study(storage: Any = None, *, study_name: str | None = None, load_if_
 
     ``space``: the search-space version (see ``provenance.space_version``); None skips the check.
     ``n_trials``: this job's budget, for the concurrency warning.
+
+    Args:
+        storage: a storage URL, path or Optuna storage (None: a journal file under ``output_dir``).
+        study_name: the study's name; jobs passing the same name work on the same study.
+        load_if_exists: attach to an existing study of that name (else creating it fails when it exists).
+        direction: ``"minimize"`` or ``"maximize"`` for a single objective.
+        directions: one direction per objective, for several.
+        sampler: the sampler (default: :func:`shardadopt.hpo.storage.default_sampler`).
+        pruner: the pruner (default: Optuna's).
+        output_dir: where the default journal file goes.
+        space: the search-space version recorded on the study and checked on attach.
+        allow_space_mismatch: attach even when the study was created with another space version.
+        n_trials: this job's budget, for the concurrency warning.
+        heartbeat_interval: seconds between trial heartbeats (database storages).
+        grace_period: seconds without a heartbeat before a trial counts as stale.
+
+    Returns:
+        The ``optuna.Study``.
     """
     rdb_kwargs = {}
     if heartbeat_interval is not None:
@@ -74,6 +92,13 @@ def trial_checkpoint_dir(trial: optuna.trial.BaseTrial, root: str | os.PathLike)
     the trial as ``checkpoint_dir``, so ``requeue`` can point a retry at it: by ``optimize`` when the trial starts,
     or here for a plain Optuna trial (in a hand-written ``DistributedTrial`` loop, call it once with rank 0's
     Optuna trial). Not created here.
+
+    Args:
+        trial: the Optuna trial (or a ``DistributedTrial``).
+        root: the directory holding every trial's checkpoints.
+
+    Returns:
+        The trial's own checkpoint directory.
     """
     from shardadopt.hpo.trial import DistributedTrial
 
@@ -86,7 +111,15 @@ def trial_checkpoint_dir(trial: optuna.trial.BaseTrial, root: str | os.PathLike)
 def resume_checkpoint(trial: optuna.trial.BaseTrial, root: str | os.PathLike) -> str | None:
     """The latest complete ``shardadopt.checkpoint`` this trial continues from, or None: its own under
     ``trial_checkpoint_dir(trial, root)``, else, for a retry, the dead trial's (``resume_from``, set by
-    ``requeue``). No collective, like ``trial_checkpoint_dir``."""
+    ``requeue``). No collective, like ``trial_checkpoint_dir``.
+
+    Args:
+        trial: the Optuna trial (or a ``DistributedTrial``).
+        root: the directory holding every trial's checkpoints.
+
+    Returns:
+        The checkpoint's path, or None for a fresh trial.
+    """
     from shardadopt import checkpoint
 
     own = checkpoint.latest(trial_checkpoint_dir(trial, root))

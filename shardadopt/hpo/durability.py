@@ -137,6 +137,14 @@ def requeue(study: optuna.Study, grace_period: float = DEFAULT_GRACE_PERIOD, now
 
     Deterministic failures (``oom``, ``nan_loss``, ``config_error``, ``error``) are never retried, nor is a
     retry retried. Run it from one place (cron, a controller), not from every worker.
+
+    Args:
+        study: the study to look after.
+        grace_period: seconds without a heartbeat before a running trial counts as stale.
+        now: the current time (seconds since the epoch; default: now), for tests.
+
+    Returns:
+        A report of the trials failed as stale and the retries enqueued.
     """
     report = RequeueReport()
     for trial in stale_trials(study, grace_period, now):

@@ -42,13 +42,30 @@ _KIND_OF_EXCEPTION = "shardadopt_failure_kind"  # an exception attribute; surviv
 
 
 def mark(exc: BaseException, kind: str) -> BaseException:
-    """Tag ``exc`` with a failure kind decided where the context was known (e.g. before training started)."""
+    """Tag ``exc`` with a failure kind decided where the context was known (e.g. before training started).
+
+    Args:
+        exc: the exception.
+        kind: one of the failure kinds (``oom``, ``nan_loss``, ``config_error``, ``preempted``, ``comm_error``,
+            ``error``).
+
+    Returns:
+        ``exc``, tagged.
+    """
     setattr(exc, _KIND_OF_EXCEPTION, kind)
     return exc
 
 
 def classify(exc: BaseException, *, before_training: bool = False) -> str:
-    """The failure kind of ``exc``. ``before_training``: raised while building the config/model for a trial."""
+    """The failure kind of ``exc``. ``before_training``: raised while building the config/model for a trial.
+
+    Args:
+        exc: the exception that failed the trial.
+        before_training: whether it was raised while the trial's config or model was built.
+
+    Returns:
+        The failure kind recorded as the trial's ``failure_kind``.
+    """
     marked = getattr(exc, _KIND_OF_EXCEPTION, None)
     if marked in KINDS:
         return marked
@@ -73,7 +90,18 @@ def classify(exc: BaseException, *, before_training: bool = False) -> str:
 
 
 def check_finite(value: float, what: str = "objective") -> float:
-    """``value`` if it is finite, else ``NonFiniteLossError``."""
+    """``value`` if it is finite, else ``NonFiniteLossError``.
+
+    Args:
+        value: the loss or objective value.
+        what: what the value is, for the error message.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        NonFiniteLossError: ``value`` is NaN or infinite.
+    """
     if value is None or not math.isfinite(float(value)):
         raise NonFiniteLossError(f"the {what} is {value}: the trial diverged; lower the learning rate or narrow "
                                  f"the search space")

@@ -157,6 +157,23 @@ def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None
     study. ``control`` (``ControlOptions``): the control plane's group and timeout. Returns the study on rank 0 and
     ``None`` elsewhere; without an initialised process group it is plain ``study.optimize`` with a
     ``DistributedTrial`` for the objective.
+
+    Args:
+        study: the study, a function creating it, or a ``StudySpec`` (rank 0; None elsewhere).
+        objective: called with a ``DistributedTrial`` on every rank; returns the value (or values).
+        n_trials: this job's number of trials (Optuna's meaning).
+        timeout: seconds after which no new trial starts.
+        n_jobs: must be 1 with more than one rank.
+        catch: exception types that fail a trial without stopping the study.
+        callbacks: run on rank 0 after each trial.
+        gc_after_trial: run the garbage collector after each trial.
+        show_progress_bar: Optuna's progress bar (None: for 20+ trials on a terminal).
+        durability: space version, reproducibility attributes, heartbeats, unpruned trials, warm start.
+        control: the control plane's group, timeout and hang bound.
+        **moved: options that moved into ``durability``/``control``: refused with a ``TypeError`` saying where.
+
+    Returns:
+        The study on rank 0, None on the other ranks.
     """
     if moved:
         unknown = sorted(set(moved) - set(_MOVED))
@@ -239,7 +256,15 @@ def _attrs(channel: Channel, durability: DurabilityOptions) -> dict[str, Any]:
 
 
 def run_on_root(channel: Channel, fn: Callable[[], Any]) -> Any:
-    """``fn()`` on rank 0; its result on every rank, or its exception raised on every rank. Collective."""
+    """``fn()`` on rank 0; its result on every rank, or its exception raised on every rank. Collective.
+
+    Args:
+        channel: the control channel of the ranks.
+        fn: the function to run on rank 0.
+
+    Returns:
+        ``fn()``'s result, on every rank.
+    """
     result: Any = None
     if channel.is_root:
         try:

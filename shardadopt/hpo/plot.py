@@ -24,7 +24,11 @@ MISSING = "plots need matplotlib: pip install 'shardadopt[plot]'"
 
 
 def figure_class() -> type:
-    """matplotlib's ``Figure``, or an ImportError naming the extra that brings it."""
+    """matplotlib's ``Figure``, or an ImportError naming the extra that brings it.
+
+    Returns:
+        ``matplotlib.figure.Figure``.
+    """
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
@@ -42,7 +46,15 @@ class PlotReport:
 
 
 def figures(study: optuna.Study, companion: optuna.Study | None = None) -> tuple[dict[str, Any], dict[str, str]]:
-    """The figures that can be drawn for ``study`` (and its re-runs), and why each other one cannot."""
+    """The figures that can be drawn for ``study`` (and its re-runs), and why each other one cannot.
+
+    Args:
+        study: the search.
+        companion: its companion study of re-runs, for ``seed_spread``.
+
+    Returns:
+        Plot name -> matplotlib figure, and plot name -> why it cannot be drawn yet.
+    """
     if len(study.directions) > 1:
         raise ValueError(f"study {study.study_name!r} has several objectives: plot draws single-objective studies")
     figure = figure_class()
@@ -61,6 +73,17 @@ def figures(study: optuna.Study, companion: optuna.Study | None = None) -> tuple
 
 def write_plots(study: optuna.Study, out_dir: str | os.PathLike, companion: optuna.Study | None = None,
                 dpi: int = 80) -> PlotReport:
+    """Draw what :func:`figures` can and write each figure as ``out_dir/<name>.png``.
+
+    Args:
+        study: the search.
+        out_dir: the directory for the PNGs (created when missing).
+        companion: its companion study of re-runs, for ``seed_spread``.
+        dpi: the PNGs' resolution.
+
+    Returns:
+        The paths written and, for each plot not drawn, why.
+    """
     drawn, skipped = figures(study, companion)
     os.makedirs(out_dir, exist_ok=True)
     report = PlotReport(skipped=skipped)

@@ -45,7 +45,14 @@ class KeepUnpruned(BasePruner):
 
 def keep_unpruned(pruner: BasePruner) -> KeepUnpruned:
     """``pruner`` wrapped so ``unpruned`` trials run to the end; HyperbandPruner is refused, since Optuna's samplers
-    recognise it by type (its brackets would be lost)."""
+    recognise it by type (its brackets would be lost).
+
+    Args:
+        pruner: the study's pruner.
+
+    Returns:
+        The wrapping pruner.
+    """
     if isinstance(pruner, optuna.pruners.HyperbandPruner):
         raise ValueError("unpruned_trials with HyperbandPruner: Optuna's samplers recognise Hyperband by its type, "
                          "so it cannot be wrapped; run the unpruned trials in a study with MedianPruner or "
@@ -56,7 +63,15 @@ def keep_unpruned(pruner: BasePruner) -> KeepUnpruned:
 def mark_unpruned(trial: optuna.Trial, limit: int) -> bool:
     """Mark ``trial`` ``unpruned`` while the study has fewer than ``limit`` such trials; only trials the sampler
     proposed count (not retries, warm starts or re-runs, which repeat known configurations). Jobs starting trials
-    at the same moment may each mark one beyond ``limit``: more unpruned trials, never fewer."""
+    at the same moment may each mark one beyond ``limit``: more unpruned trials, never fewer.
+
+    Args:
+        trial: the trial starting now (rank 0's Optuna trial).
+        limit: how many unpruned trials the study should have.
+
+    Returns:
+        True when ``trial`` was marked.
+    """
     if limit <= 0 or any(key in trial.user_attrs for key in (ATTR_RETRY_OF, ATTR_WARM_START_OF, ATTR_SEED)):
         return False
     marked = sum(1 for t in trial.study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_UNPRUNED))
@@ -82,7 +97,15 @@ def ranks(values: list[float]) -> list[float]:
 
 
 def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rho: Pearson correlation of the ranks (nan when either side is constant)."""
+    """Spearman's rho: Pearson correlation of the ranks (nan when either side is constant).
+
+    Args:
+        x: one value per trial.
+        y: another value per trial, in the same order.
+
+    Returns:
+        rho, in [-1, 1], or nan.
+    """
     rx, ry = ranks(x), ranks(y)
     mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
@@ -92,7 +115,15 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 
 def kendall(x: list[float], y: list[float]) -> float:
-    """Kendall's tau-b (ties corrected; nan when either side is constant)."""
+    """Kendall's tau-b (ties corrected; nan when either side is constant).
+
+    Args:
+        x: one value per trial.
+        y: another value per trial, in the same order.
+
+    Returns:
+        tau-b, in [-1, 1], or nan.
+    """
     concordant = discordant = ties_x = ties_y = 0
     for i in range(len(x)):
         for j in range(i + 1, len(x)):
@@ -130,7 +161,15 @@ class PruningCheck:
 
 
 def check_pruning(study: optuna.Study, rung: int | None = None) -> PruningCheck:
-    """Do the values at ``rung`` rank the trials that ran to the end as their final values do?"""
+    """Do the values at ``rung`` rank the trials that ran to the end as their final values do?
+
+    Args:
+        study: the search.
+        rung: the step whose values are compared (default: the first step every finished trial reported).
+
+    Returns:
+        The correlations, whether the top third at the rung holds the final best, and the verdict.
+    """
     if len(study.directions) > 1:
         raise ValueError(f"study {study.study_name!r} has several objectives; Optuna prunes single-objective studies")
     complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)) if t.intermediate_values]

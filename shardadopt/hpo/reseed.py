@@ -40,16 +40,32 @@ COMPANION_SUFFIX = "-reseed"
 
 
 def companion_name(study_name: str) -> str:
+    """The name of the study holding ``study_name``'s re-runs (``NAME-reseed``)."""
     return f"{study_name}{COMPANION_SUFFIX}"
 
 
 def is_companion(study: optuna.Study) -> bool:
-    """Whether ``study`` holds the re-runs of another study (created by ``reseed``)."""
+    """Whether ``study`` holds the re-runs of another study (created by ``reseed``).
+
+    Args:
+        study: a study.
+
+    Returns:
+        True for a companion study.
+    """
     return study.user_attrs.get(ATTR_RESEED_OF) is not None
 
 
 def load_companion(storage: BaseStorage, study_name: str) -> optuna.Study | None:
-    """The companion study of ``study_name`` in ``storage``, or None when nothing was re-run."""
+    """The companion study of ``study_name`` in ``storage``, or None when nothing was re-run.
+
+    Args:
+        storage: the storage holding the search.
+        study_name: the search's name.
+
+    Returns:
+        The companion study, or None.
+    """
     name = companion_name(study_name)
     if name not in {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}:
         return None
@@ -58,12 +74,24 @@ def load_companion(storage: BaseStorage, study_name: str) -> optuna.Study | None
 
 def fresh_seeds(config_hash: str, count: int) -> list[int]:
     """``count`` seeds for one configuration: derived from its parameter hash, so every call asks for the same
-    ones (idempotence) and two configurations do not share them."""
+    ones (idempotence) and two configurations do not share them.
+
+    Args:
+        config_hash: the configuration's parameter hash.
+        count: how many seeds.
+
+    Returns:
+        ``count`` seeds, the same for every call with these arguments.
+    """
     return [int(hashlib.sha256(f"{config_hash}/{i}".encode()).hexdigest()[:8], 16) % 2**31 for i in range(count)]
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (where imported) like ``transformers.set_seed``, on this rank."""
+    """Seed Python, NumPy and torch (where imported) like ``transformers.set_seed``, on this rank.
+
+    Args:
+        seed: the seed.
+    """
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed)
@@ -104,7 +132,15 @@ class Configuration:
 
 def configurations(study: optuna.Study, companion: optuna.Study | None = None) -> list[Configuration]:
     """The search's completed configurations, best first: once any has a finished re-run, those with re-runs by
-    their mean over seeds, then the others by their single value; before that, by value (single objective)."""
+    their mean over seeds, then the others by their single value; before that, by value (single objective).
+
+    Args:
+        study: the search.
+        companion: its companion study of re-runs (None: no re-runs).
+
+    Returns:
+        One :class:`Configuration` per distinct parameter set, best first.
+    """
     if len(study.directions) > 1:
         raise ValueError(f"study {study.study_name!r} has {len(study.directions)} objectives: seed re-runs rank "
                          "single-objective studies only")
@@ -147,7 +183,17 @@ class ReseedReport:
 
 def reseed(storage: BaseStorage, study_name: str, top: int, seeds: int) -> ReseedReport:
     """Enqueue the ``top`` best configurations of ``study_name`` ``seeds`` times each, with fresh seeds, into its
-    companion study (created on first use, with the search's direction and space version). Idempotent."""
+    companion study (created on first use, with the search's direction and space version). Idempotent.
+
+    Args:
+        storage: the storage holding the search.
+        study_name: the search's name.
+        top: how many of the best configurations to re-run.
+        seeds: how many re-runs of each.
+
+    Returns:
+        What was enqueued and what was already there.
+    """
     if top < 1 or seeds < 1:
         raise ValueError(f"reseed needs --top >= 1 and --seeds >= 1, got top={top}, seeds={seeds}")
     study = optuna.load_study(study_name=study_name, storage=storage)

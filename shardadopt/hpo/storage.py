@@ -35,6 +35,15 @@ def resolve_storage(storage: str | os.PathLike | BaseStorage | None = None, *, o
     """An Optuna storage for ``storage`` (see the module docstring), connected and checked.
 
     Raises ``StorageError`` naming the problem and the fix, so a bad URL fails before any training.
+
+    Args:
+        storage: a URL, a path, an Optuna storage, or None for a journal file under ``output_dir``.
+        output_dir: where the default journal file goes.
+        heartbeat_interval: seconds between trial heartbeats for database storages (None: no heartbeats).
+        grace_period: seconds without a heartbeat before a trial counts as stale (database storages).
+
+    Returns:
+        The Optuna storage.
     """
     if isinstance(storage, BaseStorage):
         return storage
@@ -118,7 +127,14 @@ def storage_url(storage: BaseStorage) -> str | None:
 
 
 def default_sampler(seed: int | None = None) -> optuna.samplers.BaseSampler:
-    """TPE with the parallel-friendly settings written out: optuna 4.x and 5.0 differ in their defaults."""
+    """TPE with the parallel-friendly settings written out: optuna 4.x and 5.0 differ in their defaults.
+
+    Args:
+        seed: the sampler's seed.
+
+    Returns:
+        A ``TPESampler`` (multivariate, constant liar).
+    """
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
 
 

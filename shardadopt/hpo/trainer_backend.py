@@ -58,7 +58,17 @@ _CHECKPOINT_DIR = re.compile(r"^checkpoint-(\d+)$")
 
 def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str], **kwargs: Any) -> Any:
     """Drop-in for ``transformers.integrations.run_hp_search_optuna``; returns the ``BestRun`` (a list of them for
-    several objectives) on every rank (upstream: rank 0 only)."""
+    several objectives) on every rank (upstream: rank 0 only).
+
+    Args:
+        trainer: the ``Trainer`` whose ``hyperparameter_search`` called it.
+        n_trials: the number of trials of this job.
+        direction: the direction, or one per objective.
+        **kwargs: ``hyperparameter_search``'s extra arguments (Optuna's and shardadopt's, see ``docs/hpo.md``).
+
+    Returns:
+        The ``BestRun`` (a list for several objectives), on every rank.
+    """
     import torch.distributed as dist
     from transformers.trainer_utils import BestRun
 

@@ -200,25 +200,66 @@ class DistributedTrial(optuna.trial.BaseTrial):
 
     def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None,
                       log: bool = False) -> float:
+        """Optuna's ``suggest_float``, sampled on rank 0; collective.
+
+        Args:
+            name: the parameter's name.
+            low: the lower bound.
+            high: the upper bound.
+            step: the grid step, or None.
+            log: sample on a log scale.
+
+        Returns:
+            Rank 0's value, on every rank.
+        """
         return self._suggest("suggest_float", name, low, high, step=step, log=log)
 
     def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int:
+        """Optuna's ``suggest_int``, sampled on rank 0; collective.
+
+        Args:
+            name: the parameter's name.
+            low: the lower bound.
+            high: the upper bound (included).
+            step: the grid step.
+            log: sample on a log scale.
+
+        Returns:
+            Rank 0's value, on every rank.
+        """
         return self._suggest("suggest_int", name, low, high, step=step, log=log)
 
     def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        """Optuna's ``suggest_categorical``, sampled on rank 0; collective.
+
+        Args:
+            name: the parameter's name.
+            choices: the values to choose from.
+
+        Returns:
+            Rank 0's choice, on every rank.
+        """
         return self._suggest("suggest_categorical", name, choices)
 
     def suggest_uniform(self, name: str, low: float, high: float) -> float:
+        """Optuna 4.x's deprecated ``suggest_uniform``, sampled on rank 0; collective."""
         return self._suggest("suggest_uniform", name, low, high)
 
     def suggest_loguniform(self, name: str, low: float, high: float) -> float:
+        """Optuna 4.x's deprecated ``suggest_loguniform``, sampled on rank 0; collective."""
         return self._suggest("suggest_loguniform", name, low, high)
 
     def suggest_discrete_uniform(self, name: str, low: float, high: float, q: float) -> float:
+        """Optuna 4.x's deprecated ``suggest_discrete_uniform``, sampled on rank 0; collective."""
         return self._suggest("suggest_discrete_uniform", name, low, high, q)
 
     def report(self, value: float, step: int) -> None:
-        """Report on rank 0 and take rank 0's prune decision in the same round (see the module docstring)."""
+        """Report on rank 0 and take rank 0's prune decision in the same round (see the module docstring).
+
+        Args:
+            value: the intermediate value (rank 0's is recorded).
+            step: the step it belongs to.
+        """
         payload = None
         decision = _KEEP
         if self._channel.is_root and not self.closed:
@@ -240,7 +281,11 @@ class DistributedTrial(optuna.trial.BaseTrial):
                           decision == _PRUNE)
 
     def should_prune(self) -> bool:
-        """Rank 0's pruner decision, the same bool on every rank."""
+        """Rank 0's pruner decision, the same bool on every rank.
+
+        Returns:
+            True when the trial should stop, on every rank.
+        """
         if self._decision is not None and self._decision[0] == self._channel.rounds and not self.closed:
             _, decision = self._decision
             self._decision = None
@@ -250,12 +295,26 @@ class DistributedTrial(optuna.trial.BaseTrial):
         return self._root_call(OP_SHOULD_PRUNE, lambda: self._trial.should_prune())
 
     def report_and_maybe_prune(self, value: float, step: int) -> None:
-        """``report(value, step)``, then raise ``optuna.TrialPruned`` on every rank when rank 0's pruner says so."""
+        """``report(value, step)``, then raise ``optuna.TrialPruned`` on every rank when rank 0's pruner says so.
+
+        Args:
+            value: the intermediate value (rank 0's is recorded).
+            step: the step it belongs to.
+
+        Raises:
+            optuna.TrialPruned: on every rank, when rank 0's pruner prunes the trial.
+        """
         self.report(value, step)
         if self.should_prune():
             raise optuna.TrialPruned(f"trial {self.number} pruned at step {step}")
 
     def set_user_attr(self, key: str, value: Any) -> None:
+        """Set a user attribute of the trial in rank 0's storage; collective.
+
+        Args:
+            key: the attribute's name.
+            value: a JSON-able value.
+        """
         key, value = self._root_call(OP_SET_ATTR, lambda: (self._trial.set_user_attr(key, value), (key, value))[1])
         self._user_attrs[key] = value
 
@@ -282,8 +341,13 @@ class DistributedTrial(optuna.trial.BaseTrial):
     def close(self, state: str, error: BaseException | None = None) -> Outcome:
         """End the trial on this rank (``COMPLETE``, ``PRUNED`` or ``FAIL`` with ``error``); collective.
 
-        Returns the outcome every rank agrees on: the first error by rank (an error raised where it happened wins
-        over copies of it received from another rank), else pruned/complete when all ranks say so.
+        Args:
+            state: how the trial ended on this rank: ``COMPLETE``, ``PRUNED`` or ``FAIL`` (this module's constants).
+            error: the exception that failed it on this rank, with ``FAIL``.
+
+        Returns:
+            The outcome every rank agrees on: the first error by rank (an error raised where it happened wins
+            over copies of it received from another rank), else pruned/complete when all ranks say so.
         """
         with defer_sigint():  # Ctrl-C here waits for the trial's end rounds: no rank may skip one of them
             try:
@@ -450,5 +514,14 @@ def _deliver(error: BaseException) -> BaseException:
 
 
 def report_and_maybe_prune(trial: DistributedTrial, value: float, step: int) -> None:
-    """Report ``value`` at ``step`` and raise ``optuna.TrialPruned`` on every rank when rank 0's pruner says so."""
+    """Report ``value`` at ``step`` and raise ``optuna.TrialPruned`` on every rank when rank 0's pruner says so.
+
+    Args:
+        trial: the trial, on every rank.
+        value: the intermediate value (rank 0's is recorded).
+        step: the step it belongs to.
+
+    Raises:
+        optuna.TrialPruned: on every rank, when rank 0's pruner prunes the trial.
+    """
     trial.report_and_maybe_prune(value, step)

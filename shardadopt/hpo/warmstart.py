@@ -35,7 +35,14 @@ OUT_OF_RANGE = ("clip", "skip")
 
 def space_distributions(hp_space: Callable[[optuna.Trial], Any]) -> dict[str, BaseDistribution]:
     """The distributions ``hp_space`` suggests from, read by running it once on a scratch in-memory trial
-    (a conditional space yields the branch that trial took)."""
+    (a conditional space yields the branch that trial took).
+
+    Args:
+        hp_space: a ``hp_space(trial)`` function, as ``hyperparameter_search`` takes it.
+
+    Returns:
+        Parameter name -> Optuna distribution.
+    """
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created in memory" in the job's log
     try:
@@ -48,7 +55,14 @@ def space_distributions(hp_space: Callable[[optuna.Trial], Any]) -> dict[str, Ba
 
 def import_space(target: str) -> Callable[[optuna.Trial], Any]:
     """``module:function`` (e.g. ``examples.hpo_search:hp_space_v2``) to the ``hp_space`` function it names; the
-    module is looked up from the current directory first, as ``python -m`` does."""
+    module is looked up from the current directory first, as ``python -m`` does.
+
+    Args:
+        target: ``module:function``.
+
+    Returns:
+        The function.
+    """
     module, sep, name = target.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"--space {target!r}: use module:function, e.g. my_search:hp_space")
@@ -63,7 +77,16 @@ def import_space(target: str) -> Callable[[optuna.Trial], Any]:
 
 def map_params(params: Mapping[str, Any], space: Mapping[str, BaseDistribution], out_of_range: str = "clip",
                ) -> tuple[dict[str, Any] | None, list[str]]:
-    """``params`` on ``space``: the mapped parameters (None: the trial cannot be expressed there) and what changed."""
+    """``params`` on ``space``: the mapped parameters (None: the trial cannot be expressed there) and what changed.
+
+    Args:
+        params: a trial's parameters.
+        space: the new space's distributions.
+        out_of_range: ``"clip"`` a value outside a new range onto it, or ``"skip"`` the trial.
+
+    Returns:
+        The mapped parameters (None when the trial is skipped) and one line per change.
+    """
     if out_of_range not in OUT_OF_RANGE:
         raise ValueError(f"out_of_range={out_of_range!r}: use one of {OUT_OF_RANGE}")
     mapped: dict[str, Any] = {}
@@ -121,7 +144,19 @@ class WarmStartReport:
 def warm_start(storage: BaseStorage, source: str, target: str, top: int,
                space: Mapping[str, BaseDistribution] | None = None, out_of_range: str = "clip") -> WarmStartReport:
     """Enqueue the ``top`` best configurations of study ``source`` into ``target`` (created with the source's
-    directions when missing), mapped onto ``space``. Idempotent."""
+    directions when missing), mapped onto ``space``. Idempotent.
+
+    Args:
+        storage: the storage holding both studies.
+        source: the old study's name.
+        target: the new study's name.
+        top: how many of the best configurations to enqueue.
+        space: the new space's distributions (None: those ``target``'s trials used).
+        out_of_range: ``"clip"`` or ``"skip"``, as :func:`map_params`.
+
+    Returns:
+        What was enqueued, mapped how, and what was skipped.
+    """
     if top < 1:
         raise ValueError(f"warm start needs --top >= 1, got {top}")
     if source == target:
