@@ -8,13 +8,11 @@ on a newer release each patch's probe decides (applied, not-needed, or unsupport
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
-from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-
-from shardadopt.registry import UNSUPPORTED, installed_version
 
 # Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1). Lower bounds only for
 # the Hugging Face libraries: a release newer than TESTED runs on the probes.
@@ -44,6 +42,14 @@ TESTED: dict[str, str] = {
 }
 
 
+def installed_version(distribution: str) -> Version | None:
+    """The installed release of ``distribution``, or None where it is not installed."""
+    try:
+        return Version(importlib.metadata.version(distribution))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _line(version: Version) -> tuple[int, int]:
     return (version.release + (0,))[:2]
 
@@ -63,28 +69,6 @@ def newer_than_tested() -> dict[str, str]:
         if version is not None and _line(version) > _line(Version(line)):
             newer[name] = str(version)
     return newer
-
-
-def untested_summary(states: list[Any]) -> str | None:
-    """One line for a user: the installed releases newer than ``TESTED`` and the patches whose probe could not
-    decide (``states``: ``PatchStatus`` records); None when everything installed is tested and every patch decided.
-    """
-    newer = newer_than_tested()
-    unsupported = sorted(s.id for s in states if s.state == UNSUPPORTED)
-    if not newer and not unsupported:
-        return None
-    parts = []
-    if newer:
-        releases = ", ".join(f"{name} {version}" for name, version in newer.items())
-        tested = ", ".join(f"{name} {TESTED[name]}" for name in newer)
-        verb = "is" if len(newer) == 1 else "are"
-        parts.append(f"{releases} {verb} newer than the tested range (up to {tested}): each patch's probe decides")
-    if unsupported:
-        parts.append(f"could not decide or apply: {', '.join(unsupported)} (load-time-sharded models that need "
-                     "them are refused at accelerate prepare / Trainer; `shardadopt doctor` says why)")
-    else:
-        parts.append("every probe decided so far")
-    return "shardadopt: " + "; ".join(parts)
 
 
 def supported(*distributions: str) -> dict[str, str]:
