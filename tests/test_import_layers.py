@@ -2,9 +2,11 @@
 
 Every module under shardadopt/ is read with ``ast`` (nothing is imported, so no torch): each ``import`` and
 ``from ... import`` counts, at module level and inside functions alike (an in-function import still ties the two
-modules together; it only moves the failure to run time), ``if TYPE_CHECKING:`` blocks included (an annotation
-naming a class from above is an arrow up too), and so do the module names in a package's lazy ``_LAZY`` table.
-``from package import name`` is an arrow to the submodule ``package.name`` where one exists, else to the package.
+modules together; it only moves the failure to run time), and so do the module names in a package's lazy ``_LAZY``
+table. ``from package import name`` is an arrow to the submodule ``package.name`` where one exists, else to the
+package. Imports under ``if TYPE_CHECKING:`` count for the layers (an annotation naming a class from above is
+knowledge of the layer above) but not for cycles: they never run, so they cannot meet a half-imported module, and
+an annotation naming the caller (a watcher typed with the fence that owns it) is not a dependency on it.
 
 ``LAYERS`` lists the layers from the bottom up; a module belongs to the layer whose entry is the longest prefix of
 its name (``shardadopt.fence`` covers ``shardadopt.fence.*``; the bare ``shardadopt`` entry is the package's
@@ -25,8 +27,9 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "shardadopt"
 
 # Bottom to top: (layer, module prefixes).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # what reads upstream and the installed releases: no patch contract, no training code
-    ("upstream access", ("shardadopt.probing", "shardadopt.versions", "shardadopt.upstream")),
+    # what every layer may use: reading upstream and the installed releases, the errors fence and hpo share
+    # (shardadopt/errors.py arrives with the fence package)
+    ("foundations", ("shardadopt.probing", "shardadopt.versions", "shardadopt.upstream", "shardadopt.errors")),
     # one mechanism each on a sharded model (the core knows nothing about patching)
     ("mechanisms", ("shardadopt.topology", "shardadopt.gradnorm", "shardadopt.tp", "shardadopt.moe",
                     "shardadopt.optim", "shardadopt.optimizer_ready", "shardadopt.loadtime", "shardadopt.cleanexit",
@@ -56,6 +59,7 @@ class Arrow:
     importer: str
     imported: str
     line: int
+    typing_only: bool = False  # under ``if TYPE_CHECKING:``
 
     def where(self) -> str:
         return f"{MODULES[self.importer].relative_to(PACKAGE.parent)}:{self.line}"
@@ -81,13 +85,24 @@ def _owner(name: str) -> str:
     return name
 
 
-def _imported_names(module: str, tree: ast.Module) -> Iterator[tuple[str, int]]:
-    """(imported dotted name, line) for every import in ``tree``, relative ones resolved."""
+def _typing_only(tree: ast.Module) -> set[int]:
+    """The ids of the nodes inside ``if TYPE_CHECKING:`` blocks."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            inside.update(id(child) for statement in node.body for child in ast.walk(statement))
+    return inside
+
+
+def _imported_names(module: str, tree: ast.Module) -> Iterator[tuple[str, ast.AST]]:
+    """(imported dotted name, the node that names it) for every import in ``tree``, relative ones resolved."""
     package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, node.lineno
+                yield alias.name, node
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -95,22 +110,24 @@ def _imported_names(module: str, tree: ast.Module) -> Iterator[tuple[str, int]]:
                 base = ".".join(parts + ([node.module] if node.module else []))
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
-                yield (submodule if submodule in MODULES else base), node.lineno
+                yield (submodule if submodule in MODULES else base), node
         elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets)
               and isinstance(node.value, ast.Dict)):
             for value in node.value.values:
                 if isinstance(value, ast.Constant) and isinstance(value.value, str):
-                    yield value.value, value.lineno
+                    yield value.value, value
 
 
 def _arrows() -> list[Arrow]:
     arrows = set()
     for module, path in MODULES.items():
-        for name, line in _imported_names(module, ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        typing_only = _typing_only(tree)
+        for name, node in _imported_names(module, tree):
             if name == "shardadopt" or name.startswith("shardadopt."):
                 imported = _owner(name)
                 if imported != module:
-                    arrows.add(Arrow(module, imported, line))
+                    arrows.add(Arrow(module, imported, node.lineno, id(node) in typing_only))
     return sorted(arrows, key=lambda a: (a.importer, a.line, a.imported))
 
 
@@ -177,8 +194,9 @@ def test_every_module_has_a_layer():
 
 def test_no_import_cycle(arrows):
     problems = []
-    for component in _cycles(arrows):
-        inside = [a for a in arrows if a.importer in component and a.imported in component]
+    run_time = [a for a in arrows if not a.typing_only]
+    for component in _cycles(run_time):
+        inside = [a for a in run_time if a.importer in component and a.imported in component]
         problems.append(f"import cycle among {', '.join(component)}:\n" + "\n".join(
             f"    {a.where()} {a.importer} imports {a.imported}" for a in inside))
     assert not problems, "\n".join(problems)
