@@ -73,7 +73,7 @@ def enable(only: Iterable[str] | None = None, exclude: Iterable[str] | None = No
     Returns:
         One ``PatchStatus`` per registered patch.
     """
-    from shardadopt.refusal import untested_summary
+    from shardadopt.versions import untested_summary
 
     states = _registry().enable(only=only, exclude=exclude)
     line = untested_summary(states)

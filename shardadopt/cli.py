@@ -20,7 +20,7 @@ def doctor(as_json: bool = False) -> int:
     """
     import shardadopt
     from shardadopt import versions
-    from shardadopt.refusal import untested_summary
+    from shardadopt.versions import installed_version
 
     rows = versions.report()
     integrations = versions.integrations()
@@ -29,7 +29,7 @@ def doctor(as_json: bool = False) -> int:
     shardadopt._registry().enable()  # not shardadopt.enable(): its untested-release warning is printed below
     import_errors = {}
     try:
-        absent = {name for name in versions.OPTIONAL if versions.installed_version(name) is None}  # no peft: pending
+        absent = {name for name in versions.OPTIONAL if installed_version(name) is None}  # e.g. no peft: pending
         for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules
                               if m.split(".")[0] not in absent}):
             try:
@@ -42,7 +42,7 @@ def doctor(as_json: bool = False) -> int:
         shardadopt.disable()
     broken = (any(not r["ok"] for r in rows + integrations) or bool(import_errors)
               or any(p["state"] == "unsupported" for p in patches))
-    untested = untested_summary(statuses)
+    untested = versions.untested_summary(statuses)
     if as_json:
         print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "integrations": integrations,
                           "untested": untested, "backends": backends,

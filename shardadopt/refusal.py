@@ -1,10 +1,9 @@
-"""What happens where a patch could not apply: one warning line, and a refusal where a model needs that fix.
+"""Refuse to train a load-time-sharded model on plain upstream where a fix it needs could not apply.
 
 On a release newer than the tested range a patch whose probe finds neither upstream's broken shape nor its fixed
-one is ``unsupported``: upstream's own code runs. ``enable()`` and ``shardadopt doctor`` say so in one line
-(:func:`untested_summary`). For a patch whose ``needed_by`` says a model needs it (its TP gradient hooks, its expert
-parallelism) that would train silently wrong, so the adoption path raises instead, naming the patch, why it did not
-apply, and how to go on.
+one is ``unsupported``: upstream's own code runs. For a patch whose ``needed_by`` says a model needs it (its TP
+gradient hooks, its expert parallelism) that would train silently wrong, so the adoption path raises instead,
+naming the patch, why it did not apply, and how to go on.
 """
 
 from __future__ import annotations
@@ -12,35 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from shardadopt.registry import UNSUPPORTED, PatchStatus, process_wide
-from shardadopt.versions import TESTED, newer_than_tested
+from shardadopt.versions import newer_than_tested
 
-__all__ = ["UnfixedUpstreamError", "untested_summary", "unfixed_possible", "unfixed_patches", "refuse_unfixed"]
+__all__ = ["UnfixedUpstreamError", "unfixed_possible", "unfixed_patches", "refuse_unfixed"]
 
 
 class UnfixedUpstreamError(RuntimeError):
     """A load-time-sharded model needs a fix that could not apply on the installed upstream."""
-
-
-def untested_summary(states: list[PatchStatus]) -> str | None:
-    """One line for a user: the installed releases newer than ``TESTED`` and the patches whose probe could not
-    decide (``states``: ``PatchStatus`` records); None when everything installed is tested and every patch decided.
-    """
-    newer = newer_than_tested()
-    unsupported = sorted(s.id for s in states if s.state == UNSUPPORTED)
-    if not newer and not unsupported:
-        return None
-    parts = []
-    if newer:
-        releases = ", ".join(f"{name} {version}" for name, version in newer.items())
-        tested = ", ".join(f"{name} {TESTED[name]}" for name in newer)
-        verb = "is" if len(newer) == 1 else "are"
-        parts.append(f"{releases} {verb} newer than the tested range (up to {tested}): each patch's probe decides")
-    if unsupported:
-        parts.append(f"could not decide or apply: {', '.join(unsupported)} (load-time-sharded models that need "
-                     "them are refused at accelerate prepare / Trainer; `shardadopt doctor` says why)")
-    else:
-        parts.append("every probe decided so far")
-    return "shardadopt: " + "; ".join(parts)
 
 
 def unfixed_possible() -> bool:

@@ -27,15 +27,10 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 
 from shardadopt import upstream
+from shardadopt.patchstate import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED
 from shardadopt.probing import Undecided
 from shardadopt.upstream import Target
 from shardadopt.versions import installed_version
-
-APPLIED = "applied"
-NOT_NEEDED = "not-needed"
-UNSUPPORTED = "unsupported"
-OFF = "off"
-PENDING = "pending"  # enabled, waiting for its upstream modules to be imported
 
 DISABLE_ENV = "SHARDADOPT_DISABLE"
 

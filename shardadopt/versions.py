@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
+
+from shardadopt.patchstate import UNSUPPORTED
 
 # Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1). Lower bounds only for
 # the Hugging Face libraries: a release newer than TESTED runs on the probes.
@@ -71,6 +74,28 @@ def newer_than_tested() -> dict[str, str]:
     return newer
 
 
+def untested_summary(states: list[Any]) -> str | None:
+    """One line for a user: the installed releases newer than ``TESTED`` and the patches whose probe could not
+    decide (``states``: ``PatchStatus`` records); None when everything installed is tested and every patch decided.
+    """
+    newer = newer_than_tested()
+    unsupported = sorted(s.id for s in states if s.state == UNSUPPORTED)
+    if not newer and not unsupported:
+        return None
+    parts = []
+    if newer:
+        releases = ", ".join(f"{name} {version}" for name, version in newer.items())
+        tested = ", ".join(f"{name} {TESTED[name]}" for name in newer)
+        verb = "is" if len(newer) == 1 else "are"
+        parts.append(f"{releases} {verb} newer than the tested range (up to {tested}): each patch's probe decides")
+    if unsupported:
+        parts.append(f"could not decide or apply: {', '.join(unsupported)} (load-time-sharded models that need "
+                     "them are refused at accelerate prepare / Trainer; `shardadopt doctor` says why)")
+    else:
+        parts.append("every probe decided so far")
+    return "shardadopt: " + "; ".join(parts)
+
+
 def supported(*distributions: str) -> dict[str, str]:
     """``SUPPORTED`` for these distributions: a patch's ``requires`` (its first one is the upstream its probe reads,
     whose releases the README's "needed on" column names)."""
@@ -97,8 +122,6 @@ def integrations() -> list[dict[str, str | bool | None]]:
     (``supported``, ``not installed``, ``unsupported``: installed outside the range, or its import fails), ``ok``
     (False only for ``unsupported``: an absent optional package is not an error), the newest tested release line
     and whether the installed one is newer."""
-    import importlib
-
     rows: list[dict[str, str | bool | None]] = []
     newer = newer_than_tested()
     for name, spec in OPTIONAL.items():

@@ -27,9 +27,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "shardadopt"
 
 # Bottom to top: (layer, module prefixes).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # what every layer may use: reading upstream and the installed releases, the errors fence and hpo share
-    # (shardadopt/errors.py arrives with the fence package)
-    ("foundations", ("shardadopt.probing", "shardadopt.versions", "shardadopt.upstream", "shardadopt.errors")),
+    # what every layer may use: reading upstream and the installed releases, the names of the patch states, the
+    # errors fence and hpo share (shardadopt/errors.py arrives with the fence package)
+    ("foundations", ("shardadopt.probing", "shardadopt.versions", "shardadopt.upstream", "shardadopt.patchstate",
+                     "shardadopt.errors")),
     # one mechanism each on a sharded model (the core knows nothing about patching)
     ("mechanisms", ("shardadopt.topology", "shardadopt.gradnorm", "shardadopt.tp", "shardadopt.moe",
                     "shardadopt.optim", "shardadopt.optimizer_ready", "shardadopt.loadtime", "shardadopt.cleanexit",
