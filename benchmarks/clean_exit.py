@@ -60,8 +60,8 @@ def _worker(job: str, models_dir: str) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from shardadopt.selftest.trainer import distributed_sizes
     from shardadopt.testing import tiny_checkpoints
+    from shardadopt.testing.layouts import distributed_sizes
 
     ranks, layout, name = JOBS[job]
     sizes, dp = distributed_sizes(layout, world=ranks)

@@ -181,8 +181,8 @@ def hpo_rank(device: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     from shardadopt.hpo import channel
-    from shardadopt.selftest import Context
     from shardadopt.selftest.hpo import hpo_rank as run
+    from shardadopt.selftest.scenario import Context
 
     result = run(Context(models={}, nproc=dist.get_world_size(), device=device))
     return {"result": result, "default": dist.get_backend(),
@@ -399,8 +399,8 @@ def checkpoint_cuda_rng(args: argparse.Namespace, state: dict[str, Any]) -> tupl
 
 
 def hpo_gloo_beside_nccl(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
-    from shardadopt.selftest import Context
     from shardadopt.selftest.hpo import compare_studies, hpo_reference
+    from shardadopt.selftest.scenario import Context
 
     result = _on_rank(args, state, hpo_rank, args.device)
     expected_default = "nccl" if args.device == "cuda" else "gloo"

@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(TRANSFORMERS_VERBOSITY="error", HF_HUB_DISABLE_PROGRESS_BARS="1")
     import transformers
 
-    from shardadopt.selftest.trainer import LAYOUTS, LayoutUnsupported, distributed_sizes, train_log
+    from shardadopt.selftest.trainer import LAYOUTS, train_log
     from shardadopt.testing import RankPool, tiny_checkpoints
+    from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 
     layouts = [name for name in args.layouts.split(",") if name]
     models = tiny_checkpoints(args.models or tempfile.mkdtemp(prefix="shardadopt-tiny-"))

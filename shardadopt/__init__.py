@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from shardadopt.registry import PatchStatus, Registry
+from shardadopt.registry import PatchStatus, Registry, make_process_wide, process_wide
 
 __version__ = "0.1.0"  # pyproject.toml reads it from here
 
@@ -31,7 +31,6 @@ __all__ = ["enable", "disable", "status", "PatchStatus", "UntestedUpstreamWarnin
            "split_param_groups", "split_param_groups_by_mesh", "AdoptionKwargs", "adopt_model",
            "fix_tp_grad_accumulation"]
 
-_REGISTRY: Registry | None = None
 _WARNED: set[str] = set()  # the untested-release lines already shown in this process
 
 # Public functions that live in modules importing torch: loaded on first use so `import shardadopt` stays cheap.
@@ -50,12 +49,12 @@ _LAZY = {
 
 
 def _registry() -> Registry:
-    global _REGISTRY
-    if _REGISTRY is None:
+    registry = process_wide()
+    if registry is None:
         from shardadopt.patches import ALL_PATCHES
 
-        _REGISTRY = Registry(ALL_PATCHES)
-    return _REGISTRY
+        registry = make_process_wide(Registry(ALL_PATCHES))
+    return registry
 
 
 def enable(only: Iterable[str] | None = None, exclude: Iterable[str] | None = None) -> list[PatchStatus]:

@@ -20,7 +20,7 @@ def doctor(as_json: bool = False) -> int:
     """
     import shardadopt
     from shardadopt import versions
-    from shardadopt.registry import installed_version
+    from shardadopt.versions import installed_version
 
     rows = versions.report()
     integrations = versions.integrations()

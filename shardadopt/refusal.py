@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.registry import UNSUPPORTED, PatchStatus
+from shardadopt.registry import UNSUPPORTED, PatchStatus, process_wide
+from shardadopt.versions import newer_than_tested
 
 __all__ = ["UnfixedUpstreamError", "unfixed_possible", "unfixed_patches", "refuse_unfixed"]
 
@@ -21,18 +22,18 @@ class UnfixedUpstreamError(RuntimeError):
 
 def unfixed_possible() -> bool:
     """Whether any patch that declares ``needed_by`` is ``unsupported`` (cheap: no model is looked at)."""
-    import shardadopt
-
-    registry = shardadopt._registry()
+    registry = process_wide()
+    if registry is None:  # shardadopt never created its registry: no patch ran, none failed to apply
+        return False
     unsupported = {s.id for s in registry.status() if s.state == UNSUPPORTED}
     return any(patch.needed_by is not None and patch.id in unsupported for patch in registry.patches())
 
 
 def unfixed_patches(model: Any, layout: Any) -> list[PatchStatus]:
     """The ``unsupported`` patches whose ``needed_by`` says ``model`` (laid out as ``layout``) needs them."""
-    import shardadopt
-
-    registry = shardadopt._registry()
+    registry = process_wide()
+    if registry is None:
+        return []
     states = {s.id: s for s in registry.status()}
     return [states[patch.id] for patch in registry.patches()
             if states[patch.id].state == UNSUPPORTED and patch.needed_by is not None
@@ -49,8 +50,6 @@ def refuse_unfixed(model: Any, layout: Any) -> None:
     unfixed = unfixed_patches(model, layout)
     if not unfixed:
         return
-    from shardadopt.versions import newer_than_tested
-
     newer = ", ".join(f"{name} {version}" for name, version in newer_than_tested().items())
     reasons = "; ".join(f"{s.id}: {s.reason}" for s in unfixed)
     ids = [s.id for s in unfixed]

@@ -14,7 +14,6 @@ handler but ``logging.NullHandler``).
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import sys
@@ -26,15 +25,12 @@ from typing import Any
 
 import wrapt
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 
+from shardadopt import upstream
+from shardadopt.patchstate import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED
 from shardadopt.probing import Undecided
-
-APPLIED = "applied"
-NOT_NEEDED = "not-needed"
-UNSUPPORTED = "unsupported"
-OFF = "off"
-PENDING = "pending"  # enabled, waiting for its upstream modules to be imported
+from shardadopt.upstream import Target
+from shardadopt.versions import installed_version
 
 DISABLE_ENV = "SHARDADOPT_DISABLE"
 
@@ -42,17 +38,6 @@ logger = logging.getLogger("shardadopt")
 
 # A wrapper in wrapt's convention: wrapper(wrapped, instance, args, kwargs).
 Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
-
-
-@dataclass(frozen=True)
-class Target:
-    """An upstream object to replace: ``module`` plus a dotted ``qualname`` inside it."""
-
-    module: str
-    qualname: str
-
-    def __str__(self) -> str:
-        return f"{self.module}.{self.qualname}"
 
 
 @dataclass(frozen=True)
@@ -125,13 +110,6 @@ class _Entry:
     blocked: bool = False  # unsupported because a dependency is off or unsupported
 
 
-def installed_version(distribution: str) -> Version | None:
-    try:
-        return Version(importlib.metadata.version(distribution))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def version_gate(requires: dict[str, str]) -> str | None:
     """The reason the installed versions fall outside ``requires``, or None when they are inside."""
     for distribution, spec in requires.items():
@@ -164,8 +142,6 @@ def _ready(name: str, just_imported: ModuleType | None) -> bool:
         return False
     if module is just_imported:
         return True
-    from shardadopt import upstream  # imports this module
-
     return not upstream.module_initializing(module)
 
 
@@ -182,7 +158,8 @@ def _resolve(target: Target) -> tuple[Any, str, Any]:
 
 
 class Registry:
-    """Applies a fixed list of patches. The process-wide instance lives in ``shardadopt._registry()``."""
+    """Applies a fixed list of patches. The process-wide instance is :func:`process_wide` (``shardadopt._registry()``
+    creates it)."""
 
     def __init__(self, patches: Sequence[Patch]):
         ids = [p.id for p in patches]
@@ -389,3 +366,27 @@ class Registry:
         else:
             self._unwrap(entry)  # a partial application that failed
         self._set(entry, state, reason, blocked)
+
+
+# The registry ``shardadopt.enable()`` drives. ``shardadopt._registry()`` builds it from ``shardadopt.patches`` (which
+# import this module, so it cannot be built here) and hands it over; ``shardadopt.refusal`` reads it here.
+_PROCESS_WIDE: Registry | None = None
+
+
+def process_wide() -> Registry | None:
+    """The process-wide registry, or None before ``shardadopt`` created it."""
+    return _PROCESS_WIDE
+
+
+def make_process_wide(registry: Registry) -> Registry:
+    """Make ``registry`` the process-wide one (``shardadopt._registry()`` does, once).
+
+    Args:
+        registry: the registry of every patch shardadopt ships.
+
+    Returns:
+        ``registry``.
+    """
+    global _PROCESS_WIDE
+    _PROCESS_WIDE = registry
+    return registry

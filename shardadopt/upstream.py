@@ -17,16 +17,28 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from shardadopt.probing import Undecided, upstream_function
-from shardadopt.registry import Target, installed_version
+from shardadopt.versions import installed_version
 
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Target:
+    """An upstream object (a patch replaces it, a probe reads it): ``module`` plus a dotted ``qualname`` inside it."""
+
+    module: str
+    qualname: str
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.qualname}"
 
 
 class UpstreamChanged(Undecided):

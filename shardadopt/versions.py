@@ -8,13 +8,14 @@ on a newer release each patch's probe decides (applied, not-needed, or unsupport
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from shardadopt.registry import UNSUPPORTED, installed_version
+from shardadopt.patchstate import UNSUPPORTED
 
 # Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1). Lower bounds only for
 # the Hugging Face libraries: a release newer than TESTED runs on the probes.
@@ -42,6 +43,14 @@ TESTED: dict[str, str] = {
     "peft": "0.21",
     "trl": "1.16",
 }
+
+
+def installed_version(distribution: str) -> Version | None:
+    """The installed release of ``distribution``, or None where it is not installed."""
+    try:
+        return Version(importlib.metadata.version(distribution))
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _line(version: Version) -> tuple[int, int]:
@@ -120,8 +129,6 @@ def integrations() -> list[dict[str, str | bool | None]]:
     (``supported``, ``not installed``, ``unsupported``: installed outside the range, or its import fails), ``ok``
     (False only for ``unsupported``: an absent optional package is not an error), the newest tested release line
     and whether the installed one is newer."""
-    import importlib
-
     rows: list[dict[str, str | bool | None]] = []
     newer = newer_than_tested()
     for name, spec in OPTIONAL.items():

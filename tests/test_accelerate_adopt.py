@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.selftest.accelerate import compare_training, eval_rank, train_rank, train_reference
-from shardadopt.selftest.trainer import distributed_sizes
+from shardadopt.testing.layouts import distributed_sizes
 
 
 def _new_transformers() -> bool:
@@ -67,8 +67,9 @@ def fused_and_loop_step(path: str, sizes: dict) -> dict:
     import torch
 
     import shardadopt
-    from shardadopt.selftest.accelerate import PER_DP_BATCH, _dataset, _load, fresh_accelerator
+    from shardadopt.selftest.accelerate import PER_DP_BATCH, _dataset, _load
     from shardadopt.testing import full
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     params, strided = [], []
@@ -114,15 +115,17 @@ def expert_snapshot(path: str, sizes: dict):
     import torch
 
     import shardadopt
-    from shardadopt.selftest.accelerate import _load, _local, fresh_accelerator
+    from shardadopt.selftest.accelerate import _load
+    from shardadopt.testing.accelerator import fresh_accelerator
+    from shardadopt.testing.models import local_copy
 
     shardadopt.enable()
     try:
         accelerator = fresh_accelerator(cpu=True)
         model = _load(path, sizes)
-        before = {n: _local(p) for n, p in model.named_parameters() if ".experts." in n}
+        before = {n: local_copy(p) for n, p in model.named_parameters() if ".experts." in n}
         model = accelerator.prepare(model)
-        after = {n: _local(p) for n, p in model.named_parameters() if ".experts." in n}
+        after = {n: local_copy(p) for n, p in model.named_parameters() if ".experts." in n}
         return {"unchanged": all(torch.equal(after[n], before[n]) for n in before) and len(before) > 0,
                 "experts": [round(float(v.sum()), 4) for v in after.values()]}
     finally:
@@ -167,7 +170,7 @@ def adopt_worker(case: str, patched: bool = True) -> dict:
 
     import shardadopt
     from shardadopt.adopt import AdoptionKwargs, adopted, adoption_kwargs
-    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable() if patched else shardadopt.disable()
     try:
@@ -223,7 +226,7 @@ def adopt_worker(case: str, patched: bool = True) -> dict:
 def test_adoption_kwargs_defaults_need_no_configuration():
     import shardadopt
     from shardadopt.adopt import AdoptionKwargs, adoption_kwargs
-    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     assert shardadopt.AdoptionKwargs is AdoptionKwargs
     defaults = AdoptionKwargs()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.selftest.accelerate import MAX_NORM, compare_training, train_rank, train_reference
-from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 
 pytestmark = pytest.mark.multiproc
 

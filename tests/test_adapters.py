@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.selftest.trainer import distributed_sizes
+from shardadopt.testing.layouts import distributed_sizes
 from shardadopt.testing.lora import ATTENTION, TARGETS, check_lora_training, reference_cache
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 from shardadopt.testing.lora import TARGETS, check_lora_training, reference_cache
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")

@@ -91,8 +91,7 @@ def dependency_set() -> str:
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    from shardadopt.registry import installed_version
-    from shardadopt.versions import SUPPORTED
+    from shardadopt.versions import SUPPORTED, installed_version
 
     lowest = next(Version(s.version) for s in SpecifierSet(SUPPORTED["transformers"]) if s.operator == ">=")
     return "oldest" if installed_version("transformers").release[:2] == lowest.release[:2] else "newest"
@@ -150,7 +149,7 @@ def skip_reason(block: str) -> str | None:
     """Why the installed transformers cannot run this block's layout (upstream's limitation), or None."""
     layout = option(block, "--layout")
     if layout == "2d":
-        from shardadopt.selftest.trainer import unloadable_reason
+        from shardadopt.testing.layouts import unloadable_reason
 
         return unloadable_reason({"fsdp_size": 2, "tp_size": 2})
     if layout == "ep" and script(block) == "accelerate_loop.py":

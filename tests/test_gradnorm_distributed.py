@@ -158,7 +158,7 @@ LAYOUTS_4 = [
 
 def skip_unless_loadable(config: dict) -> None:
     """transformers 5.15 .. 5.17 cannot load some layouts (no dp_replicate_size; no fsdp_size x tp_size)."""
-    from shardadopt.selftest.trainer import unloadable_reason
+    from shardadopt.testing.layouts import unloadable_reason
 
     reason = unloadable_reason(config)
     if reason:

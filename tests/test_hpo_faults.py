@@ -209,7 +209,7 @@ def _sharded_search(path: str, fault: dict | None, layout: str) -> dict:
     import shardadopt
     from shardadopt.hpo import ControlOptions, optimize
     from shardadopt.selftest import checkpoint as scenario
-    from shardadopt.selftest.trainer import distributed_sizes
+    from shardadopt.testing.layouts import distributed_sizes
 
     shardadopt.enable()
     optuna.logging.set_verbosity(optuna.logging.ERROR)

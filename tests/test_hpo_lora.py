@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.selftest.trainer import distributed_sizes
+from shardadopt.testing.layouts import distributed_sizes
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 

@@ -177,7 +177,7 @@ def _trainer_searches(model_path: str, out: str) -> dict:
 
 
 def test_trainer_search_with_a_2d_model_init_recovers_from_a_fault(pool4, tiny_models, tmp_path):
-    from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
+    from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 
     try:
         distributed_sizes("2d", 4)

@@ -246,7 +246,8 @@ def sharded_searches(model_path: str, out: str) -> dict:
     import torch.distributed as dist
 
     import shardadopt
-    from shardadopt.selftest.trainer import _fresh_accelerate_state, distributed_sizes
+    from shardadopt.selftest.trainer import _fresh_accelerate_state
+    from shardadopt.testing.layouts import distributed_sizes
 
     shardadopt.enable()
     result = {}

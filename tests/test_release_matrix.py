@@ -20,8 +20,9 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt import versions
-from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
+from shardadopt.registry import APPLIED, NOT_NEEDED
 from shardadopt.testing.releases import newer_than_recorded
+from shardadopt.versions import installed_version
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = json.loads((REPO / "tests" / "data" / "release_matrix.json").read_text())["releases"]

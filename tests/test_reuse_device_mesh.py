@@ -16,7 +16,8 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt import upstream
-from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes, full_grads, single_process_grads
+from shardadopt.selftest.trainer import full_grads, single_process_grads
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 
 pytestmark = pytest.mark.multiproc
 

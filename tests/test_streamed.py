@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.selftest.accelerate import compare_training, train_rank, train_reference
-from shardadopt.selftest.trainer import LayoutUnsupported, compare_logs, distributed_sizes, train_log
+from shardadopt.selftest.trainer import compare_logs, train_log
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 
 pytestmark = pytest.mark.multiproc
 
@@ -69,7 +70,8 @@ def eval_gather_rank(path: str, sizes: dict, samples: int) -> list[int]:
     from datasets import Dataset
 
     import shardadopt
-    from shardadopt.selftest.accelerate import _load, fresh_accelerator
+    from shardadopt.selftest.accelerate import _load
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 from shardadopt.topology import Topology, TopologyError, topology
 
 

@@ -19,7 +19,8 @@ import torch
 
 import shardadopt
 from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID, MODULE
-from shardadopt.registry import APPLIED, NOT_NEEDED, installed_version
+from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.versions import installed_version
 from test_upstream_diffs import tool
 
 DIFF = tool.diff_for(tool.load_fixes([ID])[ID], str(installed_version("transformers")))  # the installed release's
@@ -108,7 +109,7 @@ def twod_grads(path: str, micro_batches: int, exclude: list[str], shapes: dict[s
 
 
 def twod_unsupported() -> str | None:
-    from shardadopt.selftest.trainer import unloadable_reason
+    from shardadopt.testing.layouts import unloadable_reason
 
     return unloadable_reason({"fsdp_size": 2, "tp_size": 2})
 

@@ -26,9 +26,9 @@ from shardadopt.selftest.trainer import (
     TokenDataset,
     _fresh_accelerate_state,
     compare_logs,
-    distributed_sizes,
     train_log,
 )
+from shardadopt.testing.layouts import distributed_sizes
 
 pytestmark = pytest.mark.multiproc
 STEPS = 3

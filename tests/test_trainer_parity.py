@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.selftest.trainer import LayoutUnsupported, compare_logs, distributed_sizes, train_log
+from shardadopt.selftest.trainer import compare_logs, train_log
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 
 pytestmark = pytest.mark.multiproc
 STEPS = 5

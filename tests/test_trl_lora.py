@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 from shardadopt.testing.trl import FP32_RTOL, MODELS, MOE_RTOL, compare, refusal_problem, trl_log
 
 pytestmark = pytest.mark.multiproc

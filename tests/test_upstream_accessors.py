@@ -23,7 +23,7 @@ import torch
 from packaging.version import Version
 
 from shardadopt import upstream
-from shardadopt.registry import installed_version
+from shardadopt.versions import installed_version
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 import shardadopt
-from shardadopt.registry import APPLIED, installed_version
+from shardadopt.registry import APPLIED
 from shardadopt.testing.releases import newer_than_recorded
+from shardadopt.versions import installed_version
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from shardadopt.hpo.storage import resolve_storage
+from shardadopt.hpo.storage import load_study, resolve_storage
 
 VERBS = ("warm-start", "reseed", "check-pruning", "plot")
 
@@ -50,8 +50,6 @@ def run(args: Any) -> int:
 
 
 def _study(args: Any) -> Any:
-    from shardadopt.hpo.report import load_study
-
     return load_study(args.storage, args.study)  # a missing study raises its clear error before any work
 
 

@@ -16,17 +16,10 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from shardadopt.hpo import commands
 from shardadopt.hpo.durability import DEFAULT_GRACE_PERIOD, heartbeat_age, requeue
 from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
-from shardadopt.hpo.storage import resolve_storage
-
-
-def load_study(storage: str, study_name: str) -> optuna.Study:
-    resolved = resolve_storage(storage, heartbeat_interval=None)
-    names = [s.study_name for s in optuna.get_all_study_summaries(resolved, include_best_trial=False)]
-    if study_name not in names:
-        raise ValueError(f"no study named {study_name!r} in {storage}; studies there: {names}")
-    return optuna.load_study(study_name=study_name, storage=resolved)
+from shardadopt.hpo.storage import load_study, resolve_storage
 
 
 def status(study: optuna.Study, now: float | None = None) -> dict[str, Any]:
@@ -106,8 +99,6 @@ def add_commands(sub: Any) -> None:
         if name == "export":
             verb.add_argument("--format", choices=["json", "csv"], default="json")
             verb.add_argument("--output", help="file to write (default: standard output)")
-    from shardadopt.hpo import commands
-
     commands.add_commands(verbs)
 
 
@@ -129,8 +120,6 @@ def _config_line(row: dict[str, Any]) -> str:
 
 
 def run(args: Any) -> int:
-    from shardadopt.hpo import commands
-
     if args.hpo_command in commands.VERBS:
         return commands.run(args)
     study = load_study(args.storage, args.study)

@@ -140,3 +140,20 @@ def default_sampler(seed: int | None = None) -> optuna.samplers.BaseSampler:
 
 def supports_heartbeat(storage: BaseStorage) -> bool:
     return isinstance(storage, RDBStorage) and storage.get_heartbeat_interval() is not None
+
+
+def load_study(storage: str, study_name: str) -> optuna.Study:
+    """The existing study ``study_name`` in ``storage`` (a URL), or ``ValueError`` naming the studies there.
+
+    Args:
+        storage: a storage URL (as ``shardadopt hpo --storage`` takes it).
+        study_name: the study to open.
+
+    Returns:
+        The loaded study.
+    """
+    resolved = resolve_storage(storage, heartbeat_interval=None)
+    names = [s.study_name for s in optuna.get_all_study_summaries(resolved, include_best_trial=False)]
+    if study_name not in names:
+        raise ValueError(f"no study named {study_name!r} in {storage}; studies there: {names}")
+    return optuna.load_study(study_name=study_name, storage=resolved)

@@ -17,32 +17,12 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardadopt.selftest.scenario import Context, Scenario
 from shardadopt.testing import RankError, RankPool, RankTimeout, tiny_checkpoints
-
-
-@dataclass(frozen=True)
-class Context:
-    models: dict[str, str]
-    nproc: int
-    device: str
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    description: str
-    # Module-level function run on every rank: run(ctx) -> result (rank 0's is compared).
-    run: Callable[[Context], Any]
-    # Single-process reference, run in the launcher: reference(ctx) -> expected.
-    reference: Callable[[Context], Any]
-    # compare(result, expected) -> None when they agree, else a message saying what differs.
-    compare: Callable[[Any, Any], str | None]
-    # Why the scenario cannot run with this world size, or None.
-    unsupported: Callable[[int], str | None] = lambda nproc: None
 
 
 @dataclass

@@ -10,7 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.selftest import Context, Scenario
+from shardadopt.selftest.scenario import Context, Scenario
+from shardadopt.testing.accelerator import fresh_accelerator
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.models import local_copy
 
 SEED = 4321
 PER_DP_BATCH = 2
@@ -27,14 +30,6 @@ PARAM_RMS = 1e-3 * LR
 MAX_NORM = 0.5  # below every tiny model's grad norm here, so clipping is always active
 TOPOLOGY_FIELDS = ("source", "world_size", "dp_replicate_size", "dp_replicate_rank", "dp_shard_size",
                    "dp_shard_rank", "dp_size", "dp_rank", "tp_size", "tp_rank", "ep_size", "ep_rank")
-
-
-def fresh_accelerator(**kwargs):
-    """A new CPU/GPU Accelerator (accelerate keeps process-wide singletons; pools reuse processes)."""
-    from accelerate import Accelerator
-
-    upstream.reset_accelerate_state()
-    return Accelerator(**kwargs)
 
 
 def _dataset(dp_size: int, steps: int = STEPS, accum: int = ACCUM):
@@ -54,12 +49,6 @@ def _load(path: str, sizes: dict[str, Any] | None, dtype: str = "float32"):
 
         kwargs["distributed_config"] = DistributedConfig(**sizes)
     return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-
-
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return (upstream.dtensor_local(t) if isinstance(t, DTensor) else t).detach().clone()
 
 
 def streamed_dataset(rows: list[Any]):
@@ -85,7 +74,7 @@ def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "tog
     try:
         accelerator = fresh_accelerator(cpu=cpu, gradient_accumulation_steps=accum)
         model = _load(path, sizes, dtype)
-        before = {n: _local(p) for n, p in model.named_parameters()}
+        before = {n: local_copy(p) for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         rows = _dataset(dp_size, steps, accum)
         loader = torch.utils.data.DataLoader(streamed_dataset(rows) if streamed else rows, batch_size=PER_DP_BATCH)
@@ -100,7 +89,7 @@ def train_rank(path: str, sizes: dict[str, Any], dp_size: int, order: str = "tog
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         # adoption leaves every local parameter exactly as loaded (EP experts included)
-        unchanged = all(torch.equal(_local(p), before[n])
+        unchanged = all(torch.equal(local_copy(p), before[n])
                         for n, p in accelerator.unwrap_model(model).named_parameters())
         layout = shardadopt.topology(accelerator.unwrap_model(model))
         topo = {k: getattr(layout, k) for k in TOPOLOGY_FIELDS}
@@ -254,8 +243,6 @@ def _multiple_of(needed: int):
 def _layout_unsupported(layout: str):
     """Why ``layout`` (``"2d"``: fsdp x tp, transformers 5.18 and newer; ``"hsdp"``: a transformers with
     ``dp_replicate_size``) cannot run on ``nproc`` ranks (it needs 4), or None."""
-    from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes
-
     def reason(nproc: int) -> str | None:
         try:
             distributed_sizes(layout, nproc)
@@ -267,8 +254,6 @@ def _layout_unsupported(layout: str):
 
 
 def _layout_sizes(layout: str):
-    from shardadopt.selftest.trainer import distributed_sizes
-
     return lambda nproc: distributed_sizes(layout, nproc)[0]
 
 

@@ -11,7 +11,7 @@ import os
 import tempfile
 from typing import Any
 
-from shardadopt.selftest import Context, Scenario
+from shardadopt.selftest.scenario import Context, Scenario
 
 
 def _ep_layout() -> dict[str, Any]:

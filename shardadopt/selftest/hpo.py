@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shardadopt.selftest import Context, Scenario
+from shardadopt.selftest.scenario import Context, Scenario
 
 N_TRIALS = 8
 STEPS = 5

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.selftest import Context, Scenario
+from shardadopt.selftest.scenario import Context, Scenario
 
 GLOBAL_SEED = 1234
 PER_RANK_BATCH = 2

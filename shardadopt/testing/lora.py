@@ -112,7 +112,8 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
 
     import shardadopt
     from shardadopt.adapters import AdapterLayoutError
-    from shardadopt.selftest.accelerate import _local, fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
+    from shardadopt.testing.models import local_copy
 
     shardadopt.enable()
     try:
@@ -124,7 +125,7 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
         except AdapterLayoutError as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         init = _adapter_params(model)
-        frozen = {n: _local(p) for n, p in model.named_parameters() if not is_adapter(n)}
+        frozen = {n: local_copy(p) for n, p in model.named_parameters() if not is_adapter(n)}
         # foreach: one kernel over plain and DTensor factors, which needs per-mesh groups (split at prepare)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         loader = torch.utils.data.DataLoader(list(_rows(dp_size, steps, accum)), batch_size=PER_DP_BATCH)
@@ -143,7 +144,7 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
                 optimizer.step()
                 optimizer.zero_grad()
         unwrapped = accelerator.unwrap_model(model)
-        base_unchanged = all(torch.equal(_local(p), frozen[n]) for n, p in unwrapped.named_parameters()
+        base_unchanged = all(torch.equal(local_copy(p), frozen[n]) for n, p in unwrapped.named_parameters()
                              if n in frozen)
         trainable = sorted(n for n, p in unwrapped.named_parameters() if p.requires_grad)
         with torch.no_grad():
@@ -254,7 +255,7 @@ def resume_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, directory: 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     import shardadopt
-    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:
@@ -324,7 +325,7 @@ def adapter_case(path: str, sizes: dict[str, Any], case: str) -> dict[str, Any]:
     from peft import get_peft_model
 
     import shardadopt
-    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:
@@ -477,7 +478,7 @@ def several_adapters_rank(path: str, sizes: dict[str, Any], dp_size: int, workdi
 
     import shardadopt
     from shardadopt.adapters import AdapterLayoutError
-    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:

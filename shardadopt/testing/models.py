@@ -93,6 +93,15 @@ def full(tensor):
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def local_copy(tensor):
+    """A detached copy of this rank's local shard of a DTensor, or of the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    from shardadopt import upstream
+
+    return (upstream.dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
 HAND_SHARDED_LAYOUTS = ("plain", "fsdp", "tp", "partial-mesh", "ambiguous")
 
 

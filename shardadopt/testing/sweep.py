@@ -46,6 +46,9 @@ ACCUM = 2
 PER_DP_BATCH = 2
 SEQ_LEN = 16
 LR = 1e-3
+# Final parameters: the selftest's rule for this LR (shardadopt.selftest.accelerate says why).
+PARAM_MAX_DIFF = 0.5 * LR
+PARAM_RMS = 1e-3 * LR
 MAX_NORM = 0.5
 SEED = 1234
 GRAD_RTOL = 1e-4
@@ -72,7 +75,7 @@ class Cell:
 def layout_sizes(layout: str) -> tuple[dict[str, Any], int] | str:
     """(DistributedConfig kwargs, data-parallel size) for ``layout`` on the installed transformers, or why it
     cannot be loaded there."""
-    from shardadopt.selftest.trainer import LayoutUnsupported, distributed_sizes, unloadable_reason
+    from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes, unloadable_reason
 
     try:
         sizes, dp = distributed_sizes(layout, LAYOUTS[layout][0])
@@ -157,8 +160,8 @@ def check_rank(path: str, sizes: dict[str, Any], dp: int) -> dict[str, Any]:
     from transformers.distributed import DistributedConfig
 
     import shardadopt
-    from shardadopt.selftest.accelerate import fresh_accelerator
     from shardadopt.testing import full
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:
@@ -262,8 +265,6 @@ def compare(results: list[dict[str, Any]], expected: dict[str, Any], noise: dict
     up to rounding because softmax ignores a shift) into updates of a sizeable fraction of a step.
     """
     import torch
-
-    from shardadopt.selftest.accelerate import PARAM_MAX_DIFF, PARAM_RMS
 
     failed = next((r for r in results if "error" in r), None)
     if failed is not None:

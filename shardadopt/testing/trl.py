@@ -61,7 +61,7 @@ def _load(path: str, layout: str | None, world: int):
     from transformers import AutoModelForCausalLM
 
     from shardadopt import upstream
-    from shardadopt.selftest.trainer import distributed_sizes
+    from shardadopt.testing.layouts import distributed_sizes
 
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     dp = world
