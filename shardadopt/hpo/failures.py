@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 
+from shardadopt.errors import FAILURE_KIND_ATTRIBUTE, HANG_KIND
+
 OOM = "oom"
 NAN_LOSS = "nan_loss"
 CONFIG_ERROR = "config_error"
 PREEMPTED = "preempted"
 COMM_ERROR = "comm_error"
-HANG = "hang"  # shardadopt.fence.HANG_KIND
+HANG = HANG_KIND
 ERROR = "error"
 
 KINDS = (OOM, NAN_LOSS, CONFIG_ERROR, PREEMPTED, COMM_ERROR, HANG, ERROR)
@@ -38,18 +40,15 @@ class PreemptedError(RuntimeError):
     """The worker was told to stop (SIGTERM) or its trial's heartbeat went stale (retried once)."""
 
 
-_KIND_OF_EXCEPTION = "shardadopt_failure_kind"  # an exception attribute; survives pickling to other ranks
-
-
 def mark(exc: BaseException, kind: str) -> BaseException:
     """Tag ``exc`` with a failure kind decided where the context was known (e.g. before training started)."""
-    setattr(exc, _KIND_OF_EXCEPTION, kind)
+    setattr(exc, FAILURE_KIND_ATTRIBUTE, kind)
     return exc
 
 
 def classify(exc: BaseException, *, before_training: bool = False) -> str:
     """The failure kind of ``exc``. ``before_training``: raised while building the config/model for a trial."""
-    marked = getattr(exc, _KIND_OF_EXCEPTION, None)
+    marked = getattr(exc, FAILURE_KIND_ATTRIBUTE, None)
     if marked in KINDS:
         return marked
     names = {cls.__name__ for cls in type(exc).__mro__}
