@@ -198,7 +198,7 @@ def hook_overhead(steps: int) -> dict[str, dict[str, float]]:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from shardadopt import fence
+    from shardadopt.fence import progress_hooks
 
     torch.set_num_threads(1)
     per_call_us = hook_cost_per_call()
@@ -225,14 +225,14 @@ def hook_overhead(steps: int) -> dict[str, dict[str, float]]:
         for i in range(steps):
             for hooked in ((False, True) if i % 2 else (True, False)):  # alternate which goes first
                 if hooked:
-                    fence._add_progress_hooks()  # what an armed fence with a finite hang timeout installs
-                    before = fence._PROGRESS[0]
+                    progress_hooks.add_hooks()  # what an armed fence with a finite hang timeout installs
+                    before = progress_hooks.count()
                 try:
                     times[hooked].append(step())
                 finally:
                     if hooked:
-                        calls = fence._PROGRESS[0] - before
-                        fence._remove_progress_hooks()
+                        calls = progress_hooks.count() - before
+                        progress_hooks.remove_hooks()
         ratios = [h / p for p, h in zip(times[False], times[True])]
         plain = statistics.median(times[False]) * 1e3
         out[name] = {"plain ms": plain, "hooked ms": statistics.median(times[True]) * 1e3,
@@ -246,14 +246,14 @@ def hook_cost_per_call(calls: int = 20000, repeats: int = 7) -> float:
     interleaved loops each way: a load-robust figure to multiply by the calls per step."""
     import torch
 
-    from shardadopt import fence
+    from shardadopt.fence import progress_hooks
 
     module, x = torch.nn.Identity(), torch.zeros(1)
     best = {False: math.inf, True: math.inf}
     for _ in range(repeats):
         for hooked in (False, True):
             if hooked:
-                fence._add_progress_hooks()
+                progress_hooks.add_hooks()
             try:
                 start = time.perf_counter()
                 for _ in range(calls):
@@ -261,7 +261,7 @@ def hook_cost_per_call(calls: int = 20000, repeats: int = 7) -> float:
                 best[hooked] = min(best[hooked], (time.perf_counter() - start) / calls)
             finally:
                 if hooked:
-                    fence._remove_progress_hooks()
+                    progress_hooks.remove_hooks()
     return (best[True] - best[False]) * 1e6
 
 

@@ -92,12 +92,13 @@ def _accepting_rank() -> int:
     import torch.distributed as dist
 
     from shardadopt import fence
+    from shardadopt.fence import breaking, records
 
     fence.rebuild_world()
-    sockets = fence._own_tcp_sockets()
-    own = {port for _, port in fence._training_listeners(sockets, fence._store().port)}
+    sockets = breaking.own_tcp_sockets()
+    own = {port for _, port in breaking.training_listeners(sockets, records.default_base_store().port)}
     accepted = [None] * dist.get_world_size()
-    dist.all_gather_object(accepted, any(s.state != fence._LISTEN and s.port in own for s in sockets))
+    dist.all_gather_object(accepted, any(s.state != breaking.LISTEN and s.port in own for s in sockets))
     assert accepted.count(True) == 1, accepted
     return accepted.index(True)
 
@@ -113,15 +114,16 @@ def _only_the_connecting_side_breaks() -> dict:
     import torch.distributed as dist
 
     from shardadopt import fence, upstream
+    from shardadopt.fence import breaking
 
     rank, acceptor = dist.get_rank(), _accepting_rank()
     store, left_key = upstream.default_store(), f"connecting-side/{fence.generation()}/left"
-    breaks = fence.break_training_groups
+    breaks = breaking.break_training_groups
     started = time.time()
     try:
         with fence.fenced("a section"):
             if rank == acceptor:
-                fence.break_training_groups = lambda **_: 0  # test instrumentation: this rank's break misses
+                breaking.break_training_groups = lambda **_: 0  # test instrumentation: this rank's break misses
                 raise RuntimeError("injected on the accepting rank")
             dist.broadcast(torch.ones(4), src=acceptor)
         outcome = {"raised": None}
@@ -135,7 +137,7 @@ def _only_the_connecting_side_breaks() -> dict:
         except Exception:  # noqa: BLE001  (the peer never left: its result says how)
             pass
     finally:
-        fence.break_training_groups = breaks
+        breaking.break_training_groups = breaks
     fence.rebuild_world()  # the pool's next case gets working groups
     return {"acceptor": acceptor, **outcome}
 
@@ -157,12 +159,13 @@ def blocked_where_no_break_reaches(how: str) -> dict:
     import torch.distributed as dist
 
     from shardadopt import fence
+    from shardadopt.fence import breaking
 
     rank = dist.get_rank()
     pids = [None, None]
     dist.all_gather_object(pids, os.getpid())
     if how == "broadcast":
-        fence.break_training_groups = lambda **_: 0  # test instrumentation: no break reaches the collective
+        breaking.break_training_groups = lambda **_: 0  # test instrumentation: no break reaches the collective
     started = time.time()
     try:
         with fence.fenced("a section"):
@@ -375,7 +378,8 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
     import torch.distributed as dist
 
     import shardadopt
-    from shardadopt import checkpoint, fence
+    from shardadopt import checkpoint
+    from shardadopt.fence import breaking
     from shardadopt.hpo import ControlOptions, optimize
     from shardadopt.selftest import checkpoint as steps
 
@@ -384,7 +388,7 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
     rank = dist.get_rank()
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if rank == 0 else None
     marks: dict = {}
-    fsync, breaks = os.fsync, fence.break_training_groups
+    fsync, breaks = os.fsync, breaking.break_training_groups
     # Imports and the first load outside the search: under this test's 5 s hang timeout, one rank still importing
     # transformers on a loaded machine while the other trains is taken for hung (an import counts no progress); real
     # jobs keep the 900 s default.
@@ -414,14 +418,14 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
         if rank == hanging:
             os.fsync = blocked_fsync  # test instrumentation: this rank's filesystem stops answering
         if late_break:
-            fence.break_training_groups = lambda **_: 0  # test instrumentation: the watchers act late
+            breaking.break_training_groups = lambda **_: 0  # test instrumentation: the watchers act late
         try:
             checkpoint.save(f"{root}/step-2", model, optimizer, scheduler, step=2)
         except BaseException as exc:
             marks["raised"] = type(exc).__name__
             raise
         finally:
-            os.fsync, fence.break_training_groups = fsync, breaks
+            os.fsync, breaking.break_training_groups = fsync, breaks
         return marks["expected"][-1]
 
     optimize(study, objective, n_trials=2, catch=(RuntimeError,),
@@ -525,20 +529,21 @@ def test_a_rank_whose_close_raises_still_rebuilds_with_the_others(pool2):
 def trip_rebuild_trip() -> dict:
     """A fenced section that rank 1 fails at once, ``rebuild_world``, then a second section that rank 0 fails. Rank
     1's watcher thread starts late, while its main thread is in the rebuild with the default group destroyed. Counts
-    the fence's own store connections (``fence._connect``) and how many were open when each section began."""
+    the fence's own store connections (``records.connect``) and how many were open when each section began."""
     import threading
 
     import torch
     import torch.distributed as dist
 
     from shardadopt import fence
+    from shardadopt.fence import records, watcher
 
     rank = dist.get_rank()
     watcher_errors: list[str] = []
     hook = threading.excepthook
     threading.excepthook = lambda args: watcher_errors.append(f"{args.thread.name}: {args.exc_value!r}")
     errors, alive, opened = [], [], []
-    connect = fence._connect
+    connect = records.connect
     initialise = dist.init_process_group
     connections = {"started": 0, "open": 0}
 
@@ -550,7 +555,7 @@ def trip_rebuild_trip() -> dict:
         connections["open"] += 1
         return store
 
-    fence._connect = counted_connect
+    records.connect = counted_connect
     if rank == 1:  # test instrumentation: a slow initialisation (a loaded machine, many ranks)
         dist.init_process_group = lambda *args, **kwargs: (time.sleep(1.0), initialise(*args, **kwargs))[1]
     try:
@@ -566,12 +571,12 @@ def trip_rebuild_trip() -> dict:
                 errors.append(type(exc).__name__)
             fence.rebuild_world()
             time.sleep(0.5)  # the watcher's delayed start is over
-            alive.append(fence._WATCHER.thread.is_alive())
+            alive.append(watcher.WATCHER.thread.is_alive())
         total = torch.ones(2)
         dist.all_reduce(total)
     finally:
         threading.excepthook = hook
-        fence._connect = connect
+        records.connect = connect
         dist.init_process_group = initialise
     return {"errors": errors, "watcher_errors": watcher_errors, "alive": alive, "sum": total.tolist(),
             "opened": opened, "connections": connections["started"]}
@@ -744,7 +749,7 @@ def test_reading_the_sockets_leaves_their_blocking_mode_alone_under_a_default_ti
     import fcntl
     import socket
 
-    from shardadopt import fence
+    from shardadopt.fence import breaking
 
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())
@@ -753,7 +758,7 @@ def test_reading_the_sockets_leaves_their_blocking_mode_alone_under_a_default_ti
     modes = {sock: fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) for sock in (server, client, accepted)}
     try:
         socket.setdefaulttimeout(5.0)
-        ports = {s.port for s in fence._own_tcp_sockets()}
+        ports = {s.port for s in breaking.own_tcp_sockets()}
         assert {server.getsockname()[1], client.getsockname()[1]} <= ports, ports
         assert {sock: fcntl.fcntl(sock.fileno(), fcntl.F_GETFL) for sock in modes} == modes
     finally:

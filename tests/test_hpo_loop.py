@@ -337,10 +337,10 @@ def _stuck(control_timeout: float):
     try:
         optimize(study, objective, n_trials=3, control=ControlOptions(timeout=control_timeout))
     except Exception as exc:
-        from shardadopt import fence
+        from shardadopt.fence import watcher
 
         return {"type": type(exc).__name__, "message": str(exc), "ranks": getattr(exc, "ranks", None),
-                "seconds": time.monotonic() - start, "armed": len(fence._WATCHER.armed)}
+                "seconds": time.monotonic() - start, "armed": len(watcher.WATCHER.armed)}
     return None
 
 

@@ -12,7 +12,7 @@ import pickle
 import traceback
 from dataclasses import dataclass
 
-RANK_ATTRIBUTE = "shardadopt_rank"
+from shardadopt.errors import RANK_ATTRIBUTE, origin_rank, summary
 
 
 class HPOControlError(RuntimeError):
@@ -65,11 +65,6 @@ class PackedError:
     summary: str
 
 
-def origin_rank(exc: BaseException, default: int) -> int:
-    """The rank an exception first came from (``default`` when it was raised locally)."""
-    return getattr(exc, RANK_ATTRIBUTE, default)
-
-
 def pack(exc: BaseException, rank: int) -> PackedError:
     origin = origin_rank(exc, rank)
     text = getattr(exc, "_shardadopt_traceback", None) or "".join(
@@ -100,11 +95,3 @@ def unpack(packed: PackedError, local_rank: int) -> BaseException:
     if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
         exc.add_note(note)
     return exc
-
-
-def summary(exc: BaseException) -> str:
-    try:
-        text = str(exc)
-    except Exception:  # noqa: BLE001  (an exception whose __str__ raises still travels)
-        text = ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 
+from shardadopt.errors import FAILURE_KIND_ATTRIBUTE, HANG_KIND
+
 OOM = "oom"
 NAN_LOSS = "nan_loss"
 CONFIG_ERROR = "config_error"
 PREEMPTED = "preempted"
 COMM_ERROR = "comm_error"
-HANG = "hang"  # shardadopt.fence.HANG_KIND
+HANG = HANG_KIND
 ERROR = "error"
 
 KINDS = (OOM, NAN_LOSS, CONFIG_ERROR, PREEMPTED, COMM_ERROR, HANG, ERROR)
@@ -38,9 +40,6 @@ class PreemptedError(RuntimeError):
     """The worker was told to stop (SIGTERM) or its trial's heartbeat went stale (retried once)."""
 
 
-_KIND_OF_EXCEPTION = "shardadopt_failure_kind"  # an exception attribute; survives pickling to other ranks
-
-
 def mark(exc: BaseException, kind: str) -> BaseException:
     """Tag ``exc`` with a failure kind decided where the context was known (e.g. before training started).
 
@@ -52,7 +51,7 @@ def mark(exc: BaseException, kind: str) -> BaseException:
     Returns:
         ``exc``, tagged.
     """
-    setattr(exc, _KIND_OF_EXCEPTION, kind)
+    setattr(exc, FAILURE_KIND_ATTRIBUTE, kind)
     return exc
 
 
@@ -66,7 +65,7 @@ def classify(exc: BaseException, *, before_training: bool = False) -> str:
     Returns:
         The failure kind recorded as the trial's ``failure_kind``.
     """
-    marked = getattr(exc, _KIND_OF_EXCEPTION, None)
+    marked = getattr(exc, FAILURE_KIND_ATTRIBUTE, None)
     if marked in KINDS:
         return marked
     names = {cls.__name__ for cls in type(exc).__mro__}

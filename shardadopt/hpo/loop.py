@@ -42,6 +42,7 @@ import optuna
 from optuna.storages import InMemoryStorage
 
 from shardadopt import fence, upstream
+from shardadopt.errors import summary
 from shardadopt.hpo import errors, failures, preempt, reseed
 from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
@@ -299,7 +300,7 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
                         channel.broadcast_object(0, (_START, info), OP_COMMAND)
                     outcome = _run_objective(DistributedTrial._started(channel, trial, info), objective)
             except PeerLostError as exc:  # recorded against the rank that was lost
-                outcome = Outcome(FAIL, exc, exc.ranks[0] if exc.ranks else 0, errors.summary(exc))
+                outcome = Outcome(FAIL, exc, exc.ranks[0] if exc.ranks else 0, summary(exc))
         if trial.params:
             with contextlib.suppress(Exception):
                 trial.set_user_attr(ATTR_PARAMS_HASH, params_hash(trial.params))
@@ -346,7 +347,7 @@ def _preempted_outcome() -> Outcome:
     try:
         preempt.check()
     except failures.PreemptedError as exc:
-        return Outcome(FAIL, exc, 0, errors.summary(exc))
+        return Outcome(FAIL, exc, 0, summary(exc))
     raise AssertionError("no preemption was requested")
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import optuna
 
+from shardadopt.errors import RANK_ATTRIBUTE, origin_rank, summary
 from shardadopt.fence import Fence
 from shardadopt.hpo import errors, preempt
 from shardadopt.hpo.channel import (
@@ -366,14 +367,14 @@ class DistributedTrial(optuna.trial.BaseTrial):
                 # Raised here, possibly while peers wait in a training collective: break them out. When another
                 # rank failed first, this error is a consequence (a broken collective): mark it as that rank's copy.
                 origin = self._fence.trip(error)
-                if origin != self._channel.rank and not hasattr(error, errors.RANK_ATTRIBUTE):
+                if origin != self._channel.rank and not hasattr(error, RANK_ATTRIBUTE):
                     with contextlib.suppress(Exception):
-                        setattr(error, errors.RANK_ATTRIBUTE, origin)
+                        setattr(error, RANK_ATTRIBUTE, origin)
             try:
                 packed = errors.pack(error, self._channel.rank)
             except Exception:  # noqa: BLE001  (this rank must still reach the end round the others wait in)
-                packed = errors.pack(errors.RemoteError(type(error).__name__, errors.summary(error)),
-                                     errors.origin_rank(error, self._channel.rank))
+                packed = errors.pack(errors.RemoteError(type(error).__name__, summary(error)),
+                                     origin_rank(error, self._channel.rank))
             payload = pickle.dumps(packed)
             aux = int(packed.rank != self._channel.rank)  # 1: a copy of another rank's error
             self._channel.record_error(packed.traceback)
@@ -497,7 +498,7 @@ class DistributedTrial(optuna.trial.BaseTrial):
             for r, row in enumerate(table))
         error = _deliver(DesyncError(f"trial {self.number}: the ranks took different paths through the objective "
                                      f"({doing}); every rank must make the same trial calls in the same order"))
-        self._outcome = Outcome(FAIL, error, None, errors.summary(error), "")
+        self._outcome = Outcome(FAIL, error, None, summary(error), "")
 
     def _raise(self, packed: PackedError) -> BaseException:
         """The exception of a method call that raised on rank 0 (the trial goes on if the objective catches it)."""

@@ -1,0 +1,280 @@
+"""The break: make every collective of this rank's training process groups fail now, from any thread.
+
+NCCL: ``ProcessGroup.abort()``. Gloo has no collective abort, but a gloo peer that loses its connection fails at once,
+so each rank shuts down both ends it holds of its training gloo pairs (found through ``/proc/self/fd``; Linux only):
+the connections its listeners accepted, and those it opened to a peer's training listener, which every rank publishes
+in the store. Protected groups (the HPO control group), the store and every other connection are left alone.
+Why each piece is so: ``docs/fence.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import sys
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from shardadopt import upstream
+from shardadopt.fence import records
+from shardadopt.fence.state import BREAK_LOCK, STATE
+
+LISTEN, CONNECTED = 0x0A, 0x01  # TCP states, numbered as /proc/net/tcp numbers them
+_WILDCARD = {"00000000", "0" * 32}
+_IPV6_LOOPBACK = "0" * 24 + "01000000"  # ::1 as /proc/net/tcp6 writes it
+_HOST = socket.gethostname()
+
+_PROTECTED_PORTS: set[int] = set()  # gloo listener ports of groups that must survive a break (control plane)
+_PROTECTED_GROUPS: weakref.WeakSet = weakref.WeakSet()
+# (generation, store host, store port) -> this rank's training listeners published there
+_PUBLISHED: dict[tuple[int, Any, Any], set[tuple[str, int]]] = {}
+
+
+class TcpSocket(NamedTuple):
+    fd: int
+    inode: int
+    state: int
+    port: int
+    address: str  # hex, as /proc/net/tcp writes it
+    remote_address: str
+    remote_port: int
+
+
+# -- this process's sockets -------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket]:
+    """A Python socket over a duplicate of ``fd``. The duplicate shares the open file's status flags, and a socket
+    built while ``socket.setdefaulttimeout`` is set switches them to non-blocking: they are put back as they were,
+    so gloo's and the store's sockets keep their own mode."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            yield sock
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
+def own_tcp_sockets() -> list[TcpSocket]:
+    """This process's TCP sockets, asked of each socket of ``/proc/self/fd`` (not read from ``/proc/net/tcp``: that
+    table lists every socket of the network namespace, every other rank's gloo pairs included, so parsing it cost
+    each rank time in the world size squared at every break and publication)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not link.startswith("socket:["):
+            continue
+        try:
+            with _borrowed(int(fd)) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                    continue
+                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                local, inode = sock.getsockname(), os.fstat(sock.fileno()).st_ino
+                remote = ("::" if sock.family == socket.AF_INET6 else "0.0.0.0", 0)
+                if not listening:
+                    with contextlib.suppress(OSError):  # not connected (yet, or any more)
+                        remote = sock.getpeername()
+        except OSError:  # closed since it was listed
+            continue
+        found.append(TcpSocket(int(fd), inode, LISTEN if listening else CONNECTED, local[1],
+                               _proc_hex(sock.family, local[0]), _proc_hex(sock.family, remote[0]), remote[1]))
+    return found
+
+
+def _proc_hex(family: int, address: str) -> str:
+    """``address`` as ``/proc/net/tcp`` writes it (each 32-bit word in host byte order, hex), the form the store's
+    published listeners use."""
+    packed = socket.inet_pton(family, address.split("%")[0])
+    return "".join(f"{int.from_bytes(packed[i:i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
+
+
+def _listen_ports() -> set[int]:
+    try:
+        return {s.port for s in own_tcp_sockets() if s.state == LISTEN}
+    except OSError:
+        return set()
+
+
+def training_listeners(sockets: list[TcpSocket], store_port: int | None) -> set[tuple[str, int]]:
+    """(address hex, port) of this process's gloo listeners of training groups: bound to one address (not a
+    wildcard server), neither the store's nor a protected group's."""
+    return {(s.address, s.port) for s in sockets
+            if s.state == LISTEN and s.address not in _WILDCARD and s.port != store_port
+            and s.port not in _PROTECTED_PORTS}
+
+
+def _loopback(address: str) -> bool:
+    return address.endswith("7F") if len(address) == 8 else address == _IPV6_LOOPBACK
+
+
+# -- protected groups -------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def protected() -> Iterator[None]:
+    """Process groups created inside this block survive ``break_training_groups`` (used for the control group,
+    which must carry the ranks' agreement after the training groups were broken). Collective like ``new_group``."""
+    before = _listen_ports()
+    with BREAK_LOCK:  # a publication that read the sockets before this block began sees it and gives up
+        STATE.protecting += 1
+        STATE.protections += 1
+    try:
+        yield
+        _PROTECTED_PORTS.update(_listen_ports() - before)
+    finally:
+        with BREAK_LOCK:
+            STATE.protecting -= 1
+            STATE.protections += 1
+
+
+def protect_group(group: Any) -> None:
+    """``group`` (created inside ``protected()``) is not aborted by ``break_training_groups``. Held weakly: a
+    destroyed group is freed as usual (``shardadopt.cleanexit`` relies on it at exit)."""
+    _PROTECTED_GROUPS.add(group)
+
+
+def forget_protected_ports() -> None:
+    """The process groups were destroyed (``rebuild_world``): their listener ports may be reused by training groups."""
+    _PROTECTED_PORTS.clear()
+
+
+def _training_groups() -> list[Any]:
+    groups: list[Any] = [dist.group.WORLD]
+    for _ in range(10):  # the main thread may be creating a group while the watchdog reads the registry
+        try:
+            groups = upstream.registered_process_groups()
+            break
+        except RuntimeError:
+            continue
+        except AttributeError:  # private registry renamed: the default group at least
+            break
+    return [g for g in groups if g is not None and g not in _PROTECTED_GROUPS]
+
+
+# -- the break --------------------------------------------------------------------------------------------------------
+
+
+def break_training_groups(store: Any = None) -> int:
+    """Make every collective of this rank's training process groups fail now (see ``docs/fence.md``).
+
+    Safe to call from any thread, more than once.
+
+    Args:
+        store: the base store connection to read the peers' listeners with (default: the default group's, which a
+            thread other than the main one should not use: the main thread may be blocked in a request on it).
+
+    Returns:
+        How many gloo connections were shut down.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    with BREAK_LOCK:  # re-entrant: the watcher breaks while holding it, so no rebuild slips in between
+        gloo = False
+        for group in _training_groups():
+            try:
+                gloo = gloo or "gloo" in str(dist.get_backend(group))
+            except Exception:  # noqa: BLE001  (a half-destroyed group: nothing to break)
+                continue
+            try:
+                group.abort()  # NCCL: unblocks this rank's pending collectives; gloo: a no-op
+            except Exception:  # noqa: BLE001  (older backends without abort)
+                pass
+        return _shutdown_gloo_connections(store) if gloo else 0
+
+
+def _listeners_key(generation: int) -> str:
+    return records.key(generation, "listeners")
+
+
+def publish_listeners(store: Any, blocking: bool = True) -> None:
+    """Add this rank's training listeners not yet published in this generation to the store's list (one ``append``
+    request, none when nothing is new), so a peer can shut the connections it opened to them.
+
+    Args:
+        store: the base store, or a connection of its.
+        blocking: False to give up when a break or a rebuild holds the lock.
+    """
+    protections, generation, base = STATE.protections, STATE.generation, records.base_store(store)
+    if STATE.protecting:  # a protected group's listener may be open but not marked protected yet
+        return
+    try:
+        current = training_listeners(own_tcp_sockets(), getattr(base, "port", None))
+    except OSError:  # no /proc: not Linux
+        return
+    where = (generation, getattr(base, "host", None), getattr(base, "port", None))
+    if not BREAK_LOCK.acquire(blocking=blocking):
+        return
+    try:
+        published = _PUBLISHED.setdefault(where, set())
+        new = current - published
+        if not new or STATE.protections != protections or STATE.generation != generation:
+            return  # a protected group came or went while the sockets were read: the next publication has it
+        store.append(_listeners_key(generation),
+                     "".join(f"{_HOST}/{address}:{port};" for address, port in sorted(new)))
+        published.update(new)
+        for old in [w for w in _PUBLISHED if w[0] < generation]:
+            del _PUBLISHED[old]
+    finally:
+        BREAK_LOCK.release()
+
+
+def _published_listeners(store: Any, generation: int) -> set[tuple[str, int]]:
+    """The training listeners every rank published in ``generation``; a loopback one only from this host (on
+    another host, the same loopback address and port are a local service of that host's)."""
+    listeners = _listeners_key(generation)
+    if not store.check([listeners]):
+        return set()
+    found = set()
+    for entry in store.get(listeners).decode().split(";"):
+        host, _, endpoint = entry.rpartition("/")
+        address, _, port = endpoint.partition(":")
+        if port and (host == _HOST or not _loopback(address)):
+            found.add((address, int(port)))
+    return found
+
+
+def _shutdown_gloo_connections(store: Any = None) -> int:
+    """Shut down this rank's side of every training gloo pair: the connections its own training listeners
+    accepted, and those it opened to a peer's published training listener. Either side's shutdown fails the
+    pair's pending operations on both ranks at once (measured: only the accepting side's, where no listener
+    was published, which left a rank blocked whenever its peer's break came too late)."""
+    peers: set[tuple[str, int]] = set()
+    try:
+        store = store if store is not None else records.default_base_store()
+        store_port = getattr(records.base_store(store), "port", None)
+    except Exception:  # noqa: BLE001  (no default group any more)
+        return 0
+    try:
+        publish_listeners(store)  # for the peers' breaks that come after this one
+        peers = _published_listeners(store, STATE.generation)
+    except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
+        pass
+    try:  # read after the store's answers: gloo closes a broken pair's fd, and a new socket may take its number
+        sockets = own_tcp_sockets()
+    except OSError:  # no /proc: not Linux
+        return 0
+    own = {port for _, port in training_listeners(sockets, store_port)}
+    count = 0
+    for s in sockets:
+        if s.state == LISTEN or not (s.port in own or (s.remote_address, s.remote_port) in peers):
+            continue
+        try:
+            with _borrowed(s.fd) as connection:
+                if os.fstat(connection.fileno()).st_ino != s.inode:
+                    continue  # the number was closed and reused since it was read: someone else's socket
+                connection.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            continue
+    return count
