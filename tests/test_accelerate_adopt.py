@@ -67,8 +67,9 @@ def fused_and_loop_step(path: str, sizes: dict) -> dict:
     import torch
 
     import shardadopt
-    from shardadopt.selftest.accelerate import PER_DP_BATCH, _dataset, _load, fresh_accelerator
+    from shardadopt.selftest.accelerate import PER_DP_BATCH, _dataset, _load
     from shardadopt.testing import full
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     params, strided = [], []
@@ -114,7 +115,8 @@ def expert_snapshot(path: str, sizes: dict):
     import torch
 
     import shardadopt
-    from shardadopt.selftest.accelerate import _load, _local, fresh_accelerator
+    from shardadopt.selftest.accelerate import _load, _local
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:
@@ -167,7 +169,7 @@ def adopt_worker(case: str, patched: bool = True) -> dict:
 
     import shardadopt
     from shardadopt.adopt import AdoptionKwargs, adopted, adoption_kwargs
-    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable() if patched else shardadopt.disable()
     try:
@@ -223,7 +225,7 @@ def adopt_worker(case: str, patched: bool = True) -> dict:
 def test_adoption_kwargs_defaults_need_no_configuration():
     import shardadopt
     from shardadopt.adopt import AdoptionKwargs, adoption_kwargs
-    from shardadopt.selftest.accelerate import fresh_accelerator
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     assert shardadopt.AdoptionKwargs is AdoptionKwargs
     defaults = AdoptionKwargs()

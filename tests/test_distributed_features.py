@@ -31,8 +31,8 @@ def prepare_outcome(path: str, sizes: dict, how: str) -> str:
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     import shardadopt
-    from shardadopt.selftest.accelerate import fresh_accelerator
     from shardadopt.selftest.trainer import TokenDataset
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:

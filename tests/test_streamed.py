@@ -69,7 +69,8 @@ def eval_gather_rank(path: str, sizes: dict, samples: int) -> list[int]:
     from datasets import Dataset
 
     import shardadopt
-    from shardadopt.selftest.accelerate import _load, fresh_accelerator
+    from shardadopt.selftest.accelerate import _load
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:

@@ -157,8 +157,8 @@ def check_rank(path: str, sizes: dict[str, Any], dp: int) -> dict[str, Any]:
     from transformers.distributed import DistributedConfig
 
     import shardadopt
-    from shardadopt.selftest.accelerate import fresh_accelerator
     from shardadopt.testing import full
+    from shardadopt.testing.accelerator import fresh_accelerator
 
     shardadopt.enable()
     try:
