@@ -2,9 +2,10 @@
 
     python benchmarks/hpo_recovery.py [--ranks 2] [--repeats 3] [--points model_init data forward ...]
 
-The objective of ``tests/test_hpo_faults.py`` (DDP training of a small model on the default gloo group, the loss
-all-reduced each step) raises on the last rank at one fault point in trial 0 of a 2-trial study; the control
-timeout is 600 s (what the peers waited before the fence). Per fault point, the median over ``--repeats`` of:
+The objective of ``tests/test_hpo_faults.py`` (``shardadopt.testing.fault_search``: DDP training of a small model on
+the default gloo group, the loss all-reduced each step) raises on the last rank at one fault point in trial 0 of a
+2-trial study; the control timeout is 600 s (what the peers waited before the fence). Per fault point, the median
+over ``--repeats`` of:
 
 - ``leave``: seconds from the fault to the slowest rank starting trial 1 (the failed trial agreed on, recorded as
   FAIL, and the process groups rebuilt);
@@ -17,18 +18,14 @@ Ranks share the machine's cores with everything else running: compare numbers fr
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from shardadopt.testing import fault_search
 
 
 def _timed_search(fault: dict | None) -> dict:
-    """``test_hpo_faults._search`` plus the time rank 0 spent in ``rebuild_world``."""
-    import test_hpo_faults as scenario
+    """``fault_search.search`` plus the time rank 0 spent in ``rebuild_world``."""
     from shardadopt import fence
 
     spent = []
@@ -41,7 +38,7 @@ def _timed_search(fault: dict | None) -> dict:
 
     fence.rebuild_world = timed  # measurement only: the benchmark's own wrapper around the public function
     try:
-        result = scenario._search(fault, (scenario._Fault,))
+        result = fault_search.search(fault, (fault_search.InjectedFault,))
     finally:
         fence.rebuild_world = original
     result["rebuild"] = sum(spent)
@@ -55,13 +52,12 @@ def main() -> None:
     parser.add_argument("--points", nargs="+", default=None)
     args = parser.parse_args()
 
-    import test_hpo_faults as scenario
     from shardadopt.testing import RankPool
 
-    points = args.points or list(scenario.POINTS)
+    points = args.points or list(fault_search.POINTS)
     failing = args.ranks - 1
     print(f"{args.ranks} gloo ranks, fault on rank {failing} at step 2 of trial 0, control timeout "
-          f"{scenario.CONTROL_TIMEOUT:.0f}s, median of {args.repeats}")
+          f"{fault_search.CONTROL_TIMEOUT:.0f}s, median of {args.repeats}")
     print(f"{'fault point':<12} {'leave s':>8} {'rebuild s':>10} {'trial s':>8} {'leave/trial':>12}")
     with RankPool(args.ranks) as pool:
         trial_seconds = []

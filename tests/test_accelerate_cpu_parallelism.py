@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from shardadopt.testing.accelerator import fresh_accelerator
+
 PATCH_ID = "accelerate-cpu-parallelism-config"
-
-
-def fresh_accelerator(**kwargs):
-    """A new Accelerator on this rank (accelerate keeps process-wide singletons; the pool reuses processes)."""
-    from accelerate import Accelerator
-
-    from shardadopt import upstream
-
-    upstream.reset_accelerate_state()
-    return Accelerator(cpu=True, **kwargs)
 
 
 def build_with_config(patched: bool, sizes: dict[str, int]):
@@ -31,7 +23,7 @@ def build_with_config(patched: bool, sizes: dict[str, int]):
         shardadopt.disable()
     try:
         try:
-            accelerator = fresh_accelerator(parallelism_config=ParallelismConfig(**sizes))
+            accelerator = fresh_accelerator(cpu=True, parallelism_config=ParallelismConfig(**sizes))
         except ValueError as exc:
             return {"error": str(exc)}
         loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(torch.arange(16), batch_size=2))
@@ -72,7 +64,7 @@ def test_single_process_is_untouched(patched):
     try:
         from accelerate import ParallelismConfig
 
-        accelerator = fresh_accelerator(parallelism_config=ParallelismConfig())
+        accelerator = fresh_accelerator(cpu=True, parallelism_config=ParallelismConfig())
         assert accelerator.num_processes == 1
     finally:
         shardadopt.disable()

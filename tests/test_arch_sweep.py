@@ -9,13 +9,13 @@ the installed release, so a recorded ``verified`` cell that stops holding fails 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from shardadopt.testing.releases import newer_than_recorded
+from shardadopt.testing.scripts import load_tool
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -27,18 +27,12 @@ SAMPLE = {
 }
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("arch_sweep", REPO / "tools" / "arch_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _installed_matrix() -> dict:
     import transformers
 
-    path = _tool().release_file(transformers.__version__)
-    newer = newer_than_recorded("transformers", [m["transformers"] for m in _tool().load_matrices()])
+    tool = load_tool("arch_sweep")
+    path = tool.release_file(transformers.__version__)
+    newer = newer_than_recorded("transformers", [m["transformers"] for m in tool.load_matrices()])
     if not path.exists() and newer:
         pytest.skip(newer)
     assert path.exists(), f"no recorded matrix for transformers {transformers.__version__}: run tools/arch_sweep.py"
@@ -46,7 +40,7 @@ def _installed_matrix() -> dict:
 
 
 def test_docs_coverage_section_is_what_the_matrices_derive():
-    tool = _tool()
+    tool = load_tool("arch_sweep")
     block = tool.coverage_block((REPO / "docs" / "architectures.md").read_text())
     assert block is not None, f"docs/architectures.md lacks the {tool.BEGIN} ... {tool.END} block"
     assert block == tool.coverage_section(tool.load_matrices()), (
@@ -57,7 +51,7 @@ def test_docs_coverage_section_is_what_the_matrices_derive():
 def test_every_recorded_cell_has_a_known_verdict_and_a_reason():
     from shardadopt.testing.sweep import VERDICTS, VERIFIED
 
-    for matrix in _tool().load_matrices():
+    for matrix in load_tool("arch_sweep").load_matrices():
         for model_type, cells in matrix["cells"].items():
             for layout, cell in cells.items():
                 assert cell["verdict"] in VERDICTS, (matrix["transformers"], model_type, layout, cell)

@@ -112,9 +112,9 @@ def _save_with_fault(path: str, root: str, case: str, failing: int) -> dict:
         else:
             from accelerate.utils import ProjectConfiguration
 
-            from test_checkpoint_integrations import fresh_accelerator
+            from shardadopt.testing.accelerator import fresh_accelerator
 
-            accelerator = fresh_accelerator(project_config=ProjectConfiguration(
+            accelerator = fresh_accelerator(cpu=True, project_config=ProjectConfiguration(
                 project_dir=f"{root}/.accelerate", automatic_checkpoint_naming=True, total_limit=1))
             prepared, prepared_optimizer = accelerator.prepare(model, optimizer)
             stateful = Stateful()

@@ -18,6 +18,7 @@ from shardadopt.patches.accelerate_sharded_checkpoint import PATCH_ID as ACCELER
 from shardadopt.patches.trainer_sharded_checkpoint import PATCH_ID as TRAINER_ID
 from shardadopt.selftest import checkpoint as scenario
 from shardadopt.testing import RankError, RankPool, RankTimeout
+from shardadopt.testing.accelerator import fresh_accelerator
 
 pytestmark = pytest.mark.multiproc
 # TP through accelerate needs the adoption's data split (tested there); EP only where it is DTensor-based (5.19+):
@@ -27,15 +28,6 @@ ACCELERATE_SAVES, ACCELERATE_TOTAL = 3, 5
 
 
 # -- accelerate ----------------------------------------------------------------------------------------------------
-
-def fresh_accelerator(**kwargs):
-    from accelerate import Accelerator
-
-    from shardadopt import upstream
-
-    upstream.reset_accelerate_state()
-    return Accelerator(cpu=True, **kwargs)
-
 
 def accelerate_setup(path: str, distributed: dict, project_dir: str | None = None):
     """Accelerator + sharded model + AdamW + scheduler + a shuffled dataloader, all through ``prepare``
@@ -47,7 +39,7 @@ def accelerate_setup(path: str, distributed: dict, project_dir: str | None = Non
     config = ProjectConfiguration(project_dir=project_dir, automatic_checkpoint_naming=True, total_limit=2) \
         if project_dir else None
     # the seedable sampler is accelerate's way to make the shuffled order part of the saved state
-    accelerator = fresh_accelerator(project_config=config,
+    accelerator = fresh_accelerator(cpu=True, project_config=config,
                                     dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     torch.manual_seed(0)
     model, optimizer, scheduler = scenario.build(path, distributed)
@@ -333,7 +325,7 @@ def accelerate_hand_sharded(seed: int = 0):
     """An FSDP MLP sharded by hand over the whole world, its AdamW and scheduler, prepared by an Accelerator."""
     from shardadopt.testing.models import hand_sharded_mlp
 
-    accelerator = fresh_accelerator()
+    accelerator = fresh_accelerator(cpu=True)
     torch.manual_seed(seed)
     model = hand_sharded_mlp("fsdp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -23,18 +23,14 @@ import time
 
 import pytest
 
-import test_hpo_faults as scenario
-import test_hpo_trainer as base
+from shardadopt.testing import fault_search
+from shardadopt.testing.launch import launch, spawn
 
 pytestmark = pytest.mark.multiproc
 
 BOUND = 30.0  # seconds from the fault (or the hang timeout's expiry) to every rank out; measured: 1-5 s loaded
 HANG_TIMEOUT = 5.0  # seconds; long enough for a first import of torch._dynamo on a loaded machine
 FSDP = {"fsdp_size": 2}
-
-
-def _child() -> None:
-    base._child(sys.modules[__name__])
 
 
 # -- a rank killed right after its trip --------------------------------------------------------------------------------
@@ -75,7 +71,7 @@ def killed_after_trip() -> dict:
 
 
 def test_a_rank_killed_right_after_tripping_is_named_at_once(tmp_path):
-    ranks = base.launch("killed_after_trip", 2, tmp_path, timeout=120, module="test_fence_control")
+    ranks = launch(killed_after_trip, 2, tmp_path, timeout=120)
     assert ranks[1]["returncode"] == 17, ranks[1]
     assert ranks[0]["returncode"] == 0, ranks[0]["error"]
     seen = ranks[0]["result"]
@@ -191,8 +187,7 @@ def blocked_where_no_break_reaches(how: str) -> dict:
 def test_a_rank_left_blocked_after_the_break_exits_to_be_restarted(tmp_path, how):
     from shardadopt import fence
 
-    ranks = base.launch("blocked_where_no_break_reaches", 2, tmp_path, timeout=240, module="test_fence_control",
-                        how=how)
+    ranks = launch(blocked_where_no_break_reaches, 2, tmp_path, timeout=240, how=how)
     log = (tmp_path / "rank0.log").read_text()
     assert ranks[0]["returncode"] == fence.HANG_EXIT_CODE, (ranks[0], log[-3000:])
     assert "is still blocked in" in log and "breaking its process groups again" in log, log[-3000:]
@@ -226,7 +221,7 @@ def _slow_peer_after_a_trip() -> dict:
         return losses[-1]
 
     optimize(study, objective, n_trials=2, catch=(RuntimeError,),
-             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT))
+             control=ControlOptions(timeout=fault_search.CONTROL_TIMEOUT))
     table = [(t.number, t.state.name, t.params, dict(t.user_attrs)) for t in study.trials] if study else None
     return {"table": table, "trials": trials}
 
@@ -239,14 +234,14 @@ def test_a_rank_waiting_for_a_slow_peer_after_a_trip_is_left_to_wait(pool2):
     for result in results:
         (number, lr, losses), = result["trials"]
         assert number == 1 and lr == table[1][2]["lr"]
-        assert losses == pytest.approx(scenario._reference(lr, len(results)), rel=1e-5, abs=1e-6)
+        assert losses == pytest.approx(fault_search.reference(lr, len(results)), rel=1e-5, abs=1e-6)
 
 
 # -- hangs ------------------------------------------------------------------------------------------------------------
 
 
 def _train_until(trial, stall, at: int | None) -> list[float]:
-    """``test_hpo_faults._train``'s DDP loop (same data, model and reference); ``stall()`` in user code after
+    """``fault_search.train``'s DDP loop (same data, model and reference); ``stall()`` in user code after
     step ``at``, while the other ranks go on into the next step's collectives; ``at=-1``: before the model is
     wrapped, while the other ranks wait in DDP's first collective (nobody made more progress than anybody)."""
     import torch
@@ -255,14 +250,14 @@ def _train_until(trial, stall, at: int | None) -> list[float]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     lr = trial.suggest_float("lr", 0.01, 0.2)
-    x, y = scenario._data(world)
+    x, y = fault_search.regression_data(world)
     if at == -1:
         stall()
-    model = DistributedDataParallel(scenario._model())
+    model = DistributedDataParallel(fault_search.small_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
-    for step in range(scenario.STEPS):
-        rows = slice(rank * scenario.BATCH, (rank + 1) * scenario.BATCH)
+    for step in range(fault_search.STEPS):
+        rows = slice(rank * fault_search.BATCH, (rank + 1) * fault_search.BATCH)
         loss = torch.nn.functional.mse_loss(model(x[step, rows]), y[step, rows])
         loss.backward()
         optimizer.step()
@@ -312,7 +307,7 @@ def _hanging_search(hang: dict | None, marks_file: str | None = None) -> dict:
         return losses[-1]
 
     optimize(study, objective, n_trials=2, catch=(RuntimeError,),
-             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
+             control=ControlOptions(timeout=fault_search.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
     table = [(t.number, t.state.name, t.params, dict(t.user_attrs)) for t in study.trials] if study else None
     return {"table": table, **marks}
 
@@ -331,7 +326,7 @@ def test_a_rank_hanging_in_a_trial_fails_it_as_hang_and_the_search_goes_on(pool2
         assert HANG_TIMEOUT <= left < HANG_TIMEOUT + BOUND, f"left the hung trial {left:.1f}s after the hang"
         (number, lr, losses), = result["trials"]
         assert number == 1 and lr == table[1][2]["lr"]
-        assert losses == pytest.approx(scenario._reference(lr, len(results)), rel=1e-5, abs=1e-6)
+        assert losses == pytest.approx(fault_search.reference(lr, len(results)), rel=1e-5, abs=1e-6)
 
 
 def uninterruptible_hang(marks_file: str) -> dict:
@@ -342,7 +337,7 @@ def test_a_rank_hanging_where_python_cannot_interrupt_it_makes_every_rank_exit(t
     from shardadopt import fence
 
     marks = tmp_path / "hang_at"
-    procs = base.spawn("uninterruptible_hang", 2, tmp_path, "test_fence_control", marks_file=str(marks))
+    procs = spawn(uninterruptible_hang, 2, tmp_path, marks_file=str(marks))
     exited = {}
     deadline = time.monotonic() + 240
     while len(exited) < 2 and time.monotonic() < deadline:
@@ -429,7 +424,7 @@ def _hang_in_save(path: str, root: str, hanging: int, late_break: bool) -> dict:
         return marks["expected"][-1]
 
     optimize(study, objective, n_trials=2, catch=(RuntimeError,),
-             control=ControlOptions(timeout=scenario.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
+             control=ControlOptions(timeout=fault_search.CONTROL_TIMEOUT, hang_timeout=HANG_TIMEOUT))
     table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study else None
     return {"table": table, **marks}
 
@@ -499,7 +494,7 @@ def _interrupted_close() -> dict:
         trial.suggest_float("lr", 0.01, 0.1)
         if rank == 0:
             time.sleep(3)
-            raise scenario._Fault("injected on rank 0")
+            raise fault_search.InjectedFault("injected on rank 0")
         threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,)).start()
         return 1.0
 
@@ -509,7 +504,7 @@ def _interrupted_close() -> dict:
     # both sets' tests that way) with SIGINT ignored, and Python keeps it ignored
     ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        optimize(study, objective, n_trials=2, catch=(scenario._Fault,), control=ControlOptions(timeout=15))
+        optimize(study, objective, n_trials=2, catch=(fault_search.InjectedFault,), control=ControlOptions(timeout=15))
     except BaseException as exc:  # noqa: BLE001
         error = type(exc).__name__
     finally:
@@ -522,7 +517,7 @@ def test_a_rank_whose_close_raises_still_rebuilds_with_the_others(pool2):
     assert results[1]["error"] == "KeyboardInterrupt", results
     assert results[0]["error"] == "PeerLostError", results  # rank 1 left the study; rank 0 is told within 15 s
     assert [r["rebuilt"] for r in results] == [1, 1], results
-    after = pool2.run(scenario._search, None, (), 1, timeout=120)  # the rebuilt world trains on both ranks
+    after = pool2.run(fault_search.search, None, (), 1, timeout=120)  # the rebuilt world trains on both ranks
     assert [state for _, state, _, _ in after[0]["table"]] == ["COMPLETE"]
 
 
@@ -565,9 +560,9 @@ def trip_rebuild_trip() -> dict:
                     opened.append(connections["open"])  # the section starts once this process's are open
                     dist.all_reduce(torch.ones(2))
                     if rank == failing:
-                        raise scenario._Fault(f"injected on rank {failing}")
+                        raise fault_search.InjectedFault(f"injected on rank {failing}")
                     dist.all_reduce(torch.ones(2))  # blocked: the failing rank never comes
-            except (scenario._Fault, fence.PeerFailedError) as exc:
+            except (fault_search.InjectedFault, fence.PeerFailedError) as exc:
                 errors.append(type(exc).__name__)
             fence.rebuild_world()
             time.sleep(0.5)  # the watcher's delayed start is over
@@ -583,11 +578,11 @@ def trip_rebuild_trip() -> dict:
 
 
 def test_the_fence_watcher_survives_a_rebuild(tmp_path):
-    ranks = base.launch("trip_rebuild_trip", 2, tmp_path, timeout=120, module="test_fence_control")
+    ranks = launch(trip_rebuild_trip, 2, tmp_path, timeout=120)
     assert [r["returncode"] for r in ranks] == [0, 0], [r["error"] for r in ranks]
     results = [r["result"] for r in ranks]
-    assert results[0]["errors"] == ["PeerFailedError", "_Fault"], results
-    assert results[1]["errors"] == ["_Fault", "PeerFailedError"], results
+    assert results[0]["errors"] == ["PeerFailedError", fault_search.InjectedFault.__name__], results
+    assert results[1]["errors"] == [fault_search.InjectedFault.__name__, "PeerFailedError"], results
     assert [r["watcher_errors"] for r in results] == [[], []], results  # it never asks for the destroyed group
     assert [r["alive"] for r in results] == [[True, True]] * 2, results  # watching the rebuilt generation
     assert [r["sum"] for r in results] == [[2.0, 2.0]] * 2

@@ -1,15 +1,15 @@
 """A rank failing anywhere in a trial of ``shardadopt.hpo.optimize``: every rank leaves within a bounded time.
 
-The objective trains a small model with DDP on the default gloo group (gradients all-reduced in backward, the
-loss all-reduced after each step). One rank raises at one fault point, in user shape: ``model_init`` (before
-DDP's construction broadcast), the dataset's ``__getitem__``, a forward hook, a gradient hook (``register_hook``,
-inside backward), an optimizer step pre-hook, or user code after the step. Its peers are then blocked in a
-training collective; the fence breaks them out (``shardadopt.fence``). With a 600 s control timeout each test
-asserts that every rank left the failed trial within ``BOUND`` seconds of the fault, the trial states and failure
-attributes in storage, and that the next trial's losses equal a single-process run on the same global batch,
-computed here (so the rebuilt process groups train correctly). The last test shards the model while loading
-(transformers ``DistributedConfig``, FSDP and TP) in the objective: the next trial's mesh is built on the rebuilt
-groups and trains as a fresh run.
+The objective (``shardadopt.testing.fault_search``) trains a small model with DDP on the default gloo group
+(gradients all-reduced in backward, the loss all-reduced after each step). One rank raises at one fault point, in
+user shape: ``model_init`` (before DDP's construction broadcast), the dataset's ``__getitem__``, a forward hook, a
+gradient hook (``register_hook``, inside backward), an optimizer step pre-hook, or user code after the step. Its
+peers are then blocked in a training collective; the fence breaks them out (``shardadopt.fence``). With a 600 s
+control timeout each test asserts that every rank left the failed trial within ``BOUND`` seconds of the fault, the
+trial states and failure attributes in storage, and that the next trial's losses equal a single-process run on the
+same global batch, computed by ``fault_search.reference`` (so the rebuilt process groups train correctly). The last
+test shards the model while loading (transformers ``DistributedConfig``, FSDP and TP) in the objective: the next
+trial's mesh is built on the rebuilt groups and trains as a fresh run.
 """
 
 from __future__ import annotations
@@ -21,132 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardadopt.testing.fault_search import CONTROL_TIMEOUT, POINTS, STEPS, InjectedFault, reference, search
+
 pytestmark = pytest.mark.multiproc
 
-STEPS = 4
-BATCH = 4  # per rank
 BOUND = 30.0  # seconds from the fault to every rank out of the trial (measured: ~1 s on 2 loaded cores)
-CONTROL_TIMEOUT = 600.0
-POINTS = ("model_init", "data", "forward", "backward", "optimizer", "user")
-
-
-def _data(world: int):
-    import torch
-
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(STEPS, world * BATCH, 4, generator=g)
-    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1
-    return x, y
-
-
-def _model():
-    import torch
-
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-
-def _reference(lr: float, world: int) -> list[float]:
-    """One process, the whole global batch per step: what DDP over ``world`` ranks must reproduce."""
-    import torch
-
-    model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    x, y = _data(world)
-    losses = []
-    for step in range(STEPS):
-        loss = torch.nn.functional.mse_loss(model(x[step]), y[step])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-class _Fault(Exception):
-    pass
-
-
-def _train(trial, fault: dict | None, marks: dict) -> list[float]:
-    """DDP training on every rank; raises ``_Fault`` on ``fault['rank']`` at ``fault['point']``/``fault['step']``."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lr = trial.suggest_float("lr", 0.01, 0.2)
-    here = fault is not None and fault["rank"] == rank and fault["trial"] == trial.number
-    point, at = (fault["point"], fault["step"]) if here else (None, -1)
-    state = {"step": 0}
-
-    def fail(where: str) -> None:
-        marks["fault_at"] = time.time()
-        raise _Fault(f"injected on rank {rank} in {where} at step {state['step']}")
-
-    if point == "model_init":
-        fail("model_init")
-    x, y = _data(world)
-
-    class Shard(torch.utils.data.Dataset):
-        def __len__(self):
-            return STEPS * BATCH
-
-        def __getitem__(self, i):
-            step, j = divmod(i, BATCH)
-            if point == "data" and step == at:
-                fail("dataset __getitem__")
-            return x[step, rank * BATCH + j], y[step, rank * BATCH + j]
-
-    model = DistributedDataParallel(_model())
-    if point == "forward":
-        model.module[0].register_forward_hook(lambda *a: fail("a forward hook") if state["step"] == at else None)
-    if point == "backward":
-        model.module[0].weight.register_hook(lambda g: fail("a gradient hook") if state["step"] == at else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    if point == "optimizer":
-        optimizer.register_step_pre_hook(lambda *a: fail("an optimizer pre-hook") if state["step"] == at else None)
-    losses = []
-    for step, (xb, yb) in enumerate(torch.utils.data.DataLoader(Shard(), batch_size=BATCH)):
-        state["step"] = step
-        loss = torch.nn.functional.mse_loss(model(xb), yb)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        if point == "user" and step == at:
-            fail("user code")
-    return losses
-
-
-def _search(fault: dict | None, catch: tuple, n_trials: int = 2) -> dict:
-    """On every rank: the study; what this rank trained per trial, when it faulted and when it left each trial."""
-    import optuna
-    import torch.distributed as dist
-
-    from shardadopt.hpo import ControlOptions, optimize
-
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1)) if dist.get_rank() == 0 else None
-    marks: dict = {"trials": [], "started": []}
-
-    def objective(trial):
-        marks["started"].append((trial.number, time.time()))
-        losses = _train(trial, fault, marks)
-        marks["trials"].append((trial.number, trial.params["lr"], losses))
-        return losses[-1]
-
-    error = None
-    try:
-        optimize(study, objective, n_trials=n_trials, catch=catch, control=ControlOptions(timeout=CONTROL_TIMEOUT))
-    except BaseException as exc:  # noqa: BLE001
-        error = {"type": type(exc).__name__, "message": str(exc), "origin": getattr(exc, "shardadopt_rank", None),
-                 "at": time.time()}
-    table = None
-    if study is not None:
-        table = [(t.number, t.state.name, t.params, dict(t.user_attrs)) for t in study.trials]
-    return {"table": table, "error": error, **marks}
 
 
 def _check_caught(results: list, fault: dict) -> None:
@@ -163,31 +42,31 @@ def _check_caught(results: list, fault: dict) -> None:
         assert 0 <= left < BOUND, f"rank {rank} left the failed trial {left:.1f}s after the fault"
         (number, lr, losses), = result["trials"]
         assert number == 1 and lr == table[1][2]["lr"]
-        assert losses == pytest.approx(_reference(lr, len(results)), rel=1e-5, abs=1e-6), \
+        assert losses == pytest.approx(reference(lr, len(results)), rel=1e-5, abs=1e-6), \
             "the trial after the fault trains as a fresh run does"
 
 
 @pytest.mark.parametrize("point,rank", [(p, i % 2) for i, p in enumerate(POINTS)])
 def test_fault_at_any_point_fails_the_trial_and_the_next_trains_correctly(pool2, point, rank):
     fault = {"rank": rank, "trial": 0, "point": point, "step": 2}
-    results = pool2.run(_search, fault, (_Fault,), timeout=240)
+    results = pool2.run(search, fault, (InjectedFault,), timeout=240)
     _check_caught(results, fault)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_uncaught_fault_raises_on_every_rank_promptly(pool2, rank):
     fault = {"rank": rank, "trial": 0, "point": "backward", "step": 1}
-    results = pool2.run(_search, fault, (), timeout=240)
+    results = pool2.run(search, fault, (), timeout=240)
     fault_at = results[rank]["fault_at"]
     for r, result in enumerate(results):
         error = result["error"]
-        assert error is not None and error["type"] == "_Fault", error
+        assert error is not None and error["type"] == InjectedFault.__name__, error
         assert f"injected on rank {rank}" in error["message"]
         assert error["origin"] == (None if r == rank else rank)
         assert 0 <= error["at"] - fault_at < BOUND
     assert [state for _, state, _, _ in results[0]["table"]] == ["FAIL"]
     # the groups were rebuilt before raising: the pool's process group still trains
-    after = pool2.run(_search, None, (), 1, timeout=240)
+    after = pool2.run(search, None, (), 1, timeout=240)
     assert [state for _, state, _, _ in after[0]["table"]] == ["COMPLETE"]
 
 
@@ -196,7 +75,7 @@ def test_uncaught_fault_raises_on_every_rank_promptly(pool2, rank):
 @given(point=st.sampled_from(POINTS), rank=st.sampled_from([0, 1]), step=st.integers(0, STEPS - 1))
 def test_fault_points_and_steps_drawn_by_hypothesis(pool2, point, rank, step):
     fault = {"rank": rank, "trial": 0, "point": point, "step": step}
-    _check_caught(pool2.run(_search, fault, (_Fault,), timeout=240), fault)
+    _check_caught(pool2.run(search, fault, (InjectedFault,), timeout=240), fault)
 
 
 def _sharded_search(path: str, fault: dict | None, layout: str) -> dict:
@@ -226,14 +105,14 @@ def _sharded_search(path: str, fault: dict | None, layout: str) -> dict:
         if fault is not None and trial.number == 0 and rank == fault["rank"]:
             def hook(*args):
                 marks["fault_at"] = time.time()
-                raise _Fault(f"injected on rank {rank} in a forward hook")
+                raise InjectedFault(f"injected on rank {rank} in a forward hook")
 
             model.get_input_embeddings().register_forward_hook(hook)
         losses = scenario.train_steps(model, optimizer, scheduler, sizes, 2)
         marks["trials"].append((trial.number, losses))
         return losses[-1]
 
-    optimize(study, objective, n_trials=2 if fault else 1, catch=(_Fault,),
+    optimize(study, objective, n_trials=2 if fault else 1, catch=(InjectedFault,),
              control=ControlOptions(timeout=CONTROL_TIMEOUT))
     table = [(t.number, t.state.name, dict(t.user_attrs)) for t in study.trials] if study else None
     return {"table": table, **marks}

@@ -1,110 +1,32 @@
 """``Trainer.hyperparameter_search(backend="optuna")`` on 2 gloo ranks, as torchrun runs it.
 
-Each test launches its own rank processes (real exit codes; fault injection cannot share a pool) and bounds them
-with a timeout that fails the test. One launch runs several searches on the tiny qwen3 checkpoint. The last test
-shows the hang without ``shardadopt.enable()``.
+Each test launches its own rank processes (``shardadopt.testing.launch``: real exit codes; fault injection cannot
+share a pool) and bounds them with a timeout that fails the test. One launch runs several searches on the tiny qwen3
+checkpoint. The last test shows the hang without ``shardadopt.enable()``.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import pickle
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 
-from shardadopt.testing import free_port
+from shardadopt.testing.launch import launch, spawn
 from shardadopt.upstream import registered_process_groups
 
 pytestmark = pytest.mark.multiproc
 
-HERE = Path(__file__).resolve().parent
 N_TRIALS = 6
 MAX_STEPS = 2
 EVAL_STEPS = 1
 PER_DEVICE_BATCH = 2
-STACKS_SIGNAL = signal.SIGUSR2  # the fence's hang interrupt is SIGUSR1
-QUIET = {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-         "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-# -- launcher: torchrun's environment, one process per rank ------------------------------------------------------------
-
-
-def spawn(entry: str, nproc: int, workdir: Path, module: str = "test_hpo_trainer", **kwargs) -> list[subprocess.Popen]:
-    """Start ``module.entry(**kwargs)`` on ``nproc`` ranks with torchrun's environment (results land in ``workdir``)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, **QUIET, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   HPO_TEST_CALL=json.dumps({"entry": entry, "workdir": str(workdir), "kwargs": kwargs}))
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import {module} as m; m._child()"
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=open(workdir / f"rank{rank}.log", "w")))
-    return procs
-
-
-def launch(entry: str, nproc: int, workdir: Path, timeout: float, module: str = "test_hpo_trainer",
-           **kwargs) -> list[dict]:
-    """Run ``module.entry(**kwargs)`` on ``nproc`` ranks; per rank: returncode, result (pickled) or error text."""
-    procs = spawn(entry, nproc, workdir, module, **kwargs)
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(STACKS_SIGNAL)  # every thread's stack into the rank's log
-        time.sleep(3)
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        logs = "\n".join((workdir / f"rank{r}.log").read_text()[-12000:] for r in range(nproc))
-        pytest.fail(f"{entry} did not finish within {timeout:.0f}s (hang):\n{logs}")
-    results = []
-    for rank, proc in enumerate(procs):
-        result_file, error_file = workdir / f"rank{rank}.pkl", workdir / f"rank{rank}.err"
-        results.append({"returncode": proc.returncode,
-                        "result": pickle.loads(result_file.read_bytes()) if result_file.exists() else None,
-                        "error": error_file.read_text() if error_file.exists() else None})
-    return results
-
-
-def _child(namespace=None) -> None:
-    """A rank's main: ``entry`` looked up in ``namespace`` (default: this module)."""
-    import torch
-    import torch.distributed as dist
-
-    call = json.loads(os.environ["HPO_TEST_CALL"])
-    out, rank = Path(call["workdir"]), int(os.environ["RANK"])
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # launch() asks a rank that did not finish where it was
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        result = getattr(namespace or sys.modules[__name__], call["entry"])(**call["kwargs"])
-        (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
-        code = 0
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        code = 1
-    # Skip process-group and interpreter teardown, on success and on error alike: a rank whose groups upstream leaves
-    # in place (plain DDP, a failing rank) may abort in finalisation ("terminate called without an active
-    # exception", SIGABRT: transformers-sharded-clean-exit leaves those exits as upstream's), and these tests assert
-    # the search semantics and each rank's own exit code, not upstream's teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 # -- what the ranks run ------------------------------------------------------------------------------------------------
@@ -371,7 +293,7 @@ def upstream(model_path: str, out: str) -> None:
 
 
 def test_trainer_searches_prune_fail_timeout_and_sharded_model_init(tiny_models, tmp_path):
-    ranks = launch("searches", 2, tmp_path, timeout=400, model_path=tiny_models["qwen3"], out=str(tmp_path))
+    ranks = launch(searches, 2, tmp_path, timeout=400, model_path=tiny_models["qwen3"], out=str(tmp_path))
     assert [r["returncode"] for r in ranks] == [0, 0], [r["error"] for r in ranks]
     r0, r1 = ranks[0]["result"], ranks[1]["result"]
 
@@ -431,7 +353,7 @@ def test_sigkilled_rank_makes_the_survivor_raise_promptly_and_record_the_trial(t
     from shardadopt.hpo.storage import DEFAULT_JOURNAL_NAME, resolve_storage
 
     control_timeout = 600.0
-    ranks = launch("killed", 2, tmp_path, timeout=180, model_path=tiny_models["qwen3"], out=str(tmp_path),
+    ranks = launch(killed, 2, tmp_path, timeout=180, model_path=tiny_models["qwen3"], out=str(tmp_path),
                    control_timeout=control_timeout)
     assert ranks[1]["returncode"] == -signal.SIGKILL
     assert ranks[0]["returncode"] == 1
@@ -456,7 +378,7 @@ def _hpo_cli(*args: str) -> dict:
 
 def test_trainer_failure_kinds_are_recorded_and_never_retried(tiny_models, tmp_path):
     """config_error (model_init refuses) and nan_loss (NaN loss) land on the default journal; requeue skips them."""
-    ranks = launch("failure_kinds", 2, tmp_path / "procs", timeout=240, model_path=tiny_models["qwen3"],
+    ranks = launch(failure_kinds, 2, tmp_path / "procs", timeout=240, model_path=tiny_models["qwen3"],
                    out=str(tmp_path))
     assert [r["returncode"] for r in ranks] == [0, 0], [r["error"] for r in ranks]
     import optuna
@@ -484,7 +406,7 @@ def test_sigkilled_trial_is_requeued_by_the_cli_and_resumes_from_its_last_comple
 
     storage = f"journal://{tmp_path}/hpo.log"
     out = tmp_path / "retry"
-    procs = spawn("sharded_search", 2, tmp_path / "first", model_path=tiny_models["qwen3"], out=str(tmp_path),
+    procs = spawn(sharded_search, 2, tmp_path / "first", model_path=tiny_models["qwen3"], out=str(tmp_path),
                   storage=storage, study_name="retry", pace=1.0)
     try:
         deadline = time.monotonic() + 240
@@ -515,7 +437,7 @@ def test_sigkilled_trial_is_requeued_by_the_cli_and_resumes_from_its_last_comple
     reference = optuna.create_study(study_name="reference", storage=resolve_storage(storage))
     reference.enqueue_trial(dead.params)
 
-    second = launch("retry_and_reference", 2, tmp_path / "second", timeout=300, model_path=tiny_models["qwen3"],
+    second = launch(retry_and_reference, 2, tmp_path / "second", timeout=300, model_path=tiny_models["qwen3"],
                     out=str(tmp_path), storage=storage)
     assert [r["returncode"] for r in second] == [0, 0], [r["error"] for r in second]
     assert second[0]["result"] == second[1]["result"], "both ranks ran the same trials, as far"
@@ -537,7 +459,7 @@ def test_sigkilled_trial_is_requeued_by_the_cli_and_resumes_from_its_last_comple
 def test_without_enable_the_prune_search_hangs(tiny_models, tmp_path):
     """Upstream's path: rank 0 prunes, rank 1 (a FixedTrial) trains on; nothing moves after the first prune."""
     db = tmp_path / "upstream.db"
-    procs = spawn("upstream", 2, tmp_path / "procs", model_path=tiny_models["qwen3"], out=str(tmp_path))
+    procs = spawn(upstream, 2, tmp_path / "procs", model_path=tiny_models["qwen3"], out=str(tmp_path))
     try:
         deadline = time.monotonic() + 150
         pruned_at = None

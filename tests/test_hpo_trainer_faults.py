@@ -19,13 +19,12 @@ on.
 from __future__ import annotations
 
 import pickle
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-import test_hpo_trainer as base
+from shardadopt.testing.launch import launch
 
 pytestmark = pytest.mark.multiproc
 
@@ -33,14 +32,15 @@ BOUND = 30.0
 CONTROL_TIMEOUT = 600.0
 HANG_TIMEOUT = 5.0  # seconds without progress (the default, 900 s, fits real jobs)
 MAX_STEPS = 4
+PER_DEVICE_BATCH = 2
 
 
 class InjectedFault(RuntimeError):
     pass
 
 
-def _child() -> None:
-    base._child(sys.modules[__name__])
+def _space(trial):
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-1, log=True)}
 
 
 def _losses():
@@ -188,7 +188,7 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
 
         callbacks.append(Stateful())
     dataset = token_dataset(32)
-    at = fault["step"] * base.PER_DEVICE_BATCH if kind == "dataset" else -1
+    at = fault["step"] * PER_DEVICE_BATCH if kind == "dataset" else -1
 
     class Faulty(torch.utils.data.Dataset):
         def __len__(self):
@@ -201,7 +201,7 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
             marks["items"] = marks.get("items", 0) + 1
             return dataset[i]
 
-    args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=base.PER_DEVICE_BATCH,
+    args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=PER_DEVICE_BATCH,
                              max_steps=MAX_STEPS, logging_steps=1, report_to=[], use_cpu=True, disable_tqdm=True,
                              seed=0, **({"save_strategy": "steps", "save_steps": 2} if saves
                                         else {"save_strategy": "no"}))
@@ -215,7 +215,7 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
     hangs = {"hang_timeout": HANG_TIMEOUT} if kind and kind.startswith("hang") else {}
     try:
         trainer.hyperparameter_search(
-            backend="optuna", n_trials=n_trials, direction="minimize", hp_space=base._space, storage=storage,
+            backend="optuna", n_trials=n_trials, direction="minimize", hp_space=_space, storage=storage,
             study_name=name, sampler=optuna.samplers.RandomSampler(seed=0), pruner=optuna.pruners.NopPruner(),
             catch=catch, control_timeout=CONTROL_TIMEOUT, **hangs)
     except BaseException as exc:  # noqa: BLE001
@@ -281,8 +281,7 @@ def faults(model_path: str, out: str) -> dict:
 
 
 def test_fault_mid_training_fails_the_trial_and_every_rank_recovers(tiny_models, tmp_path):
-    ranks = base.launch("faults", 2, tmp_path, timeout=900, module="test_hpo_trainer_faults",
-                        model_path=tiny_models["qwen3"], out=str(tmp_path))
+    ranks = launch(faults, 2, tmp_path, timeout=900, model_path=tiny_models["qwen3"], out=str(tmp_path))
     # the last search did not catch the error: every rank raised it and exited non-zero
     assert [r["returncode"] for r in ranks] == [1, 1], [r["error"] for r in ranks]
     assert all("InjectedFault: injected on rank 0 in on_step_begin" in r["error"] for r in ranks), ranks[1]["error"]

@@ -8,7 +8,6 @@ installed release must still get the states its row records, so neither the READ
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -22,17 +21,11 @@ import shardadopt
 from shardadopt import versions
 from shardadopt.registry import APPLIED, NOT_NEEDED
 from shardadopt.testing.releases import newer_than_recorded
+from shardadopt.testing.scripts import load_tool
 from shardadopt.versions import installed_version
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = json.loads((REPO / "tests" / "data" / "release_matrix.json").read_text())["releases"]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("release_matrix", REPO / "tools" / "release_matrix.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _minors(spec: str, candidates) -> list[str]:
@@ -71,7 +64,7 @@ def test_the_matrix_covers_the_supported_range_and_decides_every_patch():
 
 
 def test_readme_needed_on_column_is_what_the_matrix_derives():
-    tool = _tool()
+    tool = load_tool("release_matrix")
     cells = tool.readme_cells((REPO / "README.md").read_text())
     derived = tool.derived_cells()
     wrong = {pid: (cells.get(pid), cell) for pid, cell in derived.items() if cells.get(pid) != cell}
@@ -101,7 +94,7 @@ def test_the_installed_release_gets_the_states_its_matrix_row_records():
 
 
 def test_needed_on_names_runs_of_releases():
-    tool = _tool()
+    tool = load_tool("release_matrix")
     rows = [{"transformers": t, "accelerate": "1.15.0", "patches": {"p": s}}
             for t, s in [("5.15.0", "applied"), ("5.16.1", "applied"), ("5.17.0", "not-needed"),
                          ("5.18.0", "applied")]]

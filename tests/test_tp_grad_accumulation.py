@@ -20,9 +20,10 @@ import torch
 import shardadopt
 from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID, MODULE
 from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.testing.scripts import load_tool
 from shardadopt.versions import installed_version
-from test_upstream_diffs import tool
 
+tool = load_tool("upstream_diffs")
 DIFF = tool.diff_for(tool.load_fixes([ID])[ID], str(installed_version("transformers")))  # the installed release's
 BATCH = 2
 SEEDS = (21, 22, 23)  # one token batch per micro-batch

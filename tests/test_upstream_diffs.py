@@ -8,10 +8,8 @@ proposes one, and the diffs of the patches applied on the installed release appl
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,20 +17,13 @@ import pytest
 import shardadopt
 from shardadopt.registry import APPLIED
 from shardadopt.testing.releases import newer_than_recorded
+from shardadopt.testing.scripts import load_tool
 from shardadopt.versions import installed_version
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("upstream_diffs", REPO / "tools" / "upstream_diffs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["upstream_diffs"] = module  # the fixes import their dataclasses from it
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _tool()
+tool = load_tool("upstream_diffs")
 FIXES = tool.load_fixes()
 
 
