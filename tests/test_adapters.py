@@ -4,7 +4,7 @@ Each layout trains a few optimizer steps with gradient accumulation and clipping
 adapter gradients of the last step and the adapter weights after training equal a one-process run on the same
 global batches; the adapters are equal on every rank and the base weights unchanged. The adapter each run exports
 with ``save_pretrained`` (every rank) loads in one process with equal outputs, and back onto a sharded base
-(``shardadopt.testing.lora.check_lora_training``). transformers before 5.17 refuses LoRA on TP (checked there).
+(``shardadopt.testing.lora.training.check_lora_training``). transformers before 5.17 refuses LoRA on TP (checked there).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.testing.layouts import distributed_sizes
-from shardadopt.testing.lora import ATTENTION, TARGETS, check_lora_training, reference_cache
+from shardadopt.testing.lora.common import ATTENTION, TARGETS
+from shardadopt.testing.lora.training import check_lora_training, reference_cache
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 
@@ -66,7 +67,8 @@ def test_lora_save_state_load_state_resumes_exactly(pool2, tiny_models, tmp_path
     import torch
 
     from shardadopt.adapters import dtensor_tensor_parallel
-    from shardadopt.testing.lora import is_adapter, resume_lora_rank
+    from shardadopt.testing.lora.common import is_adapter
+    from shardadopt.testing.lora.resume import resume_lora_rank
 
     sizes, dp = distributed_sizes(layout, 2)
     if "tp_size" in sizes and not dtensor_tensor_parallel():
@@ -93,7 +95,7 @@ def test_adapters_equal_one_process_init_whatever_each_rank_seeded(pool2, tiny_m
     import torch
 
     from shardadopt.adapters import dtensor_tensor_parallel
-    from shardadopt.testing.lora import adapter_case, initial_adapters
+    from shardadopt.testing.lora.cases import adapter_case, initial_adapters
 
     sizes, _ = distributed_sizes(layout, 2)
     if "tp_size" in sizes and not dtensor_tensor_parallel():
@@ -112,8 +114,8 @@ def test_several_adapters_train_switch_export_and_reload_like_one_process(pool2,
     forth, only the active one training), ``add_weighted_adapter`` (refused on TP), ``save_pretrained`` (all
     adapters: default at the root, "b" in a subfolder), ``PeftModel.from_pretrained`` + ``load_adapter`` in one
     process and onto a sharded base, ``delete_adapter`` and ``add_adapter`` again under the same name: against one
-    process on the same global batches (``shardadopt.testing.lora.check_several_adapters``)."""
-    from shardadopt.testing.lora import check_several_adapters
+    process on the same global batches (``shardadopt.testing.lora.several.check_several_adapters``)."""
+    from shardadopt.testing.lora.several import check_several_adapters
 
     sizes, dp = distributed_sizes(layout, 2)
     check_several_adapters(pool2, tiny_models[MODELS[layout]], sizes, dp, str(tmp_path))
@@ -133,7 +135,7 @@ REFUSED = [  # (case, layout, what the error names)
 @pytest.mark.parametrize("case, layout, message", REFUSED, ids=[c for c, _, _ in REFUSED])
 def test_unsupported_adapter_combinations_are_refused_by_name(pool2, tiny_models, case, layout, message):
     from shardadopt.adapters import dtensor_tensor_parallel
-    from shardadopt.testing.lora import adapter_case
+    from shardadopt.testing.lora.cases import adapter_case
 
     sizes, _ = distributed_sizes(layout, 2)
     messages = [message]

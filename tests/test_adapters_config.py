@@ -7,7 +7,7 @@ import torch
 
 import shardadopt
 from shardadopt.adapters import AdapterLayoutError, check_config
-from shardadopt.testing.lora import lora_config
+from shardadopt.testing.lora.common import lora_config
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 
@@ -34,7 +34,7 @@ def test_plain_model_takes_peft_exact_path(tiny_models):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shardadopt.testing.lora import probe_batch
+    from shardadopt.testing.lora.common import probe_batch
 
     def build():
         torch.manual_seed(0)

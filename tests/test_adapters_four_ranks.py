@@ -1,8 +1,9 @@
 """PEFT LoRA (also DoRA and ``modules_to_save``) through the ordinary accelerate loop on 4 ranks: HSDP and 2-D
 (fsdp x tp) loads equal one process.
 
-The same checks as ``tests/test_adapters.py`` (``shardadopt.testing.lora.check_lora_training``). transformers 5.15
-can load neither layout (no ``dp_replicate_size``; ``fsdp_size`` with ``tp_size`` refused): skipped with the reason.
+The same checks as ``tests/test_adapters.py`` (``shardadopt.testing.lora.training.check_lora_training``).
+transformers 5.15 can load neither layout (no ``dp_replicate_size``; ``fsdp_size`` with ``tp_size`` refused): skipped
+with the reason.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
-from shardadopt.testing.lora import TARGETS, check_lora_training, reference_cache
+from shardadopt.testing.lora.common import TARGETS
+from shardadopt.testing.lora.training import check_lora_training, reference_cache
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 
@@ -55,7 +57,7 @@ def test_dora_and_modules_to_save_four_ranks_match_single_process(request, tiny_
 def test_untied_head_in_modules_to_save_refused_on_2d(request, tiny_models):
     """Qwen3's untied ``lm_head`` is an FSDP unit of its own on a fsdp x tp load (the FSDP plan groups it with the
     final norm): FSDP refuses to be copied, so its ``modules_to_save`` copy is refused by name."""
-    from shardadopt.testing.lora import adapter_case
+    from shardadopt.testing.lora.cases import adapter_case
 
     try:
         sizes, _ = distributed_sizes("2d", world=4)

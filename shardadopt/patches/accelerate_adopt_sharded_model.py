@@ -50,7 +50,7 @@ def _plugin_managed(accelerator: Any) -> bool:
 
 
 def _init(wrapped, instance, args, kwargs):
-    from shardadopt.adopt import _KWARGS_ATTR, AdoptionKwargs
+    from shardadopt.adopt.record import _KWARGS_ATTR, AdoptionKwargs
 
     handlers = kwargs.get("kwargs_handlers")
     ours = [h for h in handlers or () if isinstance(h, AdoptionKwargs)]
@@ -132,7 +132,7 @@ def _no_sync(wrapped, instance, args, kwargs):
 
 
 def _gather_for_metrics(wrapped, instance, args, kwargs):
-    from shardadopt.adopt import gather_for_metrics, metric_owners
+    from shardadopt.adopt.metrics import gather_for_metrics, metric_owners
 
     owners = None if _plugin_managed(instance) else metric_owners(instance)
     if owners is None:
@@ -141,7 +141,7 @@ def _gather_for_metrics(wrapped, instance, args, kwargs):
 
 
 def _free_memory(wrapped, instance, args, kwargs):
-    from shardadopt.adopt import forget_adopted
+    from shardadopt.adopt.record import forget_adopted
 
     forget_adopted(instance)  # free_memory releases the accelerator's models: the adoption record's references too
     return wrapped(*args, **kwargs)

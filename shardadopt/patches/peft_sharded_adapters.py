@@ -62,7 +62,7 @@ def _inject_adapter(wrapped, instance, args, kwargs):
 
 
 def _in_out_features(wrapped, instance, args, kwargs):
-    from shardadopt.adapters import global_in_out_features, global_shape_requested
+    from shardadopt.adapters.shapes import global_in_out_features, global_shape_requested
 
     if global_shape_requested():
         found = global_in_out_features(args[0] if args else kwargs["module"])
@@ -72,14 +72,14 @@ def _in_out_features(wrapped, instance, args, kwargs):
 
 
 def _tp_plan_and_mesh(wrapped, instance, args, kwargs):
-    from shardadopt.adapters import global_shape_requested
+    from shardadopt.adapters.shapes import global_shape_requested
 
     # shardadopt.adapters lays the factors out itself, after rank 0's values are everywhere
     return (None, None) if global_shape_requested() else wrapped(*args, **kwargs)
 
 
 def _dora_weight_norm(wrapped, instance, args, kwargs):
-    from shardadopt.adapters import global_shape_requested, whole_weight
+    from shardadopt.adapters.shapes import global_shape_requested, whole_weight
 
     if global_shape_requested():  # DoRA's initial magnitude: the norm of the whole base weight, not of a shard
         names = ("weight", "lora_weight", "scaling", "adapter_name")
@@ -90,7 +90,8 @@ def _dora_weight_norm(wrapped, instance, args, kwargs):
 
 
 def _modules_to_save_update(wrapped, instance, args, kwargs):
-    from shardadopt.adapters import global_shape_requested, refuse_fsdp_unit_copy, whole_copy
+    from shardadopt.adapters.modules_to_save import refuse_fsdp_unit_copy, whole_copy
+    from shardadopt.adapters.shapes import global_shape_requested
 
     adapter_name = args[0] if args else kwargs["adapter_name"]
     sharded = any(getattr(p, "device_mesh", None) is not None for p in instance.original_module.parameters())

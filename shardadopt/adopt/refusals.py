@@ -1,0 +1,89 @@
+"""Sharded models that adoption cannot train like one process are refused before training, naming the fix.
+
+``DistributedConfig`` options whose parameters adoption cannot keep (CPU offload, FSDP2's bf16 parameter policy),
+and TRL's fused LM head on a plain local TP shard of the vocabulary (transformers 5.15/5.16), which would score
+every token against one rank's slice without an error.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator, Mapping
+
+from torch import nn
+
+from shardadopt.adopt.record import AdoptionError
+
+# DistributedConfig flags adoption does not train like one process, and what to load instead.
+_UNSUPPORTED_FEATURES = {
+    "fsdp_cpu_offload": ("FSDP2 CPU offload is not supported (the optimizer, clipping and checkpoints assume the "
+                         "parameters stay on the model's device); load without it and, to fit in memory, shard over "
+                         "more ranks (a larger fsdp_size)"),
+    "fsdp_mixed_precision": ("FSDP2's bf16 parameter policy is not supported (adoption keeps the loaded fp32 "
+                             "parameters and trains in their precision); load without it and use "
+                             "Accelerator(mixed_precision=\"bf16\") / TrainingArguments(bf16=True) instead"),
+}
+
+
+def refuse_unsupported_distributed_features(model: nn.Module) -> None:
+    """Refuse (:class:`AdoptionError`) a model loaded with a ``DistributedConfig`` option adoption cannot train
+    like one process: ``fsdp_cpu_offload=True``, ``fsdp_mixed_precision=True`` (``pp_size > 1``:
+    :func:`shardadopt.topology` refuses it).
+
+    Args:
+        model: the model handed to ``prepare`` / the Trainer (a PEFT model reads its base model's config).
+    """
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if config is None:
+        return
+    for name, why in _UNSUPPORTED_FEATURES.items():
+        value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+        if value:
+            raise AdoptionError(f"DistributedConfig({name}={value!r}): {why}.")
+
+
+def _fused_lm_head_forwards(model: nn.Module) -> Iterator[nn.Module]:
+    """Modules of ``model`` whose forward TRL's ``add_fused_lm_head`` replaced.
+
+    TRL sets an instance ``forward`` made with ``functools.wraps(type(model).forward)``, which copies the original's
+    ``__module__`` and ``__qualname__``: only its code object, one of ``add_fused_lm_head``'s nested functions, says
+    where it comes from."""
+    try:
+        from trl.trainer import add_fused_lm_head
+    except ImportError:  # a TRL without the fused head
+        return
+    nested = {c for c in add_fused_lm_head.__code__.co_consts if isinstance(c, types.CodeType)}
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if getattr(getattr(forward, "__func__", None), "__code__", None) in nested:
+            yield module
+
+
+def refuse_fused_lm_head_on_plain_shards(model: nn.Module) -> None:
+    """Refuse (:class:`AdoptionError`) a model whose LM head is a plain local TP shard (transformers 5.15/5.16) when
+    TRL's fused LM head reads it (SFTTrainer, DPOTrainer, KTO, GRPO, RLOO install it on the model they train).
+
+    The fused head projects hidden states through ``lm_head.weight`` itself and gathers the weight only when it is
+    a DTensor; a plain shard holds this rank's slice of the vocabulary, so every token would be scored against part
+    of the vocabulary: wrong loss and gradients without an error. Local: no collective.
+
+    Args:
+        model: the model being prepared (TRL's trainers install the fused head before ``prepare``).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for module in _fused_lm_head_forwards(model):
+        weight = getattr(module.get_output_embeddings(), "weight", None)
+        vocab = getattr(module.config.get_text_config(), "vocab_size", None)
+        if weight is None or isinstance(weight, DTensor) or vocab is None or weight.shape[0] >= vocab:
+            continue
+        import transformers
+
+        raise AdoptionError(
+            f"TRL's fused LM head (trl add_fused_lm_head, installed by SFTTrainer, DPOTrainer and the other TRL "
+            f"trainers) reads lm_head.weight directly, and on this model it is a plain tensor-parallel shard of "
+            f"{tuple(weight.shape)} rows of the {vocab}-token vocabulary (transformers {transformers.__version__} "
+            f"keeps TP shards as plain tensors, 5.15 and 5.16): every rank would score tokens against its own slice "
+            f"of the vocabulary and train silently wrong. Upgrade transformers to 5.17 or newer (TP shards are "
+            f"DTensors there, which TRL gathers), or load the model with DistributedConfig(fsdp_size=...) instead "
+            f"of tp_size. TRL has no option to turn its fused LM head off.")
