@@ -19,14 +19,17 @@ import random
 import re
 import sys
 import textwrap
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 from packaging.version import Version
 
 from shardadopt import upstream
+from shardadopt.probing import Undecided
 from shardadopt.registry import installed_version
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -616,6 +619,74 @@ def test_every_accessor_is_tested():
         n.isupper() and n != "TYPE_CHECKING" or inspect.isfunction(v) and v.__module__ == upstream.__name__)]
     untested = [n for n in public if f"upstream.{n}" not in source]
     assert not untested, f"accessors without a test in {pathlib.Path(__file__).name}: {untested}"
+
+
+# -- patch targets and the private hooks their probes read ----------------------------------------------------------
+
+@pytest.mark.parametrize("target", [upstream.PARALLELISM_CONFIG_VALIDATE_ACCELERATOR,
+                                    upstream.TRAINER_REPORT_TO_HP_SEARCH], ids=lambda t: t.qualname)
+def test_patch_targets(target):
+    method = upstream.upstream_method(target, "test")
+    assert callable(method) and method.__qualname__ == target.qualname
+
+
+def _local_tensor_parallel_layers() -> bool:
+    """transformers 5.15's local-tensor TP layers, with forward hooks (5.16 replaced them with DTensor layers)."""
+    return not _transformers_at_least("5.16")
+
+
+@pytest.mark.parametrize("target", [upstream.ROUTER_PARALLEL_PREPARE_OUTPUT, upstream.EMBEDDING_PARALLEL_PREPARE_INPUT,
+                                    upstream.ROWWISE_PARALLEL_PREPARE_INPUT, upstream.ROWWISE_PARALLEL_PREPARE_OUTPUT],
+                         ids=lambda t: t.qualname)
+def test_tensor_parallel_targets(target):
+    assert target.module == upstream.TENSOR_PARALLEL_MODULE
+    if _local_tensor_parallel_layers():
+        assert upstream.upstream_method(target, "test").__qualname__ == target.qualname
+    else:
+        with pytest.raises(Undecided, match="does not exist in this release"):
+            upstream.upstream_method(target, "test")
+
+
+def _tensor_parallel_layer(name: str) -> type | None:
+    module = importlib.import_module(upstream.TENSOR_PARALLEL_MODULE)
+    with warnings.catch_warnings():  # some releases re-export their layers from here with a FutureWarning
+        warnings.simplefilter("ignore", FutureWarning)
+        return getattr(module, name, None)
+
+
+def test_tp_layer_input_hook():
+    assert upstream.tp_layer_input_hook(None) is None
+    for target in (upstream.EMBEDDING_PARALLEL_PREPARE_INPUT, upstream.ROWWISE_PARALLEL_PREPARE_INPUT):
+        hook = upstream.tp_layer_input_hook(_tensor_parallel_layer(target.qualname.split(".")[0]))
+        if _local_tensor_parallel_layers():
+            assert hook is not None and hook.__qualname__ == target.qualname
+        else:
+            assert hook is None
+
+
+def test_tp_layer_output_hook():
+    assert upstream.tp_layer_output_hook(None) is None
+    for target in (upstream.ROUTER_PARALLEL_PREPARE_OUTPUT, upstream.ROWWISE_PARALLEL_PREPARE_OUTPUT):
+        layer = _tensor_parallel_layer(target.qualname.split(".")[0])
+        hook = upstream.tp_layer_output_hook(layer)
+        if _local_tensor_parallel_layers():
+            assert hook is not None and hook.__qualname__ == target.qualname
+            assert callable(upstream.tp_layer_output_hook(layer()))  # bound to the instance
+        else:
+            assert hook is None
+
+
+def test_validate_parallelism_config():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils.dataclasses import DistributedType
+
+    def accelerator(processes: int) -> SimpleNamespace:
+        return SimpleNamespace(multi_device=True, is_fsdp2=False, num_processes=processes, is_main_process=True,
+                               distributed_type=DistributedType.MULTI_GPU)
+
+    assert upstream.validate_parallelism_config(ParallelismConfig(tp_size=2), accelerator(2)) is None
+    with pytest.raises(ValueError, match="does not match num_processes"):
+        upstream.validate_parallelism_config(ParallelismConfig(tp_size=2), accelerator(3))
 
 
 # -- no private upstream name outside shardadopt/upstream.py --------------------------------------------------------
