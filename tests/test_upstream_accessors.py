@@ -712,7 +712,7 @@ TEST_EXCUSE = "# upstream-private:"
 OWN_DEFINITIONS = SCANNED + ("examples",)
 UPSTREAM_PACKAGES = ("torch", "transformers", "accelerate", "optuna", "peft", "trl")
 ACCESSOR_MODULE = "shardadopt/upstream.py"
-FIX = "add an accessor (or a Target constant) in shardadopt/upstream.py and use it"
+FIX = "add an accessor or a Target constant in shardadopt/upstream.py and use that"
 _AFFIX_METHODS = {"startswith", "endswith", "removeprefix", "removesuffix"}
 _SELF = ("self", "cls")
 # Calls whose second argument names an attribute of their first: the string is reached through that object.
@@ -781,6 +781,13 @@ def own_private_names(trees: Iterable[ast.AST]) -> OwnNames:
     return OwnNames(frozenset(filter(_private, names)), frozenset(filter(_private, attributes)))
 
 
+def _called(node: ast.AST) -> str | None:
+    """The name a call calls (``f`` in ``f(...)`` and ``obj.f(...)``); None for anything but a call."""
+    if not isinstance(node, ast.Call):
+        return None
+    return node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+
+
 # Who an attribute is reached through (see the comment that opens this section).
 _OWN_OBJECT, _SHARDADOPT_NAME, _UPSTREAM_NAME, _OTHER_MODULE, _ANY_OBJECT, _NO_OBJECT = range(6)
 
@@ -842,11 +849,9 @@ def private_upstream_uses(tree: ast.AST, own: OwnNames, upstream_names: frozense
             skipped.add(id(body[0].value))
         if isinstance(node, ast.JoinedStr):
             skipped.update(id(v) for v in node.values)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _AFFIX_METHODS:
+        if _called(node) in _AFFIX_METHODS:
             skipped.update(id(a) for a in node.args)
-        called = node.func.attr if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else (
-            node.func.id if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) else None)
-        if called in _ATTRIBUTE_CALLS and len(node.args) >= 2:
+        if _called(node) in _ATTRIBUTE_CALLS and len(node.args) >= 2:
             attribute_strings[id(node.args[1])] = node.args[0]
     found = []
     for node in ast.walk(tree):
