@@ -496,3 +496,46 @@ def trial_id(trial: Any) -> int:
     """``Trial._trial_id`` / ``FrozenTrial._trial_id``: the storage's id of a trial (unique across the studies of a
     storage, unlike ``number``), which every ``BaseStorage`` method takes. Checked on optuna 4.9-5.0."""
     return _attribute(trial, "_trial_id", "trial_id", "optuna")
+
+
+# -- patch targets and the private hooks their probes read ----------------------------------------------------------
+
+# ``ParallelismConfig._validate_accelerator(accelerator)``, which ``accelerate-cpu-parallelism-config`` wraps.
+# Checked on accelerate 1.13-1.16.
+PARALLELISM_CONFIG_VALIDATE_ACCELERATOR = Target("accelerate.parallelism_config",
+                                                 "ParallelismConfig._validate_accelerator")
+
+# ``Trainer._report_to_hp_search(trial, step, metrics)``, which ``trainer-hpo-optuna`` wraps. Checked on transformers
+# 5.15-5.25.
+TRAINER_REPORT_TO_HP_SEARCH = Target(TRAINER_MODULE, "Trainer._report_to_hp_search")
+
+# transformers 5.15's local-tensor tensor-parallel layers and their forward hooks, which
+# ``transformers-ep-router-grad`` and ``transformers-tp-legacy-layers`` wrap; 5.16 replaced them with DTensor layers
+# without these hooks (the targets are missing there). Checked on transformers 5.15-5.25.
+TENSOR_PARALLEL_MODULE = "transformers.integrations.tensor_parallel"
+ROUTER_PARALLEL_PREPARE_OUTPUT = Target(TENSOR_PARALLEL_MODULE, "RouterParallel._prepare_output_fn")
+EMBEDDING_PARALLEL_PREPARE_INPUT = Target(TENSOR_PARALLEL_MODULE, "EmbeddingParallel._prepare_input_fn")
+ROWWISE_PARALLEL_PREPARE_INPUT = Target(TENSOR_PARALLEL_MODULE, "RowwiseParallel._prepare_input_fn")
+ROWWISE_PARALLEL_PREPARE_OUTPUT = Target(TENSOR_PARALLEL_MODULE, "RowwiseParallel._prepare_output_fn")
+
+
+def validate_parallelism_config(config: Any, accelerator: Any) -> None:
+    """``ParallelismConfig._validate_accelerator(accelerator)``: accelerate's check that ``accelerator`` can run
+    ``config`` (raises ``ValueError`` when it cannot). Checked on accelerate 1.13-1.16."""
+    _attribute(config, "_validate_accelerator", "validate_parallelism_config", "accelerate")(accelerator)
+
+
+def tp_layer_input_hook(layer_class: type | None) -> Any:
+    """``layer_class._prepare_input_fn`` as the class defines it (``inspect.getattr_static``: no descriptor runs):
+    the input hook of transformers 5.15's local-tensor TP layers; None for a layer without one (the DTensor layers of
+    5.16 and later) or no class. Checked on transformers 5.15-5.25."""
+    import inspect
+
+    return inspect.getattr_static(layer_class, "_prepare_input_fn", None) if layer_class is not None else None
+
+
+def tp_layer_output_hook(layer: Any) -> Callable[..., Any] | None:
+    """``layer._prepare_output_fn`` (``layer`` a TP layer class or instance): the output hook of transformers 5.15's
+    local-tensor TP layers, bound for an instance; None for a layer without one (5.16 and later) or None. Checked on
+    transformers 5.15-5.25."""
+    return getattr(layer, "_prepare_output_fn", None)

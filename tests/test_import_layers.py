@@ -47,14 +47,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("commands", ("shardadopt.selftest", "shardadopt.coverage", "shardadopt.cli", "shardadopt.__main__")),
 ]
 
-# Known arrows up, allowed until their own change lands: (importing module prefix, imported module prefix). Each
-# entry must still be used (so the list only shrinks); empty it as they go.
-TEMPORARILY_ALLOWED: list[tuple[str, str]] = [
-    # shardadopt/fence.py imports hpo's errors; the fence package moves them below both (shardadopt/errors.py)
-    ("shardadopt.fence", "shardadopt.hpo.errors"),
-]
-
-
 @dataclass(frozen=True)
 class Arrow:
     importer: str
@@ -143,11 +135,6 @@ def _layer(module: str) -> int | None:
     return max(matches)[1] if matches else None
 
 
-def _allowed(arrow: Arrow) -> tuple[str, str] | None:
-    return next(((a, b) for a, b in TEMPORARILY_ALLOWED if _covers(a, arrow.importer) and _covers(b, arrow.imported)),
-                None)
-
-
 def _cycles(arrows: list[Arrow]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan), each sorted."""
     edges: dict[str, set[str]] = {}
@@ -207,15 +194,9 @@ def test_no_import_from_a_layer_above(arrows):
     problems = []
     for arrow in arrows:
         low, high = _layer(arrow.importer), _layer(arrow.imported)
-        if low is None or high is None or high <= low or _allowed(arrow):
+        if low is None or high is None or high <= low:
             continue
         problems.append(f"{arrow.where()}: {arrow.importer} (layer {LAYERS[low][0]!r}) imports {arrow.imported} "
                         f"(layer {LAYERS[high][0]!r}, above it): imports run from a layer down only; move what both "
                         f"need below both")
     assert not problems, "\n".join(problems)
-
-
-def test_temporarily_allowed_arrows_are_still_used(arrows):
-    used = {_allowed(a) for a in arrows} - {None}
-    stale = [entry for entry in TEMPORARILY_ALLOWED if entry not in used]
-    assert not stale, f"no import uses these TEMPORARILY_ALLOWED entries any more: remove them: {stale}"

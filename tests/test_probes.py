@@ -138,6 +138,7 @@ def test_cpu_parallelism_probe_refuses_an_unknown_refusal(monkeypatch):
     def validate(self, accelerator):
         raise ValueError("ParallelismConfig needs a GPU")
 
+    # upstream-private: the method the probe runs, replaced
     monkeypatch.setattr(ParallelismConfig, "_validate_accelerator", validate)
     state, reason = state_of("accelerate-cpu-parallelism-config")
     assert state == UNSUPPORTED and "ParallelismConfig needs a GPU" in reason, reason

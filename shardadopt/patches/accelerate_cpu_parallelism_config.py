@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.registry import Patch, Probe, Target
+from shardadopt.registry import Patch, Probe
+from shardadopt.upstream import PARALLELISM_CONFIG_VALIDATE_ACCELERATOR, validate_parallelism_config
 from shardadopt.versions import supported
 
 PATCH_ID = "accelerate-cpu-parallelism-config"
@@ -79,7 +80,7 @@ def probe() -> Probe:
     from accelerate.parallelism_config import ParallelismConfig
 
     try:
-        ParallelismConfig(tp_size=2)._validate_accelerator(_FakeCpuAccelerator())
+        validate_parallelism_config(ParallelismConfig(tp_size=2), _FakeCpuAccelerator())
     except ValueError as exc:
         if _REFUSAL in str(exc):
             return Probe(True, "accelerate refuses ParallelismConfig for DistributedType.MULTI_CPU")
@@ -92,7 +93,6 @@ PATCH = Patch(
     summary="ParallelismConfig (TP, HSDP, 2-D) accepted for CPU processes (gloo)",
     upstream="anticipates huggingface/accelerate: count MULTI_CPU as multi-device in ParallelismConfig validation",
     requires=supported("accelerate", "transformers"),
-    wrappers={Target("accelerate.parallelism_config", "ParallelismConfig._validate_accelerator"):
-              _validate_accelerator},
+    wrappers={PARALLELISM_CONFIG_VALIDATE_ACCELERATOR: _validate_accelerator},
     probe=probe,
 )

@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.upstream import TRAINER_REPORT_TO_HP_SEARCH
 from shardadopt.versions import supported
 
 PATCH_ID = "trainer-hpo-optuna"
@@ -84,7 +85,7 @@ PATCH = Patch(
     wrappers={
         Target("transformers.integrations.integration_utils", "run_hp_search_optuna"): _run_hp_search_optuna,
         Target("transformers.hyperparameter_search", "run_hp_search_optuna"): _run_hp_search_optuna,
-        Target("transformers.trainer", "Trainer._report_to_hp_search"): _report_to_hp_search,
+        TRAINER_REPORT_TO_HP_SEARCH: _report_to_hp_search,
     },
     probe=probe,
 )

@@ -28,10 +28,9 @@ import ast
 from types import SimpleNamespace
 
 from shardadopt.probing import package_file, undecided
-from shardadopt.registry import Patch, Probe, Target
+from shardadopt.registry import Patch, Probe
+from shardadopt.upstream import ROUTER_PARALLEL_PREPARE_OUTPUT, tp_layer_output_hook
 from shardadopt.versions import supported
-
-MODULE = "transformers.integrations.tensor_parallel"
 
 
 class _ProbeMesh:
@@ -54,8 +53,8 @@ def probe() -> Probe:
     from transformers.integrations import tensor_parallel
 
     router = getattr(tensor_parallel, "RouterParallel", None)
-    if router is not None and hasattr(router, "_prepare_output_fn"):
-        return _probe_hook(lambda module, outputs, mesh: router()._prepare_output_fn(module, outputs, mesh))
+    if tp_layer_output_hook(router) is not None:
+        return _probe_hook(lambda module, outputs, mesh: tp_layer_output_hook(router())(module, outputs, mesh))
     if router is not None and hasattr(router, "transform_output_post_forward"):
         return Probe(False, "RouterParallel is EpRouterParallel (transformers >= 5.16), which masks in "
                             "transform_output_post_forward: see transformers-ep-router-grad-post-forward")
@@ -128,7 +127,7 @@ PATCH = Patch(
     summary="expert-parallel router: sum the routing-score gradient over the EP group before the non-local mask",
     upstream="huggingface/transformers#48205",
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "RouterParallel._prepare_output_fn"): _prepare_output_fn},
+    wrappers={ROUTER_PARALLEL_PREPARE_OUTPUT: _prepare_output_fn},
     needed_by=_expert_parallel,
     probe=probe,
 )

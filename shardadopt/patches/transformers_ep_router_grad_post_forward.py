@@ -18,9 +18,10 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from shardadopt.patches.transformers_ep_router_grad import _NO_ROUTER, MODULE, _dispatches_tokens, _probe_hook
+from shardadopt.patches.transformers_ep_router_grad import _NO_ROUTER, _dispatches_tokens, _probe_hook
 from shardadopt.probing import package_file, undecided
 from shardadopt.registry import Patch, Probe, Target
+from shardadopt.upstream import TENSOR_PARALLEL_MODULE, tp_layer_output_hook
 from shardadopt.versions import supported
 
 
@@ -30,7 +31,7 @@ def _post_forward_module() -> str:
     ``integrations.tensor_parallel`` shim), so the patch must wait for it there. 5.15 has no such file."""
     if package_file("transformers", "distributed", "tensor_parallel.py"):
         return "transformers.distributed.tensor_parallel"
-    return MODULE
+    return TENSOR_PARALLEL_MODULE
 
 
 POST_FORWARD_MODULE = _post_forward_module()
@@ -54,7 +55,7 @@ def probe() -> Probe:
         router = getattr(tensor_parallel, "EpRouterParallel", None)
     if router is not None and hasattr(router, "transform_output_post_forward"):
         return _probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
-    if router is None and hasattr(getattr(tensor_parallel, "RouterParallel", None), "_prepare_output_fn"):
+    if router is None and tp_layer_output_hook(getattr(tensor_parallel, "RouterParallel", None)) is not None:
         return Probe(False, "transformers < 5.16 masks in RouterParallel._prepare_output_fn: see "
                             "transformers-ep-router-grad")
     if router is None and _dispatches_tokens():

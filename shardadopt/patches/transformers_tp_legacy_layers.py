@@ -28,21 +28,26 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from shardadopt.registry import Patch, Probe, Target
+from shardadopt.registry import Patch, Probe
+from shardadopt.upstream import (
+    EMBEDDING_PARALLEL_PREPARE_INPUT,
+    ROWWISE_PARALLEL_PREPARE_INPUT,
+    ROWWISE_PARALLEL_PREPARE_OUTPUT,
+    TENSOR_PARALLEL_MODULE,
+    tp_layer_input_hook,
+)
 from shardadopt.versions import supported
 
 ID = "transformers-tp-legacy-layers"
-MODULE = "transformers.integrations.tensor_parallel"
 
 
 def probe() -> Probe:
     from shardadopt.probing import undecided
 
-    module = importlib.import_module(MODULE)
+    module = importlib.import_module(TENSOR_PARALLEL_MODULE)
     embedding = getattr(module, "EmbeddingParallel", None)
     rowwise = getattr(module, "RowwiseParallel", None)
-    hooks = [inspect.getattr_static(cls, "_prepare_input_fn", None) if cls is not None else None
-             for cls in (embedding, rowwise)]
+    hooks = [tp_layer_input_hook(cls) for cls in (embedding, rowwise)]
     if all(hook is None for hook in hooks):
         return Probe(False, "tensor-parallel layers are DTensor layers without local-tensor forward hooks")
     sources = [inspect.getsource(hook) if hook is not None else "" for hook in hooks]
@@ -50,7 +55,7 @@ def probe() -> Probe:
             and "mod._bias = mod.bias" in sources[1]):
         return Probe(True, "the vocab-parallel embedding keeps the global padding_idx on every shard (a real token's "
                            "row gets no gradient, or the lookup raises) and the rowwise bias is renamed `_bias`")
-    raise undecided(f"{MODULE} EmbeddingParallel/RowwiseParallel._prepare_input_fn",
+    raise undecided(f"{TENSOR_PARALLEL_MODULE} EmbeddingParallel/RowwiseParallel._prepare_input_fn",
                     "the 5.15 local-tensor hooks (ids shifted by vocab_start_index, bias moved to _bias) nor DTensor "
                     "layers without them")
 
@@ -89,9 +94,9 @@ PATCH = Patch(
     upstream="backport: transformers 5.16 replaced these layers with DTensor ones; "
              "patches/transformers-tp-legacy-layers.diff",
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "EmbeddingParallel._prepare_input_fn"): _prepare_input_fn,
-              Target(MODULE, "RowwiseParallel._prepare_input_fn"): _prepare_input_fn,
-              Target(MODULE, "RowwiseParallel._prepare_output_fn"): _prepare_output_fn},
+    wrappers={EMBEDDING_PARALLEL_PREPARE_INPUT: _prepare_input_fn,
+              ROWWISE_PARALLEL_PREPARE_INPUT: _prepare_input_fn,
+              ROWWISE_PARALLEL_PREPARE_OUTPUT: _prepare_output_fn},
     needed_by=_tensor_parallel,
     probe=probe,
 )
