@@ -2,7 +2,7 @@
 
     python benchmarks/hpo_recovery.py [--ranks 2] [--repeats 3] [--points model_init data forward ...]
 
-The objective of ``tests/test_hpo_faults.py`` (``shardadopt.testing.fault_search``: DDP training of a small model on
+The objective of ``tests/hpo/test_hpo_faults.py`` (``shardadopt.testing.fault_search``: DDP training of a small model on
 the default gloo group, the loss all-reduced each step) raises on the last rank at one fault point in trial 0 of a
 2-trial study; the control timeout is 600 s (what the peers waited before the fence). Per fault point, the median
 over ``--repeats`` of:

@@ -4,8 +4,8 @@ torch, transformers, accelerate and optuna rename or drop private attributes bet
 each one is reached by a small function (or a constant naming it, for patch targets and probes that read upstream
 source), whose docstring names the upstream object and the releases it was checked on; a missing name raises
 :class:`UpstreamChanged` naming the accessor and the installed release instead of an ``AttributeError`` deep inside
-training. ``tests/test_upstream_accessors.py`` runs every accessor against the installed upstream (so a rename fails
-one test named after its accessor) and fails when code elsewhere in shardadopt spells a private upstream name.
+training. ``tests/upstream/test_upstream_accessors.py`` runs every accessor against the installed upstream (so a rename
+fails one test named after its accessor) and fails when code elsewhere in shardadopt spells a private upstream name.
 
 "Checked on" ranges are the releases CI runs (torch 2.13.0/2.15.0, transformers 5.15.0/5.25.0, accelerate
 1.13.0/1.16.0, optuna 4.9.0/5.0.0). Upstream modules are imported inside the accessors, because

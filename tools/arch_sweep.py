@@ -6,8 +6,8 @@ TP/2-D/EP), a tiny random model derived from the type's default config runs the 
 ``shardadopt.enable()`` against one process (``shardadopt/testing/sweep.py`` states the check and its
 tolerances). All types of one layout share one process group. The verdicts go to
 ``shardadopt/data/arch_matrix/transformers-<minor>.json`` (one file per release line, cells merged, written after each
-type so a long run keeps its progress); ``tests/test_arch_sweep.py`` checks ``docs/architectures.md`` against them
-and re-runs a fixed sample in CI.
+type so a long run keeps its progress); ``tests/project/test_arch_sweep.py`` checks ``docs/architectures.md`` against
+them and re-runs a fixed sample in CI.
 
     python tools/arch_sweep.py                           # every layout and type, with this interpreter's releases
     python tools/arch_sweep.py --layouts tp --types apertus llama4_text     # refresh some cells

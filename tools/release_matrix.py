@@ -3,8 +3,8 @@
 For each (transformers, accelerate) pair below, install that pair into one scratch virtual environment (built once:
 torch, this checkout editable), run ``shardadopt doctor --json`` from this checkout and keep each patch's state.
 The result, ``tests/data/release_matrix.json``, is what the README's "needed on" column is checked against
-(``tests/test_release_matrix.py``), and CI compares its own ``shardadopt.status()`` with the row of the installed
-release, so the column cannot drift from the probes.
+(``tests/upstream/test_release_matrix.py``), and CI compares its own ``shardadopt.status()`` with the row of the
+installed release, so the column cannot drift from the probes.
 
     python tools/release_matrix.py --venv /tmp/matrix-venv            # every release below
     python tools/release_matrix.py --venv /tmp/matrix-venv 5.18.0      # refresh some rows only

@@ -1,6 +1,6 @@
 """Checkpoint scenarios: a sharded run saved at step k and resumed continues exactly like the uninterrupted run.
 
-The rank functions here also serve the test suite (tests/test_checkpoint*.py). In ``shardadopt selftest`` there
+The rank functions here also serve the test suite (tests/checkpoint/). In ``shardadopt selftest`` there
 is one pool, so the resume happens in the same processes (a new model, optimizer and scheduler are built and
 loaded from the checkpoint; nothing of the first run is reused); the test suite resumes in fresh processes.
 """

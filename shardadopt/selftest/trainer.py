@@ -1,7 +1,8 @@
 """Trainer on models sharded at load time: per-step loss and grad norm against a single-process Trainer.
 
-Shared by ``shardadopt selftest`` (scenarios ``trainer-train`` and ``trainer-ep-grads``), tests/test_trainer_parity.py
-and benchmarks/loss_parity.py. A *layout* names a ``DistributedConfig`` as the installed transformers spells it;
+Shared by ``shardadopt selftest`` (scenarios ``trainer-train`` and ``trainer-ep-grads``),
+tests/trainer/test_trainer_parity.py and benchmarks/loss_parity.py. A *layout* names a ``DistributedConfig`` as the
+installed transformers spells it;
 :func:`train_log` runs the same Trainer recipe sharded (on every rank of a pool) or in one process (``layout=None``,
 with the whole global batch on that process), so the two runs see the same samples in the same order.
 """

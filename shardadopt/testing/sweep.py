@@ -2,7 +2,7 @@
 with one layout, against one process on the same global batches.
 
 Used by ``tools/arch_sweep.py`` (every type, every layout, recorded per transformers release), its CI sample
-(``tests/test_arch_sweep.py``) and ``shardadopt doctor --model ... --check``. All types of one layout run in one
+(``tests/project/test_arch_sweep.py``) and ``shardadopt doctor --model ... --check``. All types of one layout run in one
 process group (:class:`~shardadopt.testing.pool.RankPool`); a type whose ranks raise apart or hang costs that
 pool (restarted for the next type), never the sweep.
 

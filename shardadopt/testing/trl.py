@@ -1,5 +1,5 @@
 """TRL's trainers (and Trainer with LoRA) on load-time-sharded models, and their DDP reference: workers for
-``tests/test_trl*.py`` (importable by RankPool workers).
+``tests/trl/`` (importable by RankPool workers).
 
 :func:`trl_log` is what a TRL user writes: load (sharded per ``layout``, or plain under DDP), optionally add LoRA
 (TRL's ``peft_config=`` or ``get_peft_model`` first), ``SFTConfig``/``SFTTrainer`` on a ``datasets`` text dataset or

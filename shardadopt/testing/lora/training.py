@@ -4,7 +4,7 @@ one-process reference.
 ``train_lora_rank`` is what a user writes (load with ``DistributedConfig``, seed, ``get_peft_model``, AdamW over
 ``model.parameters()``, ``prepare``, ``accumulate``, ``clip_grad_norm_``, ``step``), then exports the adapter with
 ``save_pretrained`` on every rank and loads it back onto a fresh sharded base; ``train_lora_reference`` runs the same
-steps in one process on the same global batches; ``check_lora_training`` compares them (tests/test_adapters*.py).
+steps in one process on the same global batches; ``check_lora_training`` compares them (tests/adapters/).
 """
 
 from __future__ import annotations

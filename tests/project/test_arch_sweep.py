@@ -17,7 +17,7 @@ import pytest
 from shardadopt.testing.releases import newer_than_recorded
 from shardadopt.testing.scripts import load_tool
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # layout -> types: a dense baseline, a type with its own quirks per layout, and the cells fixed or refused here
 SAMPLE = {

@@ -17,7 +17,7 @@ import shardadopt
 from shardadopt import registry, versions
 from shardadopt.cli import main
 
-PYPROJECT = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+PYPROJECT = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
 
 
 def _extra(name: str) -> dict[str, str]:
@@ -130,7 +130,7 @@ def test_the_version_is_written_once():
 
 
 def test_the_changelog_has_this_release_below_unreleased():
-    text = (pathlib.Path(__file__).parents[1] / "CHANGELOG.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "CHANGELOG.md").read_text()
     headings = re.findall(r"^## \[([^\]]+)\](.*)$", text, flags=re.MULTILINE)
     assert headings[0] == ("Unreleased", ""), headings[:1]
     releases = [(Version(name), rest) for name, rest in headings[1:]]

@@ -24,7 +24,7 @@ from shardadopt.testing.releases import newer_than_recorded
 from shardadopt.testing.scripts import load_tool
 from shardadopt.versions import installed_version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DATA = json.loads((REPO / "tests" / "data" / "release_matrix.json").read_text())["releases"]
 
 

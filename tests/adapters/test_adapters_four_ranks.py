@@ -1,7 +1,7 @@
 """PEFT LoRA (also DoRA and ``modules_to_save``) through the ordinary accelerate loop on 4 ranks: HSDP and 2-D
 (fsdp x tp) loads equal one process.
 
-The same checks as ``tests/test_adapters.py`` (``shardadopt.testing.lora.training.check_lora_training``).
+The same checks as ``tests/adapters/test_adapters.py`` (``shardadopt.testing.lora.training.check_lora_training``).
 transformers 5.15 can load neither layout (no ``dp_replicate_size``; ``fsdp_size`` with ``tp_size`` refused): skipped
 with the reason.
 """
@@ -43,7 +43,7 @@ def test_dora_and_modules_to_save_four_ranks_match_single_process(request, tiny_
     """DoRA with ``modules_to_save=["lm_head"]`` on the tiny Llama (its tied head sits in the embedding's FSDP
     unit; on 2-D its TP plan is ``colwise_gather_output``): magnitudes (2-D: colwise sharded, rowwise whole) and the
     head's copy are averaged over the data-parallel ranks (HSDP: all 4; 2-D: the 2 with this rank's tp
-    coordinate), as in ``tests/test_adapters.py``."""
+    coordinate), as in ``tests/adapters/test_adapters.py``."""
     try:
         sizes, dp = distributed_sizes(layout, world=4)
     except LayoutUnsupported as exc:

@@ -9,7 +9,7 @@ Against a single-process Trainer on the same global batches (fp32, rtol 1e-5):
   several meshes, or DTensors next to plain tensors, and Trainer clips over all of them). On transformers 5.15
   the TP row-parallel shards are non-contiguous views, which torch's fused CPU AdamW mis-updates when their grads
   are contiguous; the patch gives them their own storage before the optimizer is built (that torch behaviour
-  itself: tests/test_torch_behaviour.py).
+  itself: tests/upstream/test_torch_behaviour.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from shardadopt.testing.releases import newer_than_recorded
 from shardadopt.testing.scripts import load_tool
 from shardadopt.versions import installed_version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 tool = load_tool("upstream_diffs")

@@ -5,7 +5,8 @@ samples ``learning_rate``, ``r`` and ``lora_alpha``; ``model_init(trial)`` loads
 ``DistributedConfig`` and wraps it with ``get_peft_model(model, LoraConfig(r=trial.suggest_categorical(...), ...))``
 (with ``trial=None`` once when the Trainer is built: a default adapter). Each search runs several short trials on 2
 ranks of one pool; the reference is the same search, same sampler seed, on the plain checkpoint in one process with
-the same global batch (the Trainer on FSDP and TP loads equals one process, tests/test_trainer_parity.py; a TP run,
+the same global batch (the Trainer on FSDP and TP loads equals one process, tests/trainer/test_trainer_parity.py; a TP
+run,
 one data-parallel rank, takes the whole global batch per device). Per trial: the parameters, per-step loss and grad
 norm, the adapters after training and the objective equal the one-process trial's; the
 adapters are bit-equal on every rank, only adapters train and the base weights are unchanged; the objective Optuna
@@ -167,7 +168,7 @@ def eval_loss_in_one_process(model_path: str, params: dict, adapters: dict) -> f
 @pytest.fixture(scope="module")
 def reference(tiny_models, tmp_path_factory):
     """The search on the plain checkpoint in this process, with the same global batch: the Trainer on these loads
-    equals one process (tests/test_trainer_parity.py), and so does the DDP search of the plain checkpoint."""
+    equals one process (tests/trainer/test_trainer_parity.py), and so does the DDP search of the plain checkpoint."""
     return lora_search(tiny_models[MODEL], None, str(tmp_path_factory.mktemp("hpo-lora-single")))
 
 
@@ -179,7 +180,8 @@ def test_lora_search_trials_equal_the_plain_search(pool2, tiny_models, reference
 
     sizes, _ = distributed_sizes(layout, 2)
     if "tp_size" in sizes and not dtensor_tensor_parallel():
-        pytest.skip("LoRA on TP is refused before transformers 5.17 (tests/test_adapters.py checks the refusal)")
+        pytest.skip("LoRA on TP is refused before transformers 5.17 "
+                    "(tests/adapters/test_adapters.py checks the refusal)")
     results = pool2.run(lora_search, tiny_models[MODEL], layout, str(tmp_path), timeout=600)
     first = results[0]
     expected = reference

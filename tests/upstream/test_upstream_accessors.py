@@ -32,7 +32,7 @@ from shardadopt import upstream
 from shardadopt.probing import Undecided
 from shardadopt.versions import installed_version
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _transformers_at_least(version: str) -> bool:
@@ -891,7 +891,7 @@ def test_no_private_upstream_names_outside_upstream_module(own_names, upstream_n
     offending = []
     for path in _python_files(SCANNED):
         relative = path.relative_to(REPO).as_posix()
-        if relative in (ACCESSOR_MODULE, f"tests/{pathlib.Path(__file__).name}"):
+        if relative in (ACCESSOR_MODULE, pathlib.Path(__file__).resolve().relative_to(REPO).as_posix()):
             continue
         source = path.read_text()
         lines = [""] + source.splitlines()

@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.multiproc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 BLOCK_TIMEOUT = 900  # seconds: a hang fails the test instead of stalling CI
 

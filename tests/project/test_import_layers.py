@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "shardadopt"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "shardadopt"
 
 # Bottom to top: (layer, module prefixes).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -177,7 +177,7 @@ def arrows() -> list[Arrow]:
 
 def test_every_module_has_a_layer():
     unplaced = [module for module in MODULES if _layer(module) is None]
-    assert not unplaced, f"modules in no layer of tests/test_import_layers.py LAYERS (add each): {unplaced}"
+    assert not unplaced, f"modules in no layer of tests/project/test_import_layers.py LAYERS (add each): {unplaced}"
 
 
 def test_no_import_cycle(arrows):

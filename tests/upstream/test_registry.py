@@ -15,7 +15,7 @@ import pytest
 import shardadopt
 from shardadopt.registry import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Patch, Probe, Registry, Target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
 
 UPSTREAM_SOURCE = textwrap.dedent("""

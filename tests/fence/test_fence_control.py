@@ -457,7 +457,8 @@ def test_the_scale_benchmark_runs_and_counts_the_beats(tmp_path):
     import json
     import subprocess
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fence_scale.py")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = os.path.join(repo, "benchmarks", "fence_scale.py")
     out = tmp_path / "scale.json"
     hang_timeout, world = 2.0, 2
     done = subprocess.run([sys.executable, script, "--ranks", str(world), "--repeats", "1", "--steady", "1",
