@@ -26,6 +26,9 @@ reproducibility attributes (search-space version, git SHA, library versions, wor
 snapshot) and ``params_hash``, and keeps a heartbeat while the trial runs (persistent storages), so
 ``shardadopt hpo requeue`` can fail dead trials and retry them once; ``trial_checkpoint_dir(trial, root)`` gives
 each live trial a directory of its own and ``resume_checkpoint`` finds the dead trial's for its retry.
+
+Rank 0's study loop and the other ranks' worker loop answer each other message by message, so they stay in one
+module (a little over 400 lines).
 """
 
 from __future__ import annotations

@@ -28,6 +28,10 @@ it), else every rank exits (see ``shardadopt.fence``). After the trial, however 
 close may have raised; a Ctrl-C is held until the end rounds are done), every rank takes part in one more round
 saying whether it saw the fence tripped, and when any did, every rank rebuilds the process groups
 (``Channel.rebuild``) before the next one.
+
+Past 400 lines for one reason: ``DistributedTrial`` implements Optuna's whole ``BaseTrial`` interface (every
+``suggest_*``, ``report``, ``should_prune``, the attributes), each method a collective that reads best beside the
+others.
 """
 
 from __future__ import annotations
