@@ -542,3 +542,26 @@ def tp_layer_output_hook(layer: Any) -> Callable[..., Any] | None:
     local-tensor TP layers, bound for an instance; None for a layer without one (5.16 and later) or None. Checked on
     transformers 5.15-5.25."""
     return getattr(layer, "_prepare_output_fn", None)
+
+
+# -- the Trainer's own sync of replicated trainable parameters (transformers 5.25+) ---------------------------------
+
+# ``Trainer._sync_replicated_trainable_parameters`` hooks every trainable plain (non-DTensor) parameter of a model
+# sharded at load time once, and marks it with this attribute so that a second ``train()`` does not hook it again.
+_TRAINER_REPLICATED_HOOK_FLAG = "_replicated_grad_hook_registered"
+
+
+def trainer_replicated_sync() -> Callable[..., Any] | None:
+    """``Trainer._sync_replicated_trainable_parameters``: the Trainer's broadcast of rank 0's trainable plain
+    parameters and all-rank average of their gradients (transformers 5.25); None on releases without it. Checked on
+    transformers 5.15-5.25."""
+    from transformers import Trainer
+
+    return getattr(Trainer, "_sync_replicated_trainable_parameters", None)
+
+
+def leave_out_of_trainer_replicated_sync(param: Any) -> None:
+    """Mark ``param`` as already hooked for :func:`trainer_replicated_sync`, so that the Trainer adds no gradient
+    average of its own (it still broadcasts rank 0's value, which a laid-out adapter already holds). Harmless on
+    releases without that sync. Checked on transformers 5.25."""
+    setattr(param, _TRAINER_REPLICATED_HOOK_FLAG, True)

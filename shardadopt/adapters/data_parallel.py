@@ -5,7 +5,10 @@ small; DDP does the same); a post-accumulate-grad hook averages their gradients 
 with this rank's tp coordinate). Under FSDP2 ``no_sync`` (accelerate's ``accumulate()``) the reduction waits for the
 synchronised backward, like FSDP's own (averaging an accumulated gradient again would be exact too: the part every
 rank shares averages to itself). TP factors get their TP reductions from DTensor. Every adapter is hooked when laid
-out, an inactive one too: ``set_adapter`` makes it trainable later, after ``prepare``.
+out, an inactive one too: ``set_adapter`` makes it trainable later, after ``prepare``. The Trainer of transformers
+5.25+ averages trainable plain parameters over all ranks itself; every laid-out parameter is left out of that, so
+exactly one average acts on it (the Trainer's would be a second collective on the same gradient every step, and one
+on a pure TP layout, which needs none).
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ def hook_copy(copied: nn.Module) -> None:
     """Average the gradients of a trainable ``modules_to_save`` copy over its data-parallel group (:func:`attach_dp`;
     nothing without one). Parameters already hooked are left as they are."""
     dp = copied.__dict__.get(_DP)
-    if dp is not None:
-        for param in copied.parameters():
+    for param in copied.parameters():
+        upstream.leave_out_of_trainer_replicated_sync(param)
+        if dp is not None:
             _average_over_dp(param, *dp)
 
 
@@ -91,9 +95,9 @@ def hook_trainable(layer: Any) -> None:
     frozen ones included (an inactive adapter that ``set_adapter`` makes trainable later; a hook fires only when a
     gradient arrives). Parameters already hooked are left as they are."""
     dp = layer.__dict__.get(_DP)
-    if dp is None:
-        return
     for adapter in [a for a in layer.lora_A if is_laid_out(layer, a)]:
         for factor in adapter_modules(layer, adapter):
             for param in factor.parameters():
-                _average_over_dp(param, *dp)
+                upstream.leave_out_of_trainer_replicated_sync(param)
+                if dp is not None:
+                    _average_over_dp(param, *dp)

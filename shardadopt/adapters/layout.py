@@ -71,7 +71,7 @@ def lay_out_adapters(model: nn.Module) -> int:
             done += 1
         if topo.dp_size > 1:
             attach_dp(layer, group, topo.dp_size, fsdp_modules)
-            hook_trainable(layer)
+        hook_trainable(layer)
     for copied in copies:
         if topo.dp_size > 1:
             attach_dp(copied, group, topo.dp_size, fsdp_modules)

@@ -111,7 +111,8 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
             world: int = 2, bf16: bool = False, lora: str | None = None) -> dict[str, Any]:
     """``kind`` ("sft" or "dpo") for STEPS steps on ``model`` sharded per ``layout`` over ``world`` ranks, or
     (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added ``lora`` ("peft_config":
-    by TRL, "wrapped": ``get_peft_model`` first). ``{"log": [{"loss", "grad_norm"} per step]}`` or
+    by TRL, "wrapped": ``get_peft_model`` first). ``{"log": [{"loss", "grad_norm"} per step],
+    "adapter_grad_reductions": {LoRA factor: all_reduce calls on its gradient}, "dp": data-parallel size}`` or
     ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model)."""
     import tempfile
 
@@ -120,6 +121,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
     import shardadopt
     from shardadopt.adapters import AdapterLayoutError
     from shardadopt.adopt import AdoptionError
+    from shardadopt.testing.collectives import counted_grad_reductions
 
     shardadopt.enable()
     try:
@@ -141,10 +143,11 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
                     else:
                         extra["peft_config"] = lora_config(model)
                 trainer = _trl_trainer(kind, network, common, tokenizer, **extra)
-                trainer.train()
+                with counted_grad_reductions(trainer.model, lambda name: "lora_" in name) as reductions:
+                    trainer.train()
             except (AdapterLayoutError, AdoptionError) as exc:
                 return {**result, "refused": f"{type(exc).__name__}: {exc}"}
-        return {**result, "log": logged_steps(trainer)}
+        return {**result, "log": logged_steps(trainer), "adapter_grad_reductions": reductions, "dp": dp}
     finally:
         shardadopt.disable()
 

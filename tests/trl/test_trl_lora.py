@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
-from shardadopt.testing.trl import FP32_RTOL, MODELS, MOE_RTOL, compare, refusal_problem, trl_log
+from shardadopt.testing.trl import FP32_RTOL, MODELS, MOE_RTOL, STEPS, compare, refusal_problem, trl_log
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,6 +29,18 @@ def check_lora_run(results: list[dict], trl_ddp, kind: str, how: str, layout: st
     for rank, result in enumerate(results):
         problem = refusal_problem(result, "lora-tp") if refused else compare(result, expected, rtol)
         assert problem is None, f"{kind} {how} {layout} rank {rank}: {problem}"
+        if not refused:
+            check_one_reduction_per_step(result, f"{kind} {how} {layout} rank {rank}")
+
+
+def check_one_reduction_per_step(result: dict, what: str) -> None:
+    """Each LoRA factor's gradient is averaged over the data-parallel ranks by one mechanism (shardadopt's, not also
+    the Trainer's own sync of transformers 5.25+): one all_reduce per optimizer step, none without data parallelism."""
+    reductions = result["adapter_grad_reductions"]
+    want = STEPS if result["dp"] > 1 else 0
+    wrong = {name: calls for name, calls in reductions.items() if calls != want}
+    assert reductions and not wrong, (
+        f"{what}: LoRA gradients reduced other than {want} times in {STEPS} steps (dp={result['dp']}): {wrong}")
 
 
 # ep: Qwen3-MoE with adapters on attention (its down_proj are fused expert tensors, refused)

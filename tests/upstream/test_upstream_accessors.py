@@ -957,3 +957,16 @@ def test_own_private_names_are_not_found(own_names, upstream_names):
     tree = ast.parse(source)
     assert {"_lock", "_setup"} <= upstream_names  # torch's and transformers' names too
     assert private_upstream_uses(tree, own_names | own_private_names([tree]), upstream_names) == []
+
+
+def test_trainer_replicated_sync():
+    import inspect
+
+    sync = upstream.trainer_replicated_sync()
+    if sync is None:
+        pytest.skip(f"transformers {installed_version('transformers')}'s Trainer has no replicated-parameter sync")
+    # the attribute leave_out_of_trainer_replicated_sync sets is the one the sync checks before hooking a parameter
+    param = torch.nn.Parameter(torch.zeros(1))
+    upstream.leave_out_of_trainer_replicated_sync(param)
+    flags = [name for name in vars(param) if name in inspect.getsource(sync)]
+    assert flags, f"the Trainer's sync reads none of {sorted(vars(param))}: {inspect.getsource(sync)[:400]}"
