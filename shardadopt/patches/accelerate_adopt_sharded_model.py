@@ -64,7 +64,7 @@ def _init(wrapped, instance, args, kwargs):
 
 
 def _prepare_model(wrapped, instance, args, kwargs):
-    from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model
+    from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model, refuse_unsupported_distributed_features
     from shardadopt.refusal import refuse_unfixed, unfixed_possible
     from shardadopt.topology import topology
 
@@ -74,9 +74,11 @@ def _prepare_model(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     override = adoption_kwargs(instance).topology
     if evaluation_mode:
-        # Trainer 5.19+ prepares a load-time-sharded model for training this way: refuse one a missing fix needs
-        if unfixed_possible() and is_sharded_model(model, override):
-            refuse_unfixed(model, topology(model, override))
+        # Trainer 5.19+ prepares a load-time-sharded model for training this way: refuse what adoption refuses
+        if is_sharded_model(model, override):
+            refuse_unsupported_distributed_features(model)
+            if unfixed_possible():
+                refuse_unfixed(model, topology(model, override))
         return wrapped(*args, **kwargs)
     if not is_sharded_model(model, override):
         return wrapped(*args, **kwargs)

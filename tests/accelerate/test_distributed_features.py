@@ -1,9 +1,9 @@
-"""``DistributedConfig``'s FSDP policy, pipeline and EP-implementation options with accelerate and PEFT (2 ranks).
+"""``DistributedConfig``'s FSDP policy, pipeline and EP-implementation options with accelerate, PEFT and Trainer.
 
 ``ep_implementation`` (``all_to_all``, ``all_reduce``) trains like one process on the same global batch;
 ``fsdp_cpu_offload``, ``fsdp_mixed_precision`` and ``pp_size > 1`` are refused at ``prepare`` (a model or a PEFT
-model) with an error that names the option and what to load instead. Releases without these options skip
-(with the reason). The Trainer (which 5.25 runs as its own FSDP job, past adoption) is not covered yet.
+model, or the Trainer, which 5.25 prepares as its own FSDP job past adoption) with an error that names the option
+and what to load instead. Releases without these options skip (with the reason).
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ REFUSED = [
 
 
 @pytest.mark.multiproc
-# The Trainer on 5.25 takes a load-time FSDP model as its own FSDP run, past adoption: its refusal is not built yet.
-@pytest.mark.parametrize("how", ["accelerate", "peft"])
+@pytest.mark.parametrize("how", ["accelerate", "peft", "trainer"])
 @pytest.mark.parametrize("sizes, names, fix", REFUSED)
 def test_unsupported_option_is_refused_by_name(pool2, tiny_models, sizes, names, fix, how):
     outcomes = pool2.run(prepare_outcome, tiny_models["qwen3"], sizes, how, timeout=180)
