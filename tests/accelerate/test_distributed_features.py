@@ -92,3 +92,45 @@ def test_ep_implementation_matches_single_process(pool2, tiny_models, implementa
     for result in results:
         problem = compare_training(result, expected)
         assert problem is None, problem
+
+
+def lora_outcome(path: str, targets: list[str]) -> str:
+    """On every rank: a ``tp_size=2`` load of ``path`` after ``enable()``, LoRA on ``targets`` added with peft's
+    ``get_peft_model``; "laid out" with the number of LoRA layers, or what it raised."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import shardadopt
+
+    shardadopt.enable()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(tp_size=2))
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+        return f"laid out: {sum(1 for n, _ in model.named_modules() if n.endswith('.lora_A'))} LoRA layers"
+    except Exception as exc:  # noqa: BLE001  (the test compares what each rank raised)
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        shardadopt.disable()
+
+
+@pytest.mark.multiproc
+def test_lora_on_unit_tp_plans_is_refused_by_name(pool2, tmp_path_factory):
+    """transformers 5.25's ``unit_colwise`` plan (MiniCPM5-MoE's k/v projections: whole heads per rank, replicated
+    over a second mesh dim) is not a layout the adapters know: LoRA on it is refused naming the plan and the fix;
+    on the same model, LoRA on its colwise / rowwise projections is laid out."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if "minicpm5_moe" not in CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no minicpm5_moe (its unit_* TP plans)")
+    from shardadopt.testing.archs import write_tiny
+
+    path = write_tiny("minicpm5_moe", tmp_path_factory.mktemp("minicpm5"))
+    refused = pool2.run(lora_outcome, path, ["k_proj", "v_proj"], timeout=180)
+    assert len(set(refused)) == 1, refused
+    assert refused[0].startswith("AdapterLayoutError") and "'unit_colwise'" in refused[0], refused[0]
+    assert "leave this module out of target_modules" in refused[0], refused[0]
+    laid_out = pool2.run(lora_outcome, path, ["q_gate_proj", "o_proj"], timeout=180)
+    assert len(set(laid_out)) == 1, laid_out
+    assert laid_out[0].startswith("laid out: ") and not laid_out[0].startswith("laid out: 0 "), laid_out[0]
