@@ -1,8 +1,8 @@
 """Sharded models that adoption cannot train like one process are refused before training, naming the fix.
 
-``DistributedConfig`` options whose parameters adoption cannot keep (CPU offload, FSDP2's bf16 parameter policy),
-and TRL's fused LM head on a plain local TP shard of the vocabulary (transformers 5.15/5.16), which would score
-every token against one rank's slice without an error.
+``DistributedConfig`` options whose parameters adoption cannot keep (CPU offload, FSDP2's bf16 parameter policy) or
+that cannot train (DeepGEMM Mega MoE experts), and TRL's fused LM head on a plain local TP shard of the vocabulary
+(transformers 5.15/5.16), which would score every token against one rank's slice without an error.
 """
 
 from __future__ import annotations
@@ -23,23 +23,36 @@ _UNSUPPORTED_FEATURES = {
                              "parameters and trains in their precision); load without it and use "
                              "Accelerator(mixed_precision=\"bf16\") / TrainingArguments(bf16=True) instead"),
 }
+# DeepGEMM Mega MoE (transformers 5.25): a fused dispatch + experts + combine kernel without a backward
+_MEGAMOE = "deepgemm_megamoe"
 
 
 def refuse_unsupported_distributed_features(model: nn.Module) -> None:
     """Refuse (:class:`AdoptionError`) a model loaded with a ``DistributedConfig`` option adoption cannot train
-    like one process: ``fsdp_cpu_offload=True``, ``fsdp_mixed_precision=True`` (``pp_size > 1``:
+    like one process: ``fsdp_cpu_offload=True``, ``fsdp_mixed_precision=True``, DeepGEMM Mega MoE experts
+    (``ep_implementation`` / ``experts_implementation`` ``"deepgemm_megamoe"``, inference only) (``pp_size > 1``:
     :func:`shardadopt.topology` refuses it).
 
     Args:
         model: the model handed to ``prepare`` / the Trainer (a PEFT model reads its base model's config).
     """
-    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    model_config = getattr(model, "config", None)
+    config = getattr(model_config, "distributed_config", None)
     if config is None:
         return
     for name, why in _UNSUPPORTED_FEATURES.items():
         value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
         if value:
             raise AdoptionError(f"DistributedConfig({name}={value!r}): {why}.")
+    ep_implementation = config.get("ep_implementation") if isinstance(config, Mapping) else getattr(
+        config, "ep_implementation", None)
+    experts_implementation = getattr(model_config, "_experts_implementation", None)
+    if _MEGAMOE in (ep_implementation, experts_implementation):
+        spelled = (f"DistributedConfig(ep_implementation={ep_implementation!r})" if ep_implementation == _MEGAMOE
+                   else f"experts_implementation={experts_implementation!r}")
+        raise AdoptionError(f"{spelled}: DeepGEMM Mega MoE's kernel has no backward, so transformers runs it at "
+                            f"inference only; to train, load with ep_implementation=\"all_to_all\" (the default) "
+                            f"and without experts_implementation=\"{_MEGAMOE}\".")
 
 
 def _fused_lm_head_forwards(model: nn.Module) -> Iterator[nn.Module]:

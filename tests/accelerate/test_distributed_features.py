@@ -64,6 +64,9 @@ REFUSED = [
                  marks=_has("fsdp_mixed_precision"), id="fsdp_mixed_precision"),
     pytest.param({"pp_size": 2}, "TopologyError: DistributedConfig(pp_size=2)", "Supported: fsdp_size, tp_size",
                  marks=_has("pp_size"), id="pp_size"),
+    pytest.param({"fsdp_size": 2, "ep_implementation": "deepgemm_megamoe"},
+                 "AdoptionError: DistributedConfig(ep_implementation='deepgemm_megamoe')",
+                 'load with ep_implementation="all_to_all"', marks=_has("ep_implementation"), id="deepgemm_megamoe"),
 ]
 
 
