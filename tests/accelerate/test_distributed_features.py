@@ -137,3 +137,18 @@ def test_lora_on_unit_tp_plans_is_refused_by_name(pool2, tmp_path_factory):
     laid_out = pool2.run(lora_outcome, path, ["q_gate_proj", "o_proj"], timeout=180)
     assert len(set(laid_out)) == 1, laid_out
     assert laid_out[0].startswith("laid out: ") and not laid_out[0].startswith("laid out: 0 "), laid_out[0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif("enable_expert_parallel" not in FIELDS,
+                    reason=f"transformers {transformers.__version__}'s DistributedConfig has no enable_expert_parallel")
+def test_enable_expert_parallel_matches_single_process(pool2, tiny_models):
+    """``tp_size=2, enable_expert_parallel=True``: expert parallelism as transformers before 5.21 spells it (the
+    experts on the TP mesh), deprecated since and still accepted (``ep_size=tp_size`` with an empty TP plan): the two
+    ranks share one batch and train like one process."""
+    results = pool2.run(train_rank, tiny_models["qwen3moe"], {"tp_size": 2, "enable_expert_parallel": True}, 1,
+                        timeout=300)
+    expected = train_reference(tiny_models["qwen3moe"], 1)
+    for result in results:
+        problem = compare_training(result, expected)
+        assert problem is None, problem
