@@ -565,3 +565,10 @@ def leave_out_of_trainer_replicated_sync(param: Any) -> None:
     average of its own (it still broadcasts rank 0's value, which a laid-out adapter already holds). Harmless on
     releases without that sync. Checked on transformers 5.25."""
     setattr(param, _TRAINER_REPLICATED_HOOK_FLAG, True)
+
+
+def experts_implementation(config: Any) -> str | None:
+    """``config._experts_implementation``: the experts kernel a model was loaded with (``experts_implementation=`` of
+    ``from_pretrained``: "grouped_mm", "deepgemm_megamoe", ...), None when unset or absent. Checked on transformers
+    5.15-5.25."""
+    return getattr(config, "_experts_implementation", None)

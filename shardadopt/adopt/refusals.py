@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 
 from torch import nn
 
+from shardadopt import upstream
 from shardadopt.adopt.record import AdoptionError
 
 # DistributedConfig flags adoption does not train like one process, and what to load instead.
@@ -46,7 +47,7 @@ def refuse_unsupported_distributed_features(model: nn.Module) -> None:
             raise AdoptionError(f"DistributedConfig({name}={value!r}): {why}.")
     ep_implementation = config.get("ep_implementation") if isinstance(config, Mapping) else getattr(
         config, "ep_implementation", None)
-    experts_implementation = getattr(model_config, "_experts_implementation", None)
+    experts_implementation = upstream.experts_implementation(model_config)
     if _MEGAMOE in (ep_implementation, experts_implementation):
         spelled = (f"DistributedConfig(ep_implementation={ep_implementation!r})" if ep_implementation == _MEGAMOE
                    else f"experts_implementation={experts_implementation!r}")

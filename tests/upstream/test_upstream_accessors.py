@@ -970,3 +970,11 @@ def test_trainer_replicated_sync():
     upstream.leave_out_of_trainer_replicated_sync(param)
     flags = [name for name in vars(param) if name in inspect.getsource(sync)]
     assert flags, f"the Trainer's sync reads none of {sorted(vars(param))}: {inspect.getsource(sync)[:400]}"
+
+
+def test_experts_implementation(tiny_models):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert upstream.experts_implementation(object()) is None
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_models["qwen3moe"]))
+    assert upstream.experts_implementation(model.config) not in (None, "deepgemm_megamoe")
