@@ -42,3 +42,19 @@ def trl_ddp(pool2, tiny_models, trl_tokenizer):
     from shardadopt.testing.trl import ddp_reference
 
     return ddp_reference(pool2, tiny_models, trl_tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def shardadopt_left_disabled(request):
+    """A test that enables shardadopt in this process disables it again: the modules after it test upstream as it
+    is (a patch left applied once made a probe test of another module see shardadopt's wrapper, not upstream)."""
+    yield
+    from shardadopt.patchstate import OFF
+    from shardadopt.registry import process_wide
+
+    registry = process_wide()
+    left = [s.id for s in registry.status() if s.state != OFF] if registry is not None else []
+    if left:
+        registry.disable()
+        pytest.fail(f"{request.node.nodeid} left shardadopt enabled in the test process ({left}): call "
+                    f"shardadopt.disable() in a finally block")

@@ -69,7 +69,7 @@ def evaluate_then_train(models: dict[str, str], single_process: bool = False, ex
                for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
         return {"log": log, "optimizer_params": kinds}
     finally:
-        shardadopt.enable()
+        shardadopt.disable()
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +87,10 @@ def test_evaluate_before_train_matches_single_process(pool2, tiny_models, evalua
 def test_evaluate_before_train_without_patch(pool2, tiny_models, evaluate_first_control):
     import shardadopt
 
-    shardadopt.enable()
-    state = {s.id: s.state for s in shardadopt.status()}[PATCH_ID]
+    try:
+        state = {s.id: s.state for s in shardadopt.enable()}[PATCH_ID]
+    finally:
+        shardadopt.disable()  # this process runs the other modules' tests: leave upstream as it was
     if state != "applied":
         pytest.skip(f"{PATCH_ID} is {state} on this transformers (upstream reshards before building the optimizer)")
     results = pool2.run(evaluate_then_train, tiny_models, exclude=(PATCH_ID,), timeout=180)
