@@ -14,6 +14,13 @@ from torch import nn
 
 from shardadopt.adapters.data_parallel import attach_dp, dp_group, hook_copy, hook_trainable
 from shardadopt.adapters.dora import lay_out_dora
+from shardadopt.adapters.experts import (
+    EXPERTS,
+    expert_dp_group,
+    expert_replicas,
+    is_expert_layer,
+    lay_out_expert_factors,
+)
 from shardadopt.adapters.modules_to_save import trainable_copies
 from shardadopt.adapters.peft_layers import (
     adapter_modules,
@@ -62,14 +69,19 @@ def lay_out_adapters(model: nn.Module) -> int:
                         raise refusal(name, "adapters created on the meta device (low_cpu_mem_usage=True)",
                                       "Load the adapter with low_cpu_mem_usage=False.")
                     set_from_rank0(param)
-            if style != "none":
+            if style == EXPERTS:
+                lay_out_expert_factors(layer, adapter, topo.dp_size)
+            elif style != "none":
                 mesh = tp_mesh(layer.get_base_layer().weight)
                 shard_factor(layer.lora_B[adapter] if style == "colwise" else layer.lora_A[adapter], style, mesh)
                 if adapter in layer.lora_magnitude_vector:
                     lay_out_dora(layer.lora_magnitude_vector[adapter], style, mesh)
             mark_laid_out(layer, adapter)
             done += 1
-        if topo.dp_size > 1:
+        if is_expert_layer(layer):  # averaged over the replicas of the same experts (experts.py)
+            if expert_replicas(layer) > 1:
+                attach_dp(layer, expert_dp_group(layer), expert_replicas(layer), fsdp_modules)
+        elif topo.dp_size > 1:
             attach_dp(layer, group, topo.dp_size, fsdp_modules)
         hook_trainable(layer)
     for copied in copies:

@@ -1,8 +1,8 @@
 """What cannot be laid out on a sharded model is refused, naming the layer or option and the way out.
 
 Refused before peft touches a shard where possible (:func:`check_config`, on the ``LoraConfig``), else per LoRA
-layer when it is laid out (:func:`check_layer`): initialisations computed from the base weight, fused expert
-tensors, base layers on the expert mesh or with a TP plan other than colwise/rowwise, LoRA on sharded non-Linear
+layer when it is laid out (:func:`check_layer`): initialisations computed from the base weight, parameters other
+than fused expert tensors sharded by expert (``experts.check_expert_layer``), base layers on the expert mesh or with a TP plan other than colwise/rowwise, LoRA on sharded non-Linear
 layers, ``lora_bias`` on a rowwise base, and tensor parallelism on transformers without DTensor TP (before 5.17).
 Merging and (on TP loads) weighted combinations have refusal messages of their own.
 """
@@ -84,18 +84,19 @@ def check_config(config: Any) -> None:
 
     Raises:
         AdapterLayoutError: for ``init_lora_weights`` computed from the base weight (PiSSA, OLoRA, LoftQ, EVA,
-            CorDA, LoRA-GA) and for ``target_parameters``.
+            CorDA, LoRA-GA) and for ``use_dora`` / ``lora_bias`` with ``target_parameters``.
     """
     init = getattr(config, "init_lora_weights", True)
     if init not in _WEIGHT_FREE_INITS:
         raise refusal(None, f"init_lora_weights={init!r} (computed from the whole base weight)",
                       "Use init_lora_weights=True or \"gaussian\", or initialise in one process, save it, and load "
                       "it onto the sharded model with PeftModel.from_pretrained.")
-    if getattr(config, "target_parameters", None):
-        raise refusal(None, f"target_parameters={config.target_parameters!r} (parameters such as fused "
-                      "expert tensors; peft also lands here when a target_modules name matches an experts "
-                      "module's parameter)", "Target projection modules only and leave the experts out, e.g. "
-                      "target_modules=[\"q_proj\", \"v_proj\", \"o_proj\"] on a MoE model.")
+    if getattr(config, "target_parameters", None) and (getattr(config, "use_dora", False)
+                                                       or getattr(config, "lora_bias", False)):
+        raise refusal(None, f"use_dora / lora_bias with target_parameters={config.target_parameters!r} (peft's "
+                      "ParamWrapper on fused expert tensors has neither; peft also lands here when a target_modules "
+                      "name matches an experts module's parameter)", "Use use_dora=False and lora_bias=False, or "
+                      "leave the experts out of target_modules.")
 
 
 def tp_plan_entry(base_model: nn.Module, name: str) -> str | None:
@@ -150,7 +151,8 @@ def check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model:
         base_model: the transformers model (its ``tp_plan``).
 
     Returns:
-        The base layer's TP style: "none", "colwise" or "rowwise".
+        The base layer's TP style: "none", "colwise" or "rowwise"; "experts" for a fused expert tensor of an
+        expert-parallel load (``shardadopt.adapters.experts``).
 
     Raises:
         AdapterLayoutError: naming the layer and the way out.
@@ -159,9 +161,9 @@ def check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model:
     from peft.tuners.lora.layer import ParamWrapper
 
     if isinstance(layer, ParamWrapper):
-        raise refusal(name, "adapters on parameters (fused expert tensors: target_modules matched a parameter "
-                      "of an experts module)", "Leave expert projections out of target_modules (e.g. target "
-                      "attention only: [\"q_proj\", \"v_proj\", \"o_proj\"]).")
+        from shardadopt.adapters.experts import check_expert_layer
+
+        return check_expert_layer(name, layer)
     base = layer.get_base_layer()
     if topo.tp_size > 1 and not dtensor_tensor_parallel():
         raise refusal(name, "tensor parallelism on transformers before 5.17 (TP shards are plain tensors there)",
