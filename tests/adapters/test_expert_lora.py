@@ -1,0 +1,232 @@
+"""LoRA on the fused expert tensors of an expert-parallel Qwen3-MoE (``ep_size=2, fsdp_size=2``, 2 ranks) equals one
+process (``shardadopt.adapters.experts``, docs/expert-lora.md).
+
+A user's config as peft 0.21 reads it (``target_modules=[..., "down_proj"]``: peft adapts the experts' fused
+``down_proj`` through ``target_parameters``) and an explicit ``target_parameters`` on both expert tensors train
+through the accelerate loop like one process on the same global batches: per-step loss and grad norm, every adapter
+gradient (experts included), the adapters after training, the export loaded in one process and back onto an EP load.
+Each piece has an assertion that fails without it, checked once by hand (docs/expert-lora.md): the gradient scaling
+(expert gradients are the EP group's sum: without it they are off by ~20%, caught by the gradient comparison), this
+rank's slice of the factors (rows of ``lora_A``, strided columns of ``lora_B``: the slice test compares each rank's
+local shard with the one-process factors), and the export (the file equals the one-process adapter bit for bit).
+What cannot be laid out is refused by name; transformers 5.15 (EP on the TP mesh) refuses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from shardadopt.testing.layouts import distributed_sizes
+from shardadopt.testing.lora.common import ACCUM, ATTENTION, MAX_NORM, SEED, STEPS, TARGETS, params_close
+
+pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
+
+pytestmark = pytest.mark.multiproc
+
+BOTH = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+CONFIGS = {  # name -> (target_modules, more LoraConfig options)
+    "down_proj": (TARGETS, None),  # the user's natural form: peft adapts experts.down_proj
+    "target_parameters": (ATTENTION, BOTH),
+}
+
+
+def _ep_layout_with_ep_mesh() -> bool:
+    from transformers.distributed import DistributedConfig
+
+    return "ep_size" in DistributedConfig.__dataclass_fields__
+
+
+needs_ep_mesh = pytest.mark.skipif(not _ep_layout_with_ep_mesh(), reason="transformers before 5.21 shards experts "
+                                   "on the TP mesh (no ep_size): expert LoRA is refused there (tested below)")
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    from shardadopt.testing.lora.training import train_lora_reference
+
+    cache: dict[str, Any] = {}
+
+    def get(config: str) -> dict[str, Any]:
+        if config not in cache:
+            targets, overrides = CONFIGS[config]
+            _, dp = distributed_sizes("ep", 2)
+            cache[config] = train_lora_reference(tiny_models["qwen3moe"], dp, targets, overrides=overrides)
+        return cache[config]
+
+    return get
+
+
+@needs_ep_mesh
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_expert_lora_trains_like_one_process(pool2, tiny_models, references, tmp_path, config):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from shardadopt.testing.lora.common import probe_batch
+    from shardadopt.testing.lora.training import train_lora_rank
+
+    targets, overrides = CONFIGS[config]
+    sizes, dp = distributed_sizes("ep", 2)
+    export = str(tmp_path / "adapter")
+    results = pool2.run(train_lora_rank, tiny_models["qwen3moe"], sizes, dp, export, targets, STEPS, ACCUM,
+                        overrides, timeout=600)
+    assert "error" not in results[0], results[0]["error"]
+    expected = references(config)
+    experts = [n for n in expected["grads"] if ".experts." in n]
+    assert len(experts) == (4 if config == "down_proj" else 8), experts  # 2 layers x lora_A/B x tensors
+    assert all(float(expected["grads"][n].abs().max()) > 0 for n in experts if "lora_B" in n)
+    assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
+    first = results[0]
+    for rank, result in enumerate(results):
+        assert result["base_unchanged"], f"rank {rank}: a base weight changed"
+        for key in ("init", "params", "grads"):
+            for name, value in result[key].items():
+                assert torch.equal(value, first[key][name]), f"{key} {name} differs between rank 0 and {rank}"
+        assert result["losses"] == first["losses"] and result["norms"] == first["norms"]
+    assert sorted(first["init"]) == sorted(expected["init"])
+    for name, value in expected["init"].items():
+        assert torch.equal(first["init"][name], value), f"initial {name} differs from one process"
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
+    for name, value in expected["grads"].items():
+        torch.testing.assert_close(first["grads"][name], value, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+    bad = [n for n, v in expected["params"].items() if not params_close(first["params"][n], v)]
+    assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
+
+    one = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"],
+                                                                         dtype=torch.float32), export)
+    with torch.no_grad():
+        logits = one(input_ids=probe_batch()).logits
+    for result in results:
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=1e-6, atol=1e-6)
+
+
+def _slices_rank(path: str, sizes: dict[str, Any], export_dir: str) -> dict[str, Any]:
+    """Expert factors initialised with nonzero ``lora_B`` (``init_lora_weights=False``): this rank's local shards and
+    experts, the logits, then the export and a fresh EP load with it (local shards and logits)."""
+    import torch
+    import torch.distributed as dist
+    from peft import PeftModel, get_peft_model
+
+    import shardadopt
+    from shardadopt.testing.lora.common import load_model, lora_config, probe_batch
+
+    def shards(model) -> dict[str, Any]:
+        return {n: p.to_local().detach().clone() for n, p in model.named_parameters() if ".experts." in n
+                and "lora_" in n}
+
+    shardadopt.enable()
+    try:
+        torch.manual_seed(SEED + 1000 * dist.get_rank())  # every rank seeded differently: rank 0's values count
+        base = load_model(path, sizes)
+        torch.manual_seed(SEED if dist.get_rank() == 0 else SEED + 1)
+        model = get_peft_model(base, lora_config(init_lora_weights=False, **BOTH))
+        local = base.model.layers[0].mlp.experts.get_base_layer().down_proj.to_local().shape[0]
+        first = dist.get_rank() * local  # ep rank = global rank on 2 ranks
+        with torch.no_grad():
+            logits = model(input_ids=probe_batch()).logits
+        local_shards = shards(model)
+        model.save_pretrained(export_dir)
+        reloaded = PeftModel.from_pretrained(load_model(path, sizes), export_dir)
+        with torch.no_grad():
+            reloaded_logits = reloaded(input_ids=probe_batch()).logits
+        return {"experts": list(range(first, first + local)), "shards": local_shards, "logits": logits,
+                "reloaded_shards": shards(reloaded), "reloaded_logits": reloaded_logits}
+    finally:
+        shardadopt.disable()
+
+
+@needs_ep_mesh
+def test_expert_factor_slices_export_and_reload_match_one_process(pool2, tiny_models, tmp_path):
+    """Each rank holds exactly its experts' rows of ``lora_A`` and strided columns of ``lora_B`` of the one-process
+    factors (peft: expert ``e`` owns rows ``e*r..e*r+r-1`` and columns ``k*E + e``), whatever its own seed; the
+    forward with nonzero ``lora_B`` equals one process; ``save_pretrained`` writes the one-process adapter bit for bit
+    (the ``lora_B`` columns interleaved back), and ``PeftModel.from_pretrained`` onto a fresh EP load reslices it."""
+    import torch
+    from peft import get_peft_model
+    from safetensors.torch import load_file
+
+    from shardadopt.testing.lora.common import adapter_params, load_model, lora_config, probe_batch
+
+    sizes, _ = distributed_sizes("ep", 2)
+    export = str(tmp_path / "adapter")
+    results = pool2.run(_slices_rank, tiny_models["qwen3moe"], sizes, export, timeout=600)
+    torch.manual_seed(SEED)
+    one = get_peft_model(load_model(tiny_models["qwen3moe"], None), lora_config(init_lora_weights=False, **BOTH))
+    expected = {n: v for n, v in adapter_params(one).items() if ".experts." in n}
+    with torch.no_grad():
+        logits = one(input_ids=probe_batch()).logits
+    assert len(expected) == 8 and all(float(v.abs().max()) > 0 for v in expected.values())
+    for result in results:
+        experts = result["experts"]
+        for shards in (result["shards"], result["reloaded_shards"]):
+            assert sorted(shards) == sorted(expected)
+            for name, value in expected.items():
+                rank = one.peft_config["default"].r
+                if ".lora_A." in name:  # (r * E, in): expert-major rows
+                    want = value[experts[0] * rank:(experts[-1] + 1) * rank]
+                else:  # (out, r * E): the expert index fastest
+                    want = value.reshape(value.shape[0], rank, -1)[:, :, experts].reshape(value.shape[0], -1)
+                assert torch.equal(shards[name], want), f"experts {experts}: {name} is not their slice"
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=0, atol=0)
+    written = load_file(os.path.join(export, "adapter_model.safetensors"))
+    from peft.utils import get_peft_model_state_dict
+
+    for key, value in get_peft_model_state_dict(one).items():
+        if ".experts." in key:
+            assert torch.equal(written[key], value), f"{key}: the export is not the one-process adapter"
+
+
+def _refusal_rank(path: str, sizes: dict[str, Any], overrides: dict[str, Any]) -> str | None:
+    """``get_peft_model`` with ``overrides`` on a sharded load: the error it raises, or None."""
+    import torch
+    from peft import get_peft_model
+
+    import shardadopt
+    from shardadopt.testing.lora.common import load_model, lora_config
+
+    shardadopt.enable()
+    try:
+        base = load_model(path, sizes)
+        torch.manual_seed(SEED)
+        try:
+            get_peft_model(base, lora_config(**overrides))
+        except ValueError as exc:  # AdapterLayoutError
+            return f"{type(exc).__name__}: {exc}"
+        return None
+    finally:
+        shardadopt.disable()
+
+
+REFUSED = [  # (case, layout, LoraConfig options, what the error names)
+    ("router", "ep", {"target_modules": ["q_proj", "gate"]}, "2-D parameter weight of Qwen3MoeTopKRouter"),
+    ("all-linear", "ep", {"target_modules": "all-linear"}, "2-D parameter weight of Qwen3MoeTopKRouter"),
+    ("dora", "ep", {"use_dora": True, **BOTH}, "use_dora / lora_bias with target_parameters"),
+    ("experts-fsdp-only", "fsdp", {}, "not sharded by expert on an ep mesh"),
+]
+
+
+@pytest.mark.parametrize("case, layout, overrides, message", REFUSED, ids=[c[0] for c in REFUSED])
+def test_expert_lora_refused_by_name(pool2, tiny_models, case, layout, overrides, message):
+    if layout == "ep" and not _ep_layout_with_ep_mesh() and case != "dora":
+        message = "before 5.17"  # EP on the TP mesh: the TP refusal (or the plain experts one) comes first
+    sizes, _ = distributed_sizes(layout, 2)
+    for error in pool2.run(_refusal_rank, tiny_models["qwen3moe"], sizes, overrides, timeout=600):
+        assert error and error.startswith("AdapterLayoutError"), error
+        assert message in error, error
+
+
+@pytest.mark.skipif(_ep_layout_with_ep_mesh(), reason="transformers 5.21+ has ep_size (trained above)")
+def test_expert_lora_refused_on_ep_over_the_tp_mesh(pool2, tiny_models):
+    """transformers before 5.21 (EP on the TP mesh, experts as plain local tensors): refused by name at
+    get_peft_model, on every rank."""
+    sizes, _ = distributed_sizes("ep", 2)
+    for error in pool2.run(_refusal_rank, tiny_models["qwen3moe"], sizes, {}, timeout=600):
+        assert error and error.startswith("AdapterLayoutError"), error
+        assert "before 5.17" in error or "not sharded by expert on an ep mesh" in error, error
