@@ -27,6 +27,7 @@ from shardadopt.adapters.refusals import refusal
 EXPERTS = "experts"  # the layout style check_layer returns for a LoRA layer on an expert tensor
 _DELTAS = "_shardadopt_expert_deltas"  # on an experts module: parameter name -> [(lhs, rhs, scaling)] while active
 _GRAD_SCALE = "_shardadopt_expert_grad_scale"  # on a laid-out ParamWrapper: replicas / data-parallel size
+_PLAIN = "a plain tensor: transformers before 5.21 shards experts on the TP mesh"
 _classes: dict[type, type] = {}
 _groups: dict[tuple, Any] = {}
 
@@ -59,26 +60,40 @@ def check_expert_layer(name: str, layer: Any) -> str:
     param = layer.get_param()
     where = f"{layer.parameter_name} of {type(layer.get_base_layer()).__name__}"
     if param.ndim != 3:
-        raise refusal(name, f"LoRA on the {param.ndim}-D parameter {where} (target_parameters, or a target_modules "
-                      "name peft matched to a parameter, e.g. the router \"gate\" or \"all-linear\")",
-                      "Only fused 3-D expert tensors are laid out: leave the router out (list the projections "
-                      "instead of \"all-linear\", without \"gate\").")
+        raise refusal(
+            name,
+            f"LoRA on the {param.ndim}-D parameter {where} (target_parameters, or a target_modules "
+            'name peft matched to a parameter, e.g. the router "gate" or "all-linear")',
+            "Only fused 3-D expert tensors are laid out: leave the router out (list the projections "
+            'instead of "all-linear", without "gate").',
+        )
     names = tuple(getattr(getattr(param, "device_mesh", None), "mesh_dim_names", None) or ())
     if not isinstance(param, DTensor) or "ep" not in names:
-        raise refusal(name, f"LoRA on the expert tensor {where} not sharded by expert on an ep mesh ("
-                      f"{'mesh ' + str(names) if names else 'a plain tensor: transformers before 5.21 shards experts on the TP mesh'})",
-                      "Load with DistributedConfig(ep_size=..., fsdp_size=...) on transformers 5.21 or newer, or "
-                      "leave the experts out of target_modules / target_parameters.")
+        raise refusal(
+            name,
+            f"LoRA on the expert tensor {where} not sharded by expert on an ep mesh ("
+            f"{'mesh ' + str(names) if names else _PLAIN})",
+            "Load with DistributedConfig(ep_size=..., fsdp_size=...) on transformers 5.21 or newer, or "
+            "leave the experts out of target_modules / target_parameters.",
+        )
     placement = param.placements[names.index("ep")]
     experts = layer.get_base_layer()
     local = getattr(experts, "num_experts", None)
     ep_size = param.device_mesh.size(names.index("ep"))
-    if placement != Shard(0) or local is None or local * ep_size != param.shape[0] \
-            or not upstream.experts_is_expert_parallel(experts):
-        raise refusal(name, f"LoRA on the expert tensor {where} laid out as {placement} on ep with "
-                      f"num_experts={local} of {param.shape[0]} (an ep_implementation whose experts forward does not "
-                      "run this rank's slice of the experts)", "Use an ep_implementation that shards the experts "
-                      "(\"auto\", \"all_to_all\"), or leave the experts out of target_modules / target_parameters.")
+    if (
+        placement != Shard(0)
+        or local is None
+        or local * ep_size != param.shape[0]
+        or not upstream.experts_is_expert_parallel(experts)
+    ):
+        raise refusal(
+            name,
+            f"LoRA on the expert tensor {where} laid out as {placement} on ep with "
+            f"num_experts={local} of {param.shape[0]} (an ep_implementation whose experts forward does not "
+            "run this rank's slice of the experts)",
+            "Use an ep_implementation that shards the experts "
+            '("auto", "all_to_all"), or leave the experts out of target_modules / target_parameters.',
+        )
     return EXPERTS
 
 
@@ -98,13 +113,16 @@ def lay_out_expert_factors(layer: Any, adapter: str, dp_size: int) -> None:
     names = mesh.mesh_dim_names
     strided = upstream.strided_shard_type()
     rank = layer.r[adapter]
-    placements = {"lora_A": [Shard(0) if n == "ep" else Replicate() for n in names],
-                  "lora_B": [strided(1, split_factor=rank) if n == "ep" else Replicate() for n in names]}
+    placements = {
+        "lora_A": [Shard(0) if n == "ep" else Replicate() for n in names],
+        "lora_B": [strided(1, split_factor=rank) if n == "ep" else Replicate() for n in names],
+    }
     for kind, where in placements.items():
         factor = getattr(layer, kind)[adapter]
         weight = factor.weight
-        factor.weight = nn.Parameter(distribute_tensor(weight.detach(), mesh, where, src_data_rank=None),
-                                     requires_grad=weight.requires_grad)
+        factor.weight = nn.Parameter(
+            distribute_tensor(weight.detach(), mesh, where, src_data_rank=None), requires_grad=weight.requires_grad
+        )
     layer.__dict__[_GRAD_SCALE] = expert_replicas(layer) / dp_size
     if not isinstance(layer, _ExpertWrapper):
         layer.__class__ = _wrapper_class(type(layer))
@@ -129,7 +147,9 @@ def expert_dp_group(layer: Any) -> Any:
     mesh = layer.get_param().device_mesh
     ranks, ep_dim = mesh.mesh, mesh.mesh_dim_names.index("ep")
     # per ep coordinate, the ranks holding those experts: every replica of the same experts
-    groups = tuple(tuple(int(r) for r in ranks.select(ep_dim, e).flatten().tolist()) for e in range(ranks.shape[ep_dim]))
+    groups = tuple(
+        tuple(int(r) for r in ranks.select(ep_dim, e).flatten().tolist()) for e in range(ranks.shape[ep_dim])
+    )
     key = (id(upstream.default_group()), groups)
     if key not in _groups:
         _groups[key] = dist.new_subgroups_by_enumeration([list(g) for g in groups])[0]
@@ -205,9 +225,11 @@ def _experts_getattr(self: nn.Module, name: str) -> Any:
         from torch.distributed.tensor import DTensor
 
         if isinstance(value, DTensor):
-            raise RuntimeError(f"{type(self).__name__}.{name} read as a DTensor while LoRA deltas of this rank's "
-                               "experts are active: the experts forward must run on local tensors (transformers' "
-                               "EP forward does); this experts forward is not supported with expert LoRA.")
+            raise RuntimeError(
+                f"{type(self).__name__}.{name} read as a DTensor while LoRA deltas of this rank's "
+                "experts are active: the experts forward must run on local tensors (transformers' "
+                "EP forward does); this experts forward is not supported with expert LoRA."
+            )
         for lhs, rhs, scaling in found:
             value = torch.baddbmm(value, lhs, rhs, alpha=scaling)
     return value

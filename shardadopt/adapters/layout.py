@@ -2,8 +2,9 @@
 
 :func:`lay_out_adapters` runs when peft injects adapters (the ``peft-sharded-adapters`` patch, or by hand after
 ``global_adapter_shapes``): per adapter it checks the layer (``refusals``), makes the factors rank 0's values and
-shards them like the base (``placement``, ``dora``), and hooks the data-parallel averaging (``data_parallel``);
-``modules_to_save`` copies are checked and hooked too. :func:`check_adapters` is what ``accelerator.prepare``
+shards them like the base (``placement``, ``dora``; fused expert tensors: ``experts``), and hooks the data-parallel
+averaging (``data_parallel``); ``modules_to_save`` copies are checked and hooked too. :func:`check_adapters` is what
+``accelerator.prepare``
 (``shardadopt.adopt.adopt_model``) calls: adapters added before ``shardadopt.enable()`` are refused, and factors
 made trainable after injection get their hooks.
 """
@@ -16,6 +17,7 @@ from shardadopt.adapters.data_parallel import attach_dp, dp_group, hook_copy, ho
 from shardadopt.adapters.dora import lay_out_dora
 from shardadopt.adapters.experts import (
     EXPERTS,
+    check_expert_layer,
     expert_dp_group,
     expert_replicas,
     is_expert_layer,
@@ -62,7 +64,8 @@ def lay_out_adapters(model: nn.Module) -> int:
     done = 0
     for name, layer in lora_layers(base):
         for adapter in [a for a in layer.lora_A if not is_laid_out(layer, a)]:
-            style = check_layer(name, layer, adapter, topo, base)
+            expert = is_expert_layer(layer)  # LoRA on a fused expert tensor (experts.py)
+            style = check_expert_layer(name, layer) if expert else check_layer(name, layer, adapter, topo, base)
             for factor in adapter_modules(layer, adapter):
                 for param in factor.parameters():
                     if param.is_meta:

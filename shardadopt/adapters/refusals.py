@@ -1,9 +1,10 @@
 """What cannot be laid out on a sharded model is refused, naming the layer or option and the way out.
 
 Refused before peft touches a shard where possible (:func:`check_config`, on the ``LoraConfig``), else per LoRA
-layer when it is laid out (:func:`check_layer`): initialisations computed from the base weight, parameters other
-than fused expert tensors sharded by expert (``experts.check_expert_layer``), base layers on the expert mesh or with a TP plan other than colwise/rowwise, LoRA on sharded non-Linear
-layers, ``lora_bias`` on a rowwise base, and tensor parallelism on transformers without DTensor TP (before 5.17).
+layer when it is laid out (:func:`check_layer`): initialisations computed from the base weight, ``use_dora`` /
+``lora_bias`` with ``target_parameters`` (the parameters themselves: ``experts.check_expert_layer``), base layers on
+the expert mesh or with a TP plan other than colwise/rowwise, LoRA on sharded non-Linear layers, ``lora_bias`` on a
+rowwise base, and tensor parallelism on transformers without DTensor TP (before 5.17).
 Merging and (on TP loads) weighted combinations have refusal messages of their own.
 """
 
@@ -151,8 +152,8 @@ def check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model:
         base_model: the transformers model (its ``tp_plan``).
 
     Returns:
-        The base layer's TP style: "none", "colwise" or "rowwise"; "experts" for a fused expert tensor of an
-        expert-parallel load (``shardadopt.adapters.experts``).
+        The base layer's TP style: "none", "colwise" or "rowwise" (peft's ``ParamWrapper``, LoRA on a parameter,
+        is checked by ``shardadopt.adapters.experts.check_expert_layer``).
 
     Raises:
         AdapterLayoutError: naming the layer and the way out.
@@ -160,10 +161,9 @@ def check_layer(name: str, layer: Any, adapter: str, topo: Topology, base_model:
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora.layer import ParamWrapper
 
-    if isinstance(layer, ParamWrapper):
-        from shardadopt.adapters.experts import check_expert_layer
-
-        return check_expert_layer(name, layer)
+    if isinstance(layer, ParamWrapper):  # callers check these with experts.check_expert_layer
+        raise refusal(name, "adapters on parameters (target_parameters) checked as a module layer",
+                      "Lay the model out with shardadopt.adapters.lay_out_adapters.")
     base = layer.get_base_layer()
     if topo.tp_size > 1 and not dtensor_tensor_parallel():
         raise refusal(name, "tensor parallelism on transformers before 5.17 (TP shards are plain tensors there)",

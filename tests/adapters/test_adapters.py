@@ -19,7 +19,7 @@ pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft
 
 pytestmark = pytest.mark.multiproc
 
-# EP: Qwen3-MoE with adapters on attention (its down_proj are expert tensors: refused, see the refusal tests)
+# EP: Qwen3-MoE with adapters on attention (LoRA on its expert tensors: tests/adapters/test_expert_lora.py)
 MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe"}
 DORA = {"use_dora": True}
 DORA_HEAD = {**DORA, "modules_to_save": ["lm_head"]}
@@ -122,7 +122,6 @@ def test_several_adapters_train_switch_export_and_reload_like_one_process(pool2,
 
 
 REFUSED = [  # (case, layout, what the error names)
-    ("expert-tensors", "ep", "fused expert tensors"),
     ("pissa", "fsdp", "init_lora_weights='pissa'"),
     ("gather-output-plan", "tp", "tensor-parallel plan 'colwise_gather_output'"),
     ("save-sharded-module", "tp", "modules_to_save of a module with tensor-parallel plan 'colwise'"),

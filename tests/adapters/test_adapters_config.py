@@ -15,7 +15,8 @@ pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft
 @pytest.mark.parametrize("overrides, named", [
     ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
     ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
-    ({"target_modules": [], "target_parameters": ["experts.down_proj"]}, "target_parameters=['experts.down_proj']"),
+    ({"target_modules": [], "target_parameters": ["experts.down_proj"], "use_dora": True},
+     "use_dora / lora_bias with target_parameters=['experts.down_proj']"),
 ])
 def test_configs_that_cannot_be_laid_out_are_refused_by_name(overrides, named):
     with pytest.raises(AdapterLayoutError, match="on a model sharded at load time is not supported") as raised:

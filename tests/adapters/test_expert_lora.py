@@ -39,8 +39,11 @@ def _ep_layout_with_ep_mesh() -> bool:
     return "ep_size" in DistributedConfig.__dataclass_fields__
 
 
-needs_ep_mesh = pytest.mark.skipif(not _ep_layout_with_ep_mesh(), reason="transformers before 5.21 shards experts "
-                                   "on the TP mesh (no ep_size): expert LoRA is refused there (tested below)")
+needs_ep_mesh = pytest.mark.skipif(
+    not _ep_layout_with_ep_mesh(),
+    reason="transformers before 5.21 shards experts "
+    "on the TP mesh (no ep_size): expert LoRA is refused there (tested below)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +75,9 @@ def test_expert_lora_trains_like_one_process(pool2, tiny_models, references, tmp
     targets, overrides = CONFIGS[config]
     sizes, dp = distributed_sizes("ep", 2)
     export = str(tmp_path / "adapter")
-    results = pool2.run(train_lora_rank, tiny_models["qwen3moe"], sizes, dp, export, targets, STEPS, ACCUM,
-                        overrides, timeout=600)
+    results = pool2.run(
+        train_lora_rank, tiny_models["qwen3moe"], sizes, dp, export, targets, STEPS, ACCUM, overrides, timeout=600
+    )
     assert "error" not in results[0], results[0]["error"]
     expected = references(config)
     experts = [n for n in expected["grads"] if ".experts." in n]
@@ -97,8 +101,9 @@ def test_expert_lora_trains_like_one_process(pool2, tiny_models, references, tmp
     bad = [n for n, v in expected["params"].items() if not params_close(first["params"][n], v)]
     assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
 
-    one = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"],
-                                                                         dtype=torch.float32), export)
+    one = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"], dtype=torch.float32), export
+    )
     with torch.no_grad():
         logits = one(input_ids=probe_batch()).logits
     for result in results:
@@ -117,8 +122,9 @@ def _slices_rank(path: str, sizes: dict[str, Any], export_dir: str) -> dict[str,
     from shardadopt.testing.lora.common import load_model, lora_config, probe_batch
 
     def shards(model) -> dict[str, Any]:
-        return {n: p.to_local().detach().clone() for n, p in model.named_parameters() if ".experts." in n
-                and "lora_" in n}
+        return {
+            n: p.to_local().detach().clone() for n, p in model.named_parameters() if ".experts." in n and "lora_" in n
+        }
 
     shardadopt.enable()
     try:
@@ -135,8 +141,13 @@ def _slices_rank(path: str, sizes: dict[str, Any], export_dir: str) -> dict[str,
         reloaded = PeftModel.from_pretrained(load_model(path, sizes), export_dir)
         with torch.no_grad():
             reloaded_logits = reloaded(input_ids=probe_batch()).logits
-        return {"experts": list(range(first, first + local)), "shards": local_shards, "logits": logits,
-                "reloaded_shards": shards(reloaded), "reloaded_logits": reloaded_logits}
+        return {
+            "experts": list(range(first, first + local)),
+            "shards": local_shards,
+            "logits": logits,
+            "reloaded_shards": shards(reloaded),
+            "reloaded_logits": reloaded_logits,
+        }
     finally:
         shardadopt.disable()
 
@@ -169,7 +180,7 @@ def test_expert_factor_slices_export_and_reload_match_one_process(pool2, tiny_mo
             for name, value in expected.items():
                 rank = one.peft_config["default"].r
                 if ".lora_A." in name:  # (r * E, in): expert-major rows
-                    want = value[experts[0] * rank:(experts[-1] + 1) * rank]
+                    want = value[experts[0] * rank : (experts[-1] + 1) * rank]
                 else:  # (out, r * E): the expert index fastest
                     want = value.reshape(value.shape[0], rank, -1)[:, :, experts].reshape(value.shape[0], -1)
                 assert torch.equal(shards[name], want), f"experts {experts}: {name} is not their slice"

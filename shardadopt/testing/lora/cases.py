@@ -9,7 +9,6 @@ from typing import Any
 from shardadopt.testing.lora.common import LR, SEED, adapter_params, load_model, lora_config
 
 REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the adapter to a sharded model
-    "expert-tensors": {},  # Qwen3-MoE: down_proj matches the experts' fused tensors
     "pissa": {"init_lora_weights": "pissa"},
     "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
     "save-sharded-module": {"modules_to_save": ["gate_proj"]},  # TP plan colwise: its copy would output whole
