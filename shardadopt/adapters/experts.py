@@ -239,3 +239,41 @@ def _experts_class(cls: type) -> type:
     if cls not in _classes:
         _classes[cls] = type(cls.__name__, (cls,), {"__getattr__": _experts_getattr})
     return _classes[cls]
+
+
+def checkpoint_views(state: Any) -> Any:
+    """``state`` (nested dicts / lists of a DCP state dict) with every expert ``lora_B`` DTensor (and its optimizer
+    state: a lone ``_StridedShard``, replicated on the other mesh dims) viewed as a contiguous ``Shard`` of the same
+    local data. DCP cannot write a strided shard (its chunks would overlap); the view shares storage, so ``dcp.load``
+    into it loads the tensor itself. The saved global tensor is in (ep rank, r, local expert) column order: such a
+    checkpoint resumes on the same EP size (``save_pretrained`` writes peft's order). Local: no collective.
+
+    Args:
+        state: what ``get_state_dict`` returned, nested.
+
+    Returns:
+        The same structure, those DTensors replaced by their views (everything else as it is).
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    strided = upstream.strided_shard_type()
+    if isinstance(state, dict):
+        return {k: checkpoint_views(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(checkpoint_views(v) for v in state)
+    if not isinstance(state, DTensor):
+        return state
+    placements = state.placements
+    if sum(isinstance(p, strided) for p in placements) != 1 or not all(
+        isinstance(p, (strided, Replicate)) for p in placements
+    ):
+        return state
+    contiguous = [Shard(p.dim) if isinstance(p, strided) else p for p in placements]
+    return DTensor.from_local(
+        upstream.dtensor_local(state),
+        state.device_mesh,
+        contiguous,
+        run_check=False,
+        shape=state.shape,
+        stride=state.stride(),
+    )

@@ -120,11 +120,13 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
     """
     import torch.distributed.checkpoint as dcp
 
+    from shardadopt.adapters.experts import checkpoint_views
+
     path = os.path.join(directory, _STATE_DIR)
     state = _state_dicts(_as_list(models), _as_list(optimizers), frozen)
     progress()  # this rank's state is collected: a peer still collecting (or hung doing it) is behind
     with _own_errors():
-        dcp.save(state, storage_writer=_progress_writer()(path), checkpoint_id=path)
+        dcp.save(checkpoint_views(state), storage_writer=_progress_writer()(path), checkpoint_id=path)
 
 
 @contextlib.contextmanager
@@ -240,6 +242,8 @@ def _load(directory: str, models: list[torch.nn.Module], optimizers: list, flags
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict, set_state_dict
 
+    from shardadopt.adapters.experts import checkpoint_views
+
     state = _state_dicts(models, optimizers, flags)
     if not weights:
         state = {key: value for key, value in state.items() if not key.startswith("model")}
@@ -260,7 +264,7 @@ def _load(directory: str, models: list[torch.nn.Module], optimizers: list, flags
             f"{directory} does not fit the model/optimizer being loaded: {detail}. It was saved from a different "
             f"model or optimizer (or a different set of trainable parameters); load it into the same architecture.")
     with _own_errors():
-        dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
+        dcp.load(checkpoint_views(state), checkpoint_id=os.path.join(directory, _STATE_DIR))  # into state
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         if weights:
             set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],

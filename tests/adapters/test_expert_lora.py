@@ -241,3 +241,67 @@ def test_expert_lora_refused_on_ep_over_the_tp_mesh(pool2, tiny_models):
     for error in pool2.run(_refusal_rank, tiny_models["qwen3moe"], sizes, {}, timeout=600):
         assert error and error.startswith("AdapterLayoutError"), error
         assert "before 5.17" in error or "not sharded by expert on an ep mesh" in error, error
+
+
+def _resume_rank(path: str, sizes: dict[str, Any], dp: int, directory: str, steps: int, save_after: int):
+    """The accelerate loop with expert LoRA, ``save_state`` after ``save_after`` steps; then a fresh load with
+    adapters initialised from another seed, ``load_state`` and the remaining steps. Both runs' losses and adapters."""
+    import torch
+
+    import shardadopt
+    from shardadopt.testing.accelerator import fresh_accelerator
+    from shardadopt.testing.lora.common import LR, PER_DP_BATCH, adapter_params, load_model, lora_config, token_rows
+
+    shardadopt.enable()
+    try:
+
+        def run(seed: int, resume: bool):
+            from peft import get_peft_model
+
+            accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+            torch.manual_seed(seed)
+            model = get_peft_model(load_model(path, sizes), lora_config(target_modules=list(ATTENTION), **BOTH))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+            loader = torch.utils.data.DataLoader(list(token_rows(dp, steps, ACCUM)), batch_size=PER_DP_BATCH)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            if resume:
+                accelerator.load_state(directory)
+            losses, done = [], save_after if resume else 0
+            for index, batch in enumerate(loader):
+                if resume and index < save_after * ACCUM:
+                    continue  # the batches the saved run consumed
+                with accelerator.accumulate(model):
+                    loss = model(input_ids=batch, labels=batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                if accelerator.sync_gradients:
+                    done += 1
+                    if not resume and done == save_after:
+                        accelerator.save_state(directory)
+            return losses, adapter_params(model)
+
+        straight, params = run(SEED, False)
+        resumed, resumed_params = run(SEED + 99, True)
+        return {"straight": straight, "resumed": resumed, "params": params, "resumed_params": resumed_params}
+    finally:
+        shardadopt.disable()
+
+
+@needs_ep_mesh
+def test_expert_lora_save_state_load_state_resumes_exactly(pool2, tiny_models, tmp_path):
+    """``accelerator.save_state`` after 2 of 4 steps, ``load_state`` into a fresh load whose adapters start from
+    another seed: the losses and every adapter (expert factors included) bit for bit as the uninterrupted run."""
+    import torch
+
+    sizes, dp = distributed_sizes("ep", 2)
+    for result in pool2.run(
+        _resume_rank, tiny_models["qwen3moe"], sizes, dp, str(tmp_path / "state"), 4, 2, timeout=600
+    ):
+        assert len(result["straight"]) == 4 and result["resumed"] == result["straight"][2:], result
+        assert any(".experts." in n for n in result["params"])
+        for name, value in result["params"].items():
+            assert torch.equal(result["resumed_params"][name], value), f"{name} differs from the uninterrupted run"
