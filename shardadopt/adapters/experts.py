@@ -9,7 +9,8 @@ rows / columns, so ``full_tensor()`` is peft's one-process layout for export and
 on the other dims (``efsdp``). The forward adds ``scaling * lhs @ rhs`` of the local experts to the local expert
 tensor, as the experts' forward reads it inside the EP forward. Gradients: each rank's experts already hold the
 contributions of the whole EP group (the token all-to-all), so they are summed over the replicas of the same experts
-(``efsdp``) and divided by the data-parallel size, never averaged over the EP group. Design: ``docs/expert-lora.md``.
+(``efsdp``) and divided by the data-parallel size, never averaged over the EP group. DCP checkpoints see ``lora_B``
+through a contiguous view (:func:`checkpoint_views`). Design: ``docs/expert-lora.md``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ Each piece has an assertion that fails without it, checked once by hand (docs/ex
 (expert gradients are the EP group's sum: without it they are off by ~20%, caught by the gradient comparison), this
 rank's slice of the factors (rows of ``lora_A``, strided columns of ``lora_B``: the slice test compares each rank's
 local shard with the one-process factors), and the export (the file equals the one-process adapter bit for bit).
-What cannot be laid out is refused by name; transformers 5.15 (EP on the TP mesh) refuses.
+``save_state``/``load_state`` resumes bit for bit. What cannot be laid out is refused by name; transformers 5.15 (EP
+on the TP mesh) refuses.
 """
 
 from __future__ import annotations
