@@ -92,7 +92,8 @@ def evaluate_log(models: dict[str, str], layout: str, *, single_process: bool = 
     from transformers.distributed import DistributedConfig
 
     import shardadopt
-    from shardadopt.selftest.trainer import PER_RANK_BATCH, TokenDataset, _fresh_accelerate_state
+    from shardadopt.selftest.trainer import PER_RANK_BATCH, TokenDataset
+    from shardadopt.testing.accelerator import forget_accelerate_state
 
     shardadopt.enable()
     sizes, dp = distributed_sizes(layout, 2 if layout == "tp" else 4)
@@ -104,7 +105,7 @@ def evaluate_log(models: dict[str, str], layout: str, *, single_process: bool = 
         return {"samples": len(prediction.label_ids), "labels": np.asarray(prediction.label_ids).tolist(),
                 "prediction_sum": float(np.asarray(prediction.predictions, dtype=np.float64).sum())}
 
-    _fresh_accelerate_state()
+    forget_accelerate_state()
     with tempfile.TemporaryDirectory(prefix="shardadopt-eval-") as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,
