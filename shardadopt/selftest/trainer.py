@@ -17,6 +17,7 @@ from typing import Any
 from shardadopt.selftest.scenario import Context, Scenario
 from shardadopt.testing.accelerator import forget_accelerate_state
 from shardadopt.testing.layouts import distributed_sizes
+from shardadopt.testing.patching import keeps_patch_state
 
 SEQ_LEN = 16
 PER_RANK_BATCH = 2
@@ -55,6 +56,7 @@ class TokenDataset:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+@keeps_patch_state
 def train_log(models: dict[str, str], layout: str, steps: int, *, single_process: bool = False,
               world: int | None = None, device: str = "cpu", grad_accum: int = 1, optim: str = "adamw_torch",
               max_grad_norm: float = 1.0,
@@ -146,6 +148,7 @@ def full_grads(model) -> dict[str, Any]:
 EP_SEED = 11
 
 
+@keeps_patch_state
 def ep_grads_rank(ctx: Context) -> dict[str, Any]:
     import torch
     import torch.distributed as dist

@@ -11,6 +11,7 @@ import pytest
 
 from shardadopt.selftest.trainer import compare_logs, train_log
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.patching import keeps_patch_state
 
 pytestmark = pytest.mark.multiproc
 STEPS = 5
@@ -81,6 +82,7 @@ def test_four_ranks_match_single_process(request, tiny_models, layout):
 EVAL_SAMPLES = {"tp": 5, "2d": 6}
 
 
+@keeps_patch_state
 def evaluate_log(models: dict[str, str], layout: str, *, single_process: bool = False) -> list[dict]:
     """``Trainer.evaluate()`` before training and after 2 steps: the metrics and what ``compute_metrics`` saw
     (label ids in order, the predictions' sum), as one process sees the whole eval set."""
