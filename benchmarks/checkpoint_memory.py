@@ -105,13 +105,11 @@ def rank_accelerate_plain(path: str, root: str, repeats: int) -> dict:
     """accelerate's own save_state/load_state where it works: the same model, plain (DDP), AdamW."""
     import torch
     import torch.distributed as dist
-    from accelerate import Accelerator
 
-    from shardadopt import upstream
     from shardadopt.selftest.checkpoint import load_model
+    from shardadopt.testing.accelerator import fresh_accelerator
 
-    upstream.reset_accelerate_state()
-    accelerator = Accelerator(cpu=True)
+    accelerator = fresh_accelerator(cpu=True)
     model = load_model(path, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     model, optimizer = accelerator.prepare(model, optimizer)

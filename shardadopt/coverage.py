@@ -121,8 +121,9 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
         for release, cell in cells.items():
             marker = "installed" if release == line else "recorded"
             if cell is None:
-                print(f"  transformers {release} ({marker}): not in the matrix (no {sweep.LAYOUTS[name][1] or ''} "
-                      f"plan, or not swept)")
+                plan = sweep.LAYOUTS[name][1]  # fsdp and hsdp need no per-architecture plan
+                why = f"no {plan} plan, or not swept" if plan else "not swept"
+                print(f"  transformers {release} ({marker}): not in the matrix ({why})")
                 continue
             print(f"  transformers {release} ({marker}): {cell['verdict']}"
                   + (f": {cell['detail']}" if cell["detail"] else "")

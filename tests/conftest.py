@@ -46,13 +46,19 @@ def trl_ddp(pool2, tiny_models, trl_tokenizer):
 
 @pytest.fixture(autouse=True)
 def upstream_as_found():
-    """Each test starts on upstream as it is: shardadopt is disabled after a test that left it enabled in this
-    process (one-process references run the rank functions here, and those enable shardadopt as users do; a patch
-    left applied once made a later module's probe test see shardadopt's wrapper instead of upstream's function)."""
+    """Each test starts on upstream as it is: a test that leaves shardadopt enabled in this process fails (after
+    shardadopt is disabled again, so the next test still starts clean). A patch left applied once made a later
+    module's probe test see shardadopt's wrapper instead of upstream's function; helpers that enable shardadopt as
+    users do and also run here as one-process references restore the state they found
+    (``shardadopt.testing.patching.keeps_patch_state``)."""
     yield
-    from shardadopt.patchstate import OFF
-    from shardadopt.registry import process_wide
+    from shardadopt.testing.patching import enabled_patches
 
-    registry = process_wide()
-    if registry is not None and any(s.state != OFF for s in registry.status()):
-        registry.disable()
+    left_on = enabled_patches()
+    if left_on:
+        import shardadopt
+
+        shardadopt.disable()
+        pytest.fail(f"this test left shardadopt enabled in the test process ({len(left_on)} patches not off, e.g. "
+                    f"{sorted(left_on)[0]}): disable it in a finally, or decorate the helper that enables it with "
+                    f"shardadopt.testing.patching.keeps_patch_state")

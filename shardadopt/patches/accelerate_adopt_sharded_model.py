@@ -22,6 +22,9 @@ A model prepared for evaluation only (``prepare_model(model, evaluation_mode=Tru
 Trainer 5.19+ for training) keeps upstream's path, but ``gather_for_metrics`` still keeps each sample once when its
 TP ranks share a batch.
 A sharded model that needs a patch which could not apply (``shardadopt.refusal``) is refused here, in either mode.
+What adoption cannot train (``shardadopt.adopt.refuse_unsupported_distributed_features``) is refused when an
+optimizer over a prepared model's parameters is prepared (Trainer 5.19+ prepares its model in evaluation mode, then
+its optimizer), so an evaluation-only ``Trainer.evaluate()`` of such a load keeps upstream's path.
 ``Accelerator.free_memory``/``clear`` also forget the adopted models (shardadopt's own record would keep a search's
 earlier trials' models alive). ``Accelerator(kwargs_handlers=[shardadopt.AdoptionKwargs(...)])`` is accepted
 (upstream raises ``KeyError`` on a handler class it does not know).
@@ -64,7 +67,7 @@ def _init(wrapped, instance, args, kwargs):
 
 
 def _prepare_model(wrapped, instance, args, kwargs):
-    from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model, refuse_unsupported_distributed_features
+    from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model
     from shardadopt.refusal import refuse_unfixed, unfixed_possible
     from shardadopt.topology import topology
 
@@ -74,11 +77,10 @@ def _prepare_model(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     override = adoption_kwargs(instance).topology
     if evaluation_mode:
-        # Trainer 5.19+ prepares a load-time-sharded model for training this way: refuse what adoption refuses
-        if is_sharded_model(model, override):
-            refuse_unsupported_distributed_features(model)
-            if unfixed_possible():
-                refuse_unfixed(model, topology(model, override))
+        # Trainer.evaluate, and Trainer 5.19+ for training: a patch the model needs must have applied either way;
+        # what adoption cannot train is refused with the optimizer (_prepare_optimizer), which only training prepares
+        if is_sharded_model(model, override) and unfixed_possible():
+            refuse_unfixed(model, topology(model, override))
         return wrapped(*args, **kwargs)
     if not is_sharded_model(model, override):
         return wrapped(*args, **kwargs)
@@ -101,9 +103,17 @@ def _prepare_data_loader(wrapped, instance, args, kwargs):
 def _prepare_optimizer(wrapped, instance, args, kwargs):
     from torch.distributed.tensor import DTensor
 
-    from shardadopt.adopt import adoption_kwargs
+    from shardadopt.adopt import adoption_kwargs, refuse_unsupported_distributed_features
     from shardadopt.optim import split_param_groups_by_mesh
 
+    if not _plugin_managed(instance):
+        # An optimizer over a prepared model's parameters means training it (Trainer 5.19+ prepared the model in
+        # evaluation mode, which evaluation alone also does): refuse what adoption cannot train, by name.
+        raw = args[0] if args else kwargs.get("optimizer")
+        stepped = {id(p) for group in getattr(raw, "param_groups", ()) for p in group["params"]}
+        for model in upstream.accelerator_models(instance):
+            if any(id(p) in stepped for p in model.parameters()):
+                refuse_unsupported_distributed_features(model)
     optimizer = wrapped(*args, **kwargs)
     inner = getattr(optimizer, "optimizer", optimizer)
     if adoption_kwargs(instance).split_optimizer and not _plugin_managed(instance) and any(

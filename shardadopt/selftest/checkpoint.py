@@ -12,6 +12,7 @@ import tempfile
 from typing import Any
 
 from shardadopt.selftest.scenario import Context, Scenario
+from shardadopt.testing.patching import keeps_patch_state
 
 
 def _ep_layout() -> dict[str, Any]:
@@ -107,6 +108,7 @@ def full_optimizer_state(model, optimizer) -> dict[str, dict[str, Any]]:
             for name, p in model.named_parameters()}
 
 
+@keeps_patch_state
 def run_and_save(path: str, distributed: dict[str, int], root: str, save_at: int, total: int,
                  seed: int = 0) -> dict[str, Any]:
     """The uninterrupted run: ``total`` steps, a checkpoint at step ``save_at`` under ``root``."""
@@ -129,6 +131,7 @@ def run_and_save(path: str, distributed: dict[str, int], root: str, save_at: int
             "lr": scheduler.get_last_lr()}
 
 
+@keeps_patch_state
 def resume(path: str, distributed: dict[str, int] | None, root: str, total: int,
            directory: str | None = None) -> dict[str, Any]:
     """Build everything afresh, load the latest complete checkpoint under ``root`` (or ``directory``), continue."""

@@ -14,9 +14,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from shardadopt import upstream
 from shardadopt.selftest.scenario import Context, Scenario
+from shardadopt.testing.accelerator import forget_accelerate_state
 from shardadopt.testing.layouts import distributed_sizes
+from shardadopt.testing.patching import keeps_patch_state
 
 SEQ_LEN = 16
 PER_RANK_BATCH = 2
@@ -55,11 +56,7 @@ class TokenDataset:
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _fresh_accelerate_state() -> None:
-    # accelerate keeps process-wide singletons; pooled ranks and the launcher run several Trainers in one process.
-    upstream.reset_accelerate_state()
-
-
+@keeps_patch_state
 def train_log(models: dict[str, str], layout: str, steps: int, *, single_process: bool = False,
               world: int | None = None, device: str = "cpu", grad_accum: int = 1, optim: str = "adamw_torch",
               max_grad_norm: float = 1.0,
@@ -92,7 +89,7 @@ def train_log(models: dict[str, str], layout: str, steps: int, *, single_process
 
     model = None if model_init else load()
     per_device = PER_RANK_BATCH * (dp if single_process else 1)
-    _fresh_accelerate_state()
+    forget_accelerate_state()
     with tempfile.TemporaryDirectory(prefix="shardadopt-trainer-") as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=per_device, gradient_accumulation_steps=grad_accum,
@@ -151,6 +148,7 @@ def full_grads(model) -> dict[str, Any]:
 EP_SEED = 11
 
 
+@keeps_patch_state
 def ep_grads_rank(ctx: Context) -> dict[str, Any]:
     import torch
     import torch.distributed as dist

@@ -9,6 +9,7 @@ Shared by the HPO and fence tests and ``benchmarks/hpo_recovery.py``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 STEPS = 4
 BATCH = 4  # per rank
@@ -55,25 +56,35 @@ class InjectedFault(Exception):
     """The error a faulting rank raises."""
 
 
-def train(trial, fault: dict | None, marks: dict) -> list[float]:
-    """DDP training on every rank; raises :class:`InjectedFault` on ``fault["rank"]`` in trial ``fault["trial"]`` at
-    ``fault["point"]`` (one of ``POINTS``) and ``fault["step"]``. Returns the loss per step, averaged over ranks."""
+def ddp_losses(lr: float, point: str | None = None, at: int = -1,
+               act: Callable[[str, int], None] | None = None) -> list[float]:
+    """DDP training on every rank with SGD at ``lr``; on this rank, ``act(where, step)`` at ``point`` (one of
+    ``POINTS``) in step ``at`` (``model_init``: before the model is wrapped, while the other ranks wait in DDP's
+    first collective; ``user``: after the step, while the other ranks go on into the next step's collectives).
+    ``act`` raises (a fault) or stops making progress (a hang).
+
+    Args:
+        lr: the learning rate.
+        point: where this rank calls ``act``; None: nowhere.
+        at: the step (from 0) at which it does.
+        act: what it calls there, with a description of the place and the step.
+
+    Returns:
+        The loss per step, averaged over ranks.
+    """
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    lr = trial.suggest_float("lr", 0.01, 0.2)
-    here = fault is not None and fault["rank"] == rank and fault["trial"] == trial.number
-    point, at = (fault["point"], fault["step"]) if here else (None, -1)
     state = {"step": 0}
 
-    def fail(where: str) -> None:
-        marks["fault_at"] = time.time()
-        raise InjectedFault(f"injected on rank {rank} in {where} at step {state['step']}")
+    def reach(where: str) -> None:
+        assert act is not None
+        act(where, state["step"])
 
     if point == "model_init":
-        fail("model_init")
+        reach("model_init")
     x, y = regression_data(world)
 
     class Shard(torch.utils.data.Dataset):
@@ -83,17 +94,17 @@ def train(trial, fault: dict | None, marks: dict) -> list[float]:
         def __getitem__(self, i):
             step, j = divmod(i, BATCH)
             if point == "data" and step == at:
-                fail("dataset __getitem__")
+                reach("dataset __getitem__")
             return x[step, rank * BATCH + j], y[step, rank * BATCH + j]
 
     model = DistributedDataParallel(small_model())
     if point == "forward":
-        model.module[0].register_forward_hook(lambda *a: fail("a forward hook") if state["step"] == at else None)
+        model.module[0].register_forward_hook(lambda *a: reach("a forward hook") if state["step"] == at else None)
     if point == "backward":
-        model.module[0].weight.register_hook(lambda g: fail("a gradient hook") if state["step"] == at else None)
+        model.module[0].weight.register_hook(lambda g: reach("a gradient hook") if state["step"] == at else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     if point == "optimizer":
-        optimizer.register_step_pre_hook(lambda *a: fail("an optimizer pre-hook") if state["step"] == at else None)
+        optimizer.register_step_pre_hook(lambda *a: reach("an optimizer pre-hook") if state["step"] == at else None)
     losses = []
     for step, (xb, yb) in enumerate(torch.utils.data.DataLoader(Shard(), batch_size=BATCH)):
         state["step"] = step
@@ -105,8 +116,32 @@ def train(trial, fault: dict | None, marks: dict) -> list[float]:
         dist.all_reduce(total)
         losses.append(total.item() / world)
         if point == "user" and step == at:
-            fail("user code")
+            reach("user code")
     return losses
+
+
+def suggest_lr(trial) -> float:
+    """The trial's learning rate, from the range every search here samples."""
+    return trial.suggest_float("lr", 0.01, 0.2)
+
+
+def train(trial, fault: dict | None, marks: dict) -> list[float]:
+    """:func:`ddp_losses` at the trial's learning rate; raises :class:`InjectedFault` on ``fault["rank"]`` in trial
+    ``fault["trial"]`` at ``fault["point"]`` (one of ``POINTS``) and ``fault["step"]``. Returns the loss per step,
+    averaged over ranks."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    lr = suggest_lr(trial)
+    here = fault is not None and fault["rank"] == rank and fault["trial"] == trial.number
+    if not here:
+        return ddp_losses(lr)
+
+    def fail(where: str, step: int) -> None:
+        marks["fault_at"] = time.time()
+        raise InjectedFault(f"injected on rank {rank} in {where} at step {step}")
+
+    return ddp_losses(lr, fault["point"], fault["step"], fail)
 
 
 def search(fault: dict | None, catch: tuple, n_trials: int = 2) -> dict:

@@ -1,9 +1,10 @@
 """``DistributedConfig``'s FSDP policy, pipeline and EP-implementation options with accelerate, PEFT and Trainer.
 
 ``ep_implementation`` (``all_to_all``, ``all_reduce``) trains like one process on the same global batch;
-``fsdp_cpu_offload``, ``fsdp_mixed_precision`` and ``pp_size > 1`` are refused at ``prepare`` (a model or a PEFT
-model, or the Trainer, which 5.25 prepares as its own FSDP job past adoption) with an error that names the option
-and what to load instead. Releases without these options skip (with the reason).
+``fsdp_cpu_offload``, ``fsdp_mixed_precision``, ``pp_size > 1`` and DeepGEMM Mega MoE are refused at ``prepare``
+(a model or a PEFT model) and in ``Trainer.train`` (which 5.25 prepares past adoption, in evaluation mode) with an
+error that names the option and what to load instead; an evaluation-only ``Trainer.evaluate()`` of such a load runs
+upstream's path. Releases without these options skip (with the reason).
 """
 
 from __future__ import annotations
@@ -77,6 +78,69 @@ def test_unsupported_option_is_refused_by_name(pool2, tiny_models, sizes, names,
     outcomes = pool2.run(prepare_outcome, tiny_models["qwen3"], sizes, how, timeout=180)
     assert len(set(outcomes)) == 1, outcomes
     assert outcomes[0].startswith(names) and fix in outcomes[0], outcomes[0]
+
+
+EVAL_SAMPLES = 8
+
+
+def evaluate_then_train(path: str, sizes: dict | None, dtype: str = "float32") -> tuple[float, str]:
+    """On every rank (or, with ``sizes=None``, in one process on the plain checkpoint loaded in ``dtype``): load
+    ``path`` with ``sizes`` after ``enable()``, ``Trainer.evaluate()``, then ``Trainer.train()``; the eval loss and
+    "trained" or what training raised."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
+
+    import shardadopt
+    from shardadopt.selftest.trainer import TokenDataset
+    from shardadopt.testing.accelerator import forget_accelerate_state
+
+    shardadopt.enable()
+    try:
+        kwargs = {} if sizes is None else {"distributed_config": DistributedConfig(**sizes)}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kwargs)
+        forget_accelerate_state()
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                                     max_steps=1, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True)
+            trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(4),
+                              eval_dataset=TokenDataset(EVAL_SAMPLES))
+            trainer.remove_callback(PrinterCallback)
+            loss = trainer.evaluate()["eval_loss"]
+            try:
+                trainer.train()
+            except Exception as exc:  # noqa: BLE001  (the test compares what each rank raised)
+                return loss, f"{type(exc).__name__}: {exc}"
+            return loss, "trained"
+    finally:
+        shardadopt.disable()
+
+
+# option -> the model it is loaded on and the dtype one process computes in: FSDP2's bf16 parameter policy
+# all-gathers bf16 parameters and computes in bf16
+EVALUATED = [
+    pytest.param({"fsdp_size": 2, "fsdp_mixed_precision": True}, "qwen3", "bfloat16",
+                 "AdoptionError: DistributedConfig(fsdp_mixed_precision=True)", marks=_has("fsdp_mixed_precision"),
+                 id="fsdp_mixed_precision"),
+    pytest.param({"fsdp_size": 2, "ep_implementation": "deepgemm_megamoe"}, "qwen3moe", "float32",
+                 "AdoptionError: DistributedConfig(ep_implementation='deepgemm_megamoe')",
+                 marks=_has("ep_implementation"), id="deepgemm_megamoe"),
+]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("sizes, model, dtype, refused", EVALUATED)
+def test_evaluate_runs_and_train_is_refused(pool2, tiny_models, sizes, model, dtype, refused):
+    """Evaluation alone is upstream's path (Trainer.evaluate prepares the model in evaluation mode): the same eval
+    loss as one process on the global eval set; train() on the same Trainer is still refused by name.
+    (``fsdp_cpu_offload`` is not evaluated here: upstream's own evaluation pins the offloaded shards, which needs
+    CUDA, on a CPU-only machine; ``pp_size > 1`` stays refused at evaluation too: upstream's pipeline stages return
+    no loss to evaluate.)"""
+    expected, _ = evaluate_then_train(tiny_models[model], None, dtype)
+    for loss, trained in pool2.run(evaluate_then_train, tiny_models[model], sizes, timeout=300):
+        assert loss == pytest.approx(expected, rel=1e-6), (loss, expected)
+        assert trained.startswith(refused), trained
 
 
 # all_to_all exchanges tokens over ep_size=2 x fsdp_size=2 (two data-parallel ranks); all_reduce needs every rank of

@@ -16,6 +16,7 @@ import torch
 from shardadopt import checkpoint
 from shardadopt.selftest import checkpoint as scenario
 from shardadopt.testing import RankError, RankPool, RankTimeout, token_batch
+from shardadopt.testing.patching import keeps_patch_state
 
 pytestmark = pytest.mark.multiproc
 SAVE_AT, TOTAL = 2, 4
@@ -105,6 +106,7 @@ def test_resume_after_crash_uses_previous_checkpoint(tiny_models, root, uninterr
     assert scenario.compare_exact(result, uninterrupted["fsdp"], SAVE_AT) is None
 
 
+@keeps_patch_state
 def load_into(path: str, distributed: dict[str, int], directory: str, reshard: bool) -> dict:
     import shardadopt
 

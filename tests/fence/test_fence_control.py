@@ -241,33 +241,13 @@ def test_a_rank_waiting_for_a_slow_peer_after_a_trip_is_left_to_wait(pool2):
 
 
 def _train_until(trial, stall, at: int | None) -> list[float]:
-    """``fault_search.train``'s DDP loop (same data, model and reference); ``stall()`` in user code after
-    step ``at``, while the other ranks go on into the next step's collectives; ``at=-1``: before the model is
-    wrapped, while the other ranks wait in DDP's first collective (nobody made more progress than anybody)."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lr = trial.suggest_float("lr", 0.01, 0.2)
-    x, y = fault_search.regression_data(world)
-    if at == -1:
-        stall()
-    model = DistributedDataParallel(fault_search.small_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for step in range(fault_search.STEPS):
-        rows = slice(rank * fault_search.BATCH, (rank + 1) * fault_search.BATCH)
-        loss = torch.nn.functional.mse_loss(model(x[step, rows]), y[step, rows])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        if step == at:
-            stall()
-    return losses
+    """``fault_search.ddp_losses`` at the trial's learning rate; ``stall()`` in user code after step ``at``, while
+    the other ranks go on into the next step's collectives; ``at=-1``: before the model is wrapped, while the other
+    ranks wait in DDP's first collective (nobody made more progress than anybody)."""
+    lr = fault_search.suggest_lr(trial)
+    if at is None:
+        return fault_search.ddp_losses(lr)
+    return fault_search.ddp_losses(lr, "model_init" if at == -1 else "user", at, lambda where, step: stall())
 
 
 def _hanging_search(hang: dict | None, marks_file: str | None = None) -> dict:

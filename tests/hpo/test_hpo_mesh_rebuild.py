@@ -115,11 +115,11 @@ def _trainer_search(model_path: str, out: str, name: str, fault: bool, n_trials:
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
     from transformers.distributed import DistributedConfig
 
-    from shardadopt.selftest.trainer import _fresh_accelerate_state
+    from shardadopt.testing.accelerator import forget_accelerate_state
     from shardadopt.testing.models import token_dataset
 
     rank = dist.get_rank()
-    _fresh_accelerate_state()
+    forget_accelerate_state()
     marks: dict = {"trials": []}
 
     def model_init(trial=None):

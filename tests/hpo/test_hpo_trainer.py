@@ -168,14 +168,14 @@ def sharded_searches(model_path: str, out: str) -> dict:
     import torch.distributed as dist
 
     import shardadopt
-    from shardadopt.selftest.trainer import _fresh_accelerate_state
+    from shardadopt.testing.accelerator import forget_accelerate_state
     from shardadopt.testing.layouts import distributed_sizes
 
     shardadopt.enable()
     result = {}
     for layout in ("fsdp", "tp"):
         sizes, dp = distributed_sizes(layout, dist.get_world_size())
-        _fresh_accelerate_state()
+        forget_accelerate_state()
         recorder = _recorder()
         storage = f"sqlite:///{out}/{layout}.db"
         best = _search(_trainer(model_path, out, [recorder], distributed=sizes), storage=storage)

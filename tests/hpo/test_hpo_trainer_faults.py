@@ -122,14 +122,14 @@ def _search(model_path: str, out: str, name: str, fault: dict | None, catch: tup
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from shardadopt.selftest.trainer import _fresh_accelerate_state
+    from shardadopt.testing.accelerator import forget_accelerate_state
     from shardadopt.testing.layouts import distributed_sizes
     from shardadopt.testing.models import token_dataset
 
     rank = dist.get_rank()
     marks: dict = {}
     load: dict = {}
-    _fresh_accelerate_state()
+    forget_accelerate_state()
     if layout is not None:
         from transformers.distributed import DistributedConfig
 

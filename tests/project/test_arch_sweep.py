@@ -182,6 +182,21 @@ def test_doctor_model_on_an_unknown_architecture(capsys, tmp_path):
     assert "unknown to transformers" in out, out
 
 
+def test_doctor_model_without_a_recorded_cell_says_why(capsys, monkeypatch):
+    import shardadopt.coverage as coverage
+
+    # a recorded release line with no cell for the type: each layout's line says why
+    monkeypatch.setattr(coverage, "matrices", lambda: {"5.0": {"transformers": "5.0.0", "cells": {}}})
+    code, out = _doctor(capsys, "--model", "llama")
+    assert code == 0, out
+    lines = out.splitlines()
+    expected = {"fsdp": "not swept", "hsdp": "not swept", "tp": "no tp plan, or not swept",
+                "2d": "no tp plan, or not swept", "ep": "no ep plan, or not swept"}
+    for name, why in expected.items():
+        row = lines[lines.index(f"layout {name}:") + 1]
+        assert row == f"  transformers 5.0 (recorded): not in the matrix ({why})", out
+
+
 def test_doctor_layout_without_model_or_unknown_layout_is_refused(capsys):
     from shardadopt.cli import main
 

@@ -24,10 +24,10 @@ from shardadopt.selftest.trainer import (
     LAYOUTS,
     PER_RANK_BATCH,
     TokenDataset,
-    _fresh_accelerate_state,
     compare_logs,
     train_log,
 )
+from shardadopt.testing.accelerator import forget_accelerate_state
 from shardadopt.testing.layouts import distributed_sizes
 
 pytestmark = pytest.mark.multiproc
@@ -52,7 +52,7 @@ def evaluate_then_train(models: dict[str, str], single_process: bool = False, ex
             kwargs["distributed_config"] = DistributedConfig(**sizes)
         model = AutoModelForCausalLM.from_pretrained(models[LAYOUTS["fsdp"].model], **kwargs)
         per_device = PER_RANK_BATCH * (dp if single_process else 1)
-        _fresh_accelerate_state()
+        forget_accelerate_state()
         with tempfile.TemporaryDirectory(prefix="shardadopt-trainer-") as out:
             args = TrainingArguments(
                 output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,

@@ -11,6 +11,7 @@ import pytest
 
 from shardadopt.selftest.trainer import compare_logs, train_log
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
+from shardadopt.testing.patching import keeps_patch_state
 
 pytestmark = pytest.mark.multiproc
 STEPS = 5
@@ -81,6 +82,7 @@ def test_four_ranks_match_single_process(request, tiny_models, layout):
 EVAL_SAMPLES = {"tp": 5, "2d": 6}
 
 
+@keeps_patch_state
 def evaluate_log(models: dict[str, str], layout: str, *, single_process: bool = False) -> list[dict]:
     """``Trainer.evaluate()`` before training and after 2 steps: the metrics and what ``compute_metrics`` saw
     (label ids in order, the predictions' sum), as one process sees the whole eval set."""
@@ -92,7 +94,8 @@ def evaluate_log(models: dict[str, str], layout: str, *, single_process: bool = 
     from transformers.distributed import DistributedConfig
 
     import shardadopt
-    from shardadopt.selftest.trainer import PER_RANK_BATCH, TokenDataset, _fresh_accelerate_state
+    from shardadopt.selftest.trainer import PER_RANK_BATCH, TokenDataset
+    from shardadopt.testing.accelerator import forget_accelerate_state
 
     shardadopt.enable()
     sizes, dp = distributed_sizes(layout, 2 if layout == "tp" else 4)
@@ -104,7 +107,7 @@ def evaluate_log(models: dict[str, str], layout: str, *, single_process: bool = 
         return {"samples": len(prediction.label_ids), "labels": np.asarray(prediction.label_ids).tolist(),
                 "prediction_sum": float(np.asarray(prediction.predictions, dtype=np.float64).sum())}
 
-    _fresh_accelerate_state()
+    forget_accelerate_state()
     with tempfile.TemporaryDirectory(prefix="shardadopt-eval-") as out:
         args = TrainingArguments(
             output_dir=out, per_device_train_batch_size=per_device, per_device_eval_batch_size=per_device,

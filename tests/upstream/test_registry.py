@@ -351,3 +351,28 @@ def test_patch_modules_are_named_after_their_ids():
         assert own[0].id.replace("-", "_") == info.name, f"{own[0].id} lives in {info.name}.py"
         found[own[0].id] = own[0]
     assert {p.id: p for p in shardadopt._registry().patches()} == found
+
+
+def test_keeps_patch_state_restores_what_the_helper_changed():
+    """A helper that enables shardadopt as users do leaves it as its caller had it: off again after a caller that
+    had it off, on after a caller that had it on (the same patches, also when the helper disabled it)."""
+    from shardadopt.testing.patching import enabled_patches, keeps_patch_state
+
+    @keeps_patch_state
+    def helper(on: bool) -> frozenset[str]:
+        shardadopt.enable() if on else shardadopt.disable()
+        return enabled_patches()
+
+    shardadopt.disable()
+    assert helper(True) and enabled_patches() == frozenset()
+    with pytest.raises(ZeroDivisionError):
+        keeps_patch_state(lambda: (shardadopt.enable(), 1 / 0))()
+    assert enabled_patches() == frozenset()
+    shardadopt.enable(exclude=["trainer-adopt-sharded-model"])
+    try:
+        before = enabled_patches()
+        assert before and "trainer-adopt-sharded-model" not in before
+        assert helper(False) == frozenset() and enabled_patches() == before
+        assert helper(True) and enabled_patches()  # the caller's enable() stays on
+    finally:
+        shardadopt.disable()

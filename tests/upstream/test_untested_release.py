@@ -131,7 +131,8 @@ def prepare_or_train(path: str, via: str, exclude: list[str]) -> str:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from shardadopt.selftest.trainer import TokenDataset, _fresh_accelerate_state
+    from shardadopt.selftest.trainer import TokenDataset
+    from shardadopt.testing.accelerator import forget_accelerate_state
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         fake_newer_releases(monkeypatch)
@@ -142,7 +143,7 @@ def prepare_or_train(path: str, via: str, exclude: list[str]) -> str:
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                          distributed_config=DistributedConfig(tp_size=2))
-            _fresh_accelerate_state()
+            forget_accelerate_state()
             if via == "accelerate":
                 from accelerate import Accelerator
 
