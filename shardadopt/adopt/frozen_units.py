@@ -75,7 +75,7 @@ def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
         peak. Units that upstream already keeps gathered (FSDP2's root, transformers' norm-and-head unit) are left
         alone and not counted.
     """
-    held = 0
+    held, counted = 0, set()
     for unit in frozen_units(model):
         groups = upstream.fsdp_param_groups(unit)
         if keep and all(g.post_forward_mesh_info is not None for g in groups):
@@ -83,6 +83,8 @@ def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
             unit.__dict__[_KEPT] = True
         elif not keep and unit.__dict__.pop(_KEPT, False):
             unit.set_reshard_after_forward(True, recurse=False)
-        if keep and unit.__dict__.get(_KEPT):
+        # modules sharded together (fully_shard([norm, lm_head])) share their groups: counted once
+        if keep and unit.__dict__.get(_KEPT) and not counted & {id(g) for g in groups}:
+            counted.update(id(g) for g in groups)
             held += _unsharded_bytes(unit)
     return held

@@ -144,3 +144,35 @@ def test_unsupported_adapter_combinations_are_refused_by_name(pool2, tiny_models
     for result in pool2.run(adapter_case, tiny_models[MODELS[layout]], sizes, case):
         assert result["error"] and result["error"].startswith("AdapterLayoutError"), result
         assert any(m in result["error"] for m in messages), result
+
+
+def test_lora_with_frozen_units_gathered_trains_like_one_process(pool2, tiny_models, references, tmp_path):
+    """``AdoptionKwargs(keep_frozen_units_gathered=True)`` (the base's FSDP units stay unsharded from forward to
+    backward) trains exactly like one process too (without it: test_lora_training_matches_single_process)."""
+    sizes, dp = distributed_sizes("fsdp", 2)
+    check_lora_training(pool2, tiny_models["llama"], "llama", sizes, dp, references, str(tmp_path),
+                        adoption={"keep_frozen_units_gathered": True})
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["upstream", "frozen-units-gathered"])
+def test_lora_step_issues_the_collectives_the_layout_needs(pool2, tiny_models, gathered):
+    """Per optimizer step of LoRA on an fsdp_size=2 load (2 micro-batches): the adapters' gradients are averaged by
+    one all_reduce (all factors together, not one per factor); the frozen base issues no reduce-scatter; each FSDP
+    parameter group is all-gathered once per micro-batch's forward, and the decoder layers, which upstream reshards
+    after forward, once more in its backward, unless ``keep_frozen_units_gathered`` keeps them: then once per
+    micro-batch in all. Counts, not times (``CommDebugMode``)."""
+    from shardadopt.testing.lora.collectives import count_lora_step_collectives
+
+    sizes, dp = distributed_sizes("fsdp", 2)
+    for rank, result in enumerate(pool2.run(count_lora_step_collectives, tiny_models["llama"], sizes, dp, gathered)):
+        groups, accum, layers = result["groups"], result["accum"], result["layers"]
+        assert result["units"] == result["frozen_units"] and groups > layers >= 2, result
+        assert (result["held"] > 0) == gathered and result["kept"] == (groups if gathered else groups - layers - 1)
+        # per micro-batch: every group in forward (the embedding, the layers, norm + head sharded together), the
+        # layers again in backward (the embedding has none: its input needs no gradient), unless kept gathered
+        gathers = accum * groups if gathered else accum * (groups + layers)
+        for step, counts in enumerate(result["per_step"]):
+            what = f"rank {rank} step {step} ({result})"
+            assert counts["adapter_averages"] == 1, f"{what}: adapter gradients averaged in {counts} all_reduces"
+            assert counts["reduce_scatter"] == 0, f"{what}: frozen units reduce-scattered"
+            assert counts["all_gather"] == gathers, f"{what}: {counts['all_gather']} all-gathers, expected {gathers}"
