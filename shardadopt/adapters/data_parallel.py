@@ -129,12 +129,18 @@ def attach_dp(module: nn.Module, group: Any, dp_size: int, fsdp_modules: list[nn
     module.__dict__[_DP] = (group, dp_size, fsdp_modules)
 
 
-def _fsdp_syncing(fsdp_modules: list[nn.Module]) -> bool:
-    """False inside FSDP2 ``no_sync`` (``set_requires_gradient_sync(False)``), where reductions wait."""
+def _sync_probe(fsdp_modules: list[nn.Module]) -> Any:
+    """The first FSDP2 parameter group in ``fsdp_modules`` or below them (a root unit that holds no weights of its own,
+    as transformers' FSDP plan makes, has none), whose ``reduce_grads`` is False inside FSDP2 ``no_sync``
+    (``set_requires_gradient_sync(False)``), where reductions wait; None without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in fsdp_modules:
-        for group in upstream.fsdp_param_groups(module):
-            return bool(group.reduce_grads)
-    return True
+        for unit in module.modules():
+            groups = upstream.fsdp_param_groups(unit) if isinstance(unit, FSDPModule) else []
+            if groups:
+                return groups[0]
+    return None
 
 
 def _average_over_dp(param: nn.Parameter, group: Any, dp_size: int, fsdp_modules: list[nn.Module]) -> None:
@@ -142,9 +148,14 @@ def _average_over_dp(param: nn.Parameter, group: Any, dp_size: int, fsdp_modules
         return
     order = _order[0]
     _order[0] += 1
+    probe: list[Any] = []  # found at the first gradient, then kept
 
     def collect(p: torch.Tensor) -> None:
-        if p.grad is not None and _fsdp_syncing(fsdp_modules):
+        if p.grad is None:
+            return
+        if not probe:
+            probe.append(_sync_probe(fsdp_modules))
+        if probe[0] is None or probe[0].reduce_grads:
             _pending.add(p, order, group, dp_size)
 
     # Frozen factors too (an inactive adapter: set_adapter makes it trainable later, after prepare): torch hooks

@@ -83,3 +83,39 @@ def count_lora_step_collectives(path: str, sizes: dict[str, Any], dp_size: int, 
         return {"per_step": per_step, **layout}
     finally:
         shardadopt.disable()
+
+
+def average_gradient_sets() -> dict[str, Any]:
+    """``shardadopt.adapters.average_gradients`` on this rank's gradients (each rank's values differ by rank):
+    ``{"calls": all_reduce calls it reported, "issued": calls seen, "grads": the averaged gradients, "rank_grads":
+    gradients of every rank before averaging (gathered), "untouched": a parameter without gradient stayed so}``. A
+    world set of two fp32 parameters and one fp64, and a set over a subgroup."""
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt.adapters import average_gradients
+
+    rank = dist.get_rank()
+    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in
+              (((3, 2), torch.float32), ((4,), torch.float32), ((2,), torch.float64), ((5,), torch.float32))]
+    for index, param in enumerate(params):
+        param.grad = torch.arange(param.numel(), dtype=param.dtype).reshape(param.shape) * (rank + 1) + index
+    without = torch.nn.Parameter(torch.zeros(2))
+    before = [p.grad.clone() for p in params]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, before)
+    subgroup = dist.new_group(list(range(dist.get_world_size())))
+    issued = [0]
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        issued[0] += 1
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        calls = average_gradients([(params[:3] + [without], None), (params[3:], subgroup)])
+    finally:
+        dist.all_reduce = original
+    return {"calls": calls, "issued": issued[0], "grads": [p.grad for p in params], "rank_grads": gathered,
+            "untouched": without.grad is None}
