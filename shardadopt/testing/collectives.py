@@ -42,8 +42,9 @@ def counted_grad_reductions(model: nn.Module, select: Callable[[str], bool]) -> 
         for name, param in params:
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            if local is not None and any(local.data_ptr() == t.data_ptr() and local.numel() == t.numel()
-                                         for t in reduced):
+            if local is not None and any(
+                local.data_ptr() == t.data_ptr() and local.numel() == t.numel() for t in reduced
+            ):
                 counts[name] += 1
         return original(tensor, *args, **kwargs)
 

@@ -15,8 +15,9 @@ from typing import Any
 from shardadopt.testing.lora.common import ACCUM, LR, MAX_NORM, PER_DP_BATCH, SEED, load_model, lora_config, token_rows
 
 
-def count_lora_step_collectives(path: str, sizes: dict[str, Any], dp_size: int, gathered: bool,
-                                steps: int = 2, accum: int = ACCUM) -> dict[str, Any]:
+def count_lora_step_collectives(
+    path: str, sizes: dict[str, Any], dp_size: int, gathered: bool, steps: int = 2, accum: int = ACCUM
+) -> dict[str, Any]:
     """``steps`` optimizer steps of ``accum`` micro-batches; ``gathered``: with
     ``AdoptionKwargs(keep_frozen_units_gathered=True)``. Returns ``{"per_step": [{kind: calls, "adapter_averages":
     calls}], "units": FSDP modules holding weights, "groups": their parameter groups (one all-gather each),
@@ -48,10 +49,15 @@ def count_lora_step_collectives(path: str, sizes: dict[str, Any], dp_size: int, 
         units = [m for m in model.modules() if isinstance(m, FSDPModule) and upstream.fsdp_managed_parameters(m)]
         # the all-gather units: parameter groups (modules sharded together, fully_shard([norm, lm_head]), share one)
         groups = {id(g): g for m in units for g in upstream.fsdp_param_groups(m)}
-        layout = {"units": len(units), "groups": len(groups), "frozen_units": len(frozen_units(model)),
-                  "kept": sum(g.post_forward_mesh_info is None for g in groups.values()),
-                  "layers": len(model.get_base_model().model.layers), "accum": accum,
-                  "held": keep_frozen_units_gathered(model) if gathered else 0}
+        layout = {
+            "units": len(units),
+            "groups": len(groups),
+            "frozen_units": len(frozen_units(model)),
+            "kept": sum(g.post_forward_mesh_info is None for g in groups.values()),
+            "layers": len(model.get_base_model().model.layers),
+            "accum": accum,
+            "held": keep_frozen_units_gathered(model) if gathered else 0,
+        }
 
         averages = [0]
         original = dist.all_reduce
@@ -96,8 +102,15 @@ def average_gradient_sets() -> dict[str, Any]:
     from shardadopt.adapters import average_gradients
 
     rank = dist.get_rank()
-    params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in
-              (((3, 2), torch.float32), ((4,), torch.float32), ((2,), torch.float64), ((5,), torch.float32))]
+    params = [
+        torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        for shape, dtype in (
+            ((3, 2), torch.float32),
+            ((4,), torch.float32),
+            ((2,), torch.float64),
+            ((5,), torch.float32),
+        )
+    ]
     for index, param in enumerate(params):
         param.grad = torch.arange(param.numel(), dtype=param.dtype).reshape(param.shape) * (rank + 1) + index
     without = torch.nn.Parameter(torch.zeros(2))
@@ -117,5 +130,10 @@ def average_gradient_sets() -> dict[str, Any]:
         calls = average_gradients([(params[:3] + [without], None), (params[3:], subgroup)])
     finally:
         dist.all_reduce = original
-    return {"calls": calls, "issued": issued[0], "grads": [p.grad for p in params], "rank_grads": gathered,
-            "untouched": without.grad is None}
+    return {
+        "calls": calls,
+        "issued": issued[0],
+        "grads": [p.grad for p in params],
+        "rank_grads": gathered,
+        "untouched": without.grad is None,
+    }
