@@ -419,6 +419,12 @@ def current_graph_task_id() -> int:
     return _attribute(torch._C, "_current_graph_task_id", "current_graph_task_id", "torch")()
 
 
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of modes that see every op dispatched below
+    autograd (collectives included: what ``CommDebugMode`` derives from). Checked on torch 2.13-2.15."""
+    return _module_attribute("torch.utils._python_dispatch", "TorchDispatchMode", "torch_dispatch_mode", "torch")
+
+
 def dtensor_local(tensor: Any) -> torch.Tensor:
     """``DTensor._local_tensor``: the local shard itself, outside autograd (``to_local()`` records a graph node).
     Checked on torch 2.13-2.15."""

@@ -67,19 +67,33 @@ def collective_kind(op: object) -> str:
     return "other"
 
 
+_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}
+_NOT_COLLECTIVES = {"wait_tensor", "wait"}  # functional collectives' waits: part of the collective counted already
+
+
 @contextmanager
 def counted_collectives() -> Iterator[dict[str, int]]:
     """Count, while the block runs on this rank, the collectives issued (``torch.distributed`` calls and DTensor's
-    functional collectives alike, through ``torch.distributed.tensor.debug.CommDebugMode``), by kind. The mode
-    intercepts every op: count outside timed code.
+    functional collectives alike: the c10d ops ``CommDebugMode`` counts, by a dispatch mode of the same kind, without
+    its module tracking, which fails on peft modules under torch 2.13), by kind. The mode sees every op: count
+    outside timed code.
 
     Returns:
-        (yields) ``{kind: calls}`` for every kind of :data:`COLLECTIVE_KINDS`, filled when the block ends.
+        (yields) ``{kind: calls}`` for every kind of :data:`COLLECTIVE_KINDS`, filled as the block runs.
     """
-    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor import DTensor
+
+    from shardadopt import upstream
 
     counts = dict.fromkeys(COLLECTIVE_KINDS, 0)
-    with CommDebugMode() as mode:
+
+    class Counting(upstream.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):
+                return NotImplemented  # DTensor unwraps first; its local ops come back here
+            if func.namespace in _NAMESPACES and func.__name__.split(".")[0] not in _NOT_COLLECTIVES:
+                counts[collective_kind(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
         yield counts
-    for op, calls in mode.get_comm_counts().items():
-        counts[collective_kind(op)] += calls

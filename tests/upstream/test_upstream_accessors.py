@@ -361,6 +361,20 @@ def test_current_graph_task_id():
     assert len(ids) == 2 and ids[0] != ids[1] and min(ids) >= 0 and upstream.current_graph_task_id() == -1
 
 
+def test_torch_dispatch_mode():
+    """A subclass sees the ops dispatched while it is entered."""
+    seen = []
+
+    class Recording(upstream.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        torch.ones(2) + torch.ones(2)
+    assert "aten.add.Tensor" in seen
+
+
 def test_foreach_norm():
     tensors = [torch.arange(3.0), -torch.ones(2)]
     for p in (1.0, 2.0, float("inf")):
