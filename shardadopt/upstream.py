@@ -419,6 +419,11 @@ def current_graph_task_id() -> int:
     return _attribute(torch._C, "_current_graph_task_id", "current_graph_task_id", "torch")()
 
 
+# The op namespaces of torch's collectives as a dispatch mode sees them: ``torch.distributed`` calls (``c10d``) and
+# the functional collectives DTensor issues (native and autograd). Checked on torch 2.13-2.15.
+COLLECTIVE_OP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+
 def torch_dispatch_mode() -> type:
     """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of modes that see every op dispatched below
     autograd (collectives included: what ``CommDebugMode`` derives from). Checked on torch 2.13-2.15."""

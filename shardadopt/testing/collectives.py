@@ -67,7 +67,6 @@ def collective_kind(op: object) -> str:
     return "other"
 
 
-_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}
 _NOT_COLLECTIVES = {"wait_tensor", "wait"}  # functional collectives' waits: part of the collective counted already
 
 
@@ -91,7 +90,8 @@ def counted_collectives() -> Iterator[dict[str, int]]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(t is DTensor for t in types):
                 return NotImplemented  # DTensor unwraps first; its local ops come back here
-            if func.namespace in _NAMESPACES and func.__name__.split(".")[0] not in _NOT_COLLECTIVES:
+            name = func.__name__.split(".")[0]
+            if func.namespace in upstream.COLLECTIVE_OP_NAMESPACES and name not in _NOT_COLLECTIVES:
                 counts[collective_kind(func)] += 1
             return func(*args, **(kwargs or {}))
 

@@ -361,6 +361,17 @@ def test_current_graph_task_id():
     assert len(ids) == 2 and ids[0] != ids[1] and min(ids) >= 0 and upstream.current_graph_task_id() == -1
 
 
+def test_collective_op_namespaces():
+    """Each namespace holds torch's collective ops (an all-reduce, or the autograd all-to-all)."""
+    import torch.distributed.tensor  # noqa: F401  (registers the c10d and functional collective ops)
+
+    for namespace in upstream.COLLECTIVE_OP_NAMESPACES:
+        ops = getattr(torch.ops, namespace)
+        assert any(hasattr(ops, name) for name in ("allreduce_", "all_reduce", "all_to_all_single")), namespace
+        op = getattr(ops, next(n for n in ("allreduce_", "all_reduce", "all_to_all_single") if hasattr(ops, n)))
+        assert op.default.namespace == namespace
+
+
 def test_torch_dispatch_mode():
     """A subclass sees the ops dispatched while it is entered."""
     seen = []
