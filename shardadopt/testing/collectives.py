@@ -67,7 +67,8 @@ def collective_kind(op: object) -> str:
     return "other"
 
 
-_NOT_COLLECTIVES = {"wait_tensor", "wait"}  # functional collectives' waits: part of the collective counted already
+# the other collectives; the rest of these namespaces (wait_tensor, _wrap_tensor_autograd, ...) are helpers
+_OTHER_COLLECTIVES = ("broadcast", "alltoall", "all_to_all", "gather", "scatter", "reduce", "barrier", "send", "recv")
 
 
 @contextmanager
@@ -90,9 +91,10 @@ def counted_collectives() -> Iterator[dict[str, int]]:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(t is DTensor for t in types):
                 return NotImplemented  # DTensor unwraps first; its local ops come back here
-            name = func.__name__.split(".")[0]
-            if func.namespace in upstream.COLLECTIVE_OP_NAMESPACES and name not in _NOT_COLLECTIVES:
-                counts[collective_kind(func)] += 1
+            if func.namespace in upstream.COLLECTIVE_OP_NAMESPACES:
+                kind = collective_kind(func)
+                if kind != "other" or any(part in func.__name__ for part in _OTHER_COLLECTIVES):
+                    counts[kind] += 1
             return func(*args, **(kwargs or {}))
 
     with Counting():
