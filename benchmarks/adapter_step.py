@@ -1,36 +1,47 @@
-"""LoRA step time on a model sharded at load time against DDP on the plain model, and memory per rank, side by side.
+"""LoRA step time on a model sharded at load time against DDP + LoRA on the plain model, with memory per rank and the
+collectives of one step, side by side.
 
-    python benchmarks/adapter_step.py                  # 2 gloo ranks, a small llama
+    python benchmarks/adapter_step.py                  # 2 gloo ranks, a small llama, fsdp_size=2
     python benchmarks/adapter_step.py --layout tp --rounds 5 --hidden 512
+    python benchmarks/adapter_step.py --sides ddp-full,ddp-lora,sharded-lora,sharded-lora-gathered
 
-Three sides train the same global batches with the ordinary accelerate loop (``prepare``, ``accumulate``,
+The sides train the same global batches with the ordinary accelerate loop (``prepare``, ``accumulate``,
 ``backward``, ``clip_grad_norm_``, foreach AdamW, constant learning rate), alternating ``--rounds`` times in one
 pool so that load on a shared machine hits them alike:
 
-- ``ddp-full``: the plain checkpoint under DDP, every weight trained (what the adapter run replaces);
+- ``ddp-full``: the plain checkpoint under DDP, every weight trained (what the adapter run replaces; off by default);
 - ``ddp-lora``: the plain checkpoint under DDP with the same LoRA adapters (``get_peft_model``);
 - ``sharded-lora``: the checkpoint loaded with ``DistributedConfig(fsdp_size=2)`` (or ``tp_size=2``) and the same
-  adapters, with ``shardadopt.enable()``.
+  adapters, with ``shardadopt.enable()``;
+- ``sharded-lora-gathered``: the same with ``AdoptionKwargs(keep_frozen_units_gathered=True)`` (FSDP2 units whose
+  weights are all frozen are not resharded between forward and backward; nothing changes on a TP load).
 
 A step is the time between two consecutive optimizer-step ends, the slowest rank's; the first ``--warmup`` steps of
-every run are dropped. It prints each side's median (and p10) step, the ratios against ``ddp-full`` and
-``ddp-lora``, and per rank: the bytes of the model's local parameters and of the trainable ones with their
-gradients and AdamW state.
+every run are dropped. It prints each side's median (and p10) step and the ratios against ``ddp-lora`` (and
+``ddp-full`` when run); per rank the bytes of the model's local parameters, of the trainable ones with their
+gradients and AdamW state, the peak RSS growth (the resident set's high-water mark, sampled every millisecond
+during the timed steps, above the RSS after ``malloc_trim`` just before the load: what the side added, allocator
+caching included), and the unsharded frozen weights the option holds; and the collectives of one optimizer step
+(run once more after the timed steps, counted by ``CommDebugMode``), by kind. The machine's load is printed before
+and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import tempfile
+import threading
 
 from _timing import timed_accelerate_loop, write_llama
 
 LR = 1e-3
 MAX_GRAD_NORM = 1.0
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-SIDES = ("ddp-full", "ddp-lora", "sharded-lora")
+SIDES = ("ddp-full", "ddp-lora", "sharded-lora", "sharded-lora-gathered")
+DEFAULT_SIDES = "ddp-lora,sharded-lora,sharded-lora-gathered"
 
 
 def _local_bytes(tensor) -> int:
@@ -40,9 +51,47 @@ def _local_bytes(tensor) -> int:
     return local.numel() * local.element_size()
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The RSS high-water mark while running, sampled every millisecond on a thread."""
+
+    def __init__(self) -> None:
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _trimmed_rss() -> int:
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return _rss()
+
+
 def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: int, seq: int, vocab: int,
              rank_r: int) -> dict:
-    """Optimizer-step durations and memory of one side on this rank."""
+    """Optimizer-step durations, memory and one step's collectives of one side on this rank."""
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -51,14 +100,18 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
 
     import shardadopt
     from shardadopt import upstream
+    from shardadopt.adopt import frozen_units, keep_frozen_units_gathered
+    from shardadopt.testing.collectives import counted_collectives
 
     shardadopt.enable()
     try:
+        baseline = _trimmed_rss()
         upstream.reset_accelerate_state()
-        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum)
+        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=side.endswith("-gathered"))]
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum, kwargs_handlers=handlers)
         kwargs = {"dtype": torch.float32}
         dp = dist.get_world_size()
-        if side == "sharded-lora":
+        if side.startswith("sharded"):
             from transformers.distributed import DistributedConfig
 
             sizes = {"fsdp_size": dp} if layout == "fsdp" else {"tp_size": dp}
@@ -71,10 +124,16 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, foreach=True)
         generator = torch.Generator().manual_seed(0)
         # the same global batch on every side: dp data-parallel ranks of `batch * world // dp` rows each
-        rows = torch.randint(0, vocab, (steps * accum * batch * dist.get_world_size(), seq), generator=generator)
+        rows = torch.randint(0, vocab, ((steps + 1) * accum * batch * dist.get_world_size(), seq),
+                             generator=generator)
         per_rank = batch * dist.get_world_size() // dp
-        loader = torch.utils.data.DataLoader(list(rows), batch_size=per_rank)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        split = steps * accum * batch * dist.get_world_size()
+        loader = torch.utils.data.DataLoader(list(rows[:split]), batch_size=per_rank)
+        counted = torch.utils.data.DataLoader(list(rows[split:]), batch_size=per_rank)
+        model, optimizer, loader, counted = accelerator.prepare(model, optimizer, loader, counted)
+        # what the option holds (asking again changes nothing): the units' unsharded weights, per rank
+        held = keep_frozen_units_gathered(model) if side.endswith("-gathered") else 0
+        units = len(frozen_units(model))
 
         def memory() -> dict[str, int]:  # after the last update: gradients and AdamW state are there
             trainable = [p for p in model.parameters() if p.requires_grad]
@@ -83,10 +142,18 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
                     + sum(_local_bytes(v) for s in optimizer.optimizer.state.values()
                           for v in s.values() if torch.is_tensor(v) and v.dim() > 0)}
 
+        def batch_inputs(data):
+            return {"input_ids": data, "labels": data}
+
         dist.barrier()
-        ends, measured = timed_accelerate_loop(accelerator, model, optimizer, loader, MAX_GRAD_NORM,
-                                               lambda data: {"input_ids": data, "labels": data}, memory)
-        return {"steps": [b - a for a, b in zip(ends, ends[1:])], "memory": measured}
+        with PeakRss() as rss:
+            ends, measured = timed_accelerate_loop(accelerator, model, optimizer, loader, MAX_GRAD_NORM,
+                                                   batch_inputs, memory)
+        measured.update(peak_rss=rss.peak - baseline, held=held, frozen_units=units)
+        dist.barrier()
+        with counted_collectives() as collectives:
+            timed_accelerate_loop(accelerator, model, optimizer, counted, MAX_GRAD_NORM, batch_inputs)
+        return {"steps": [b - a for a, b in zip(ends, ends[1:])], "memory": measured, "collectives": collectives}
     finally:
         shardadopt.disable()
 
@@ -94,7 +161,9 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layout", choices=["fsdp", "tp"], default="fsdp")
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the three sides (default 3)")
+    parser.add_argument("--sides", default=DEFAULT_SIDES, help=f"comma-separated, of {', '.join(SIDES)} "
+                        f"(default {DEFAULT_SIDES})")
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the sides (default 3)")
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default 12)")
     parser.add_argument("--warmup", type=int, default=3, help="steps dropped per run (default 3)")
     parser.add_argument("--batch", type=int, default=4, help="micro-batch per rank under DDP (default 4)")
@@ -106,35 +175,56 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "shardadopt-bench-models"))
     args = parser.parse_args()
+    sides = [side for side in SIDES if side in args.sides.split(",")]
+    unknown = set(args.sides.split(",")) - set(SIDES)
+    if unknown or "ddp-lora" not in sides:
+        parser.error(f"--sides: unknown {sorted(unknown)}" if unknown else "--sides must include ddp-lora")
 
     import transformers
 
     from shardadopt.testing import RankPool
+    from shardadopt.testing.collectives import COLLECTIVE_KINDS
 
     path = write_llama(args.models, args.hidden, args.layers, args.vocab)
     shape = (path, args.layout, args.steps, args.batch, args.accum, args.seq, args.vocab, args.lora_rank)
-    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    times: dict[str, list[float]] = {side: [] for side in sides}
     memory: dict[str, list[dict]] = {}
+    collectives: dict[str, list[dict]] = {}
+    load_before = os.getloadavg()
     with RankPool(2) as pool:
         for _ in range(args.rounds):
-            for side in SIDES:
+            for side in sides:
                 results = pool.run(run_side, side, *shape, timeout=900)
                 times[side] += [max(step) for step in zip(*(r["steps"] for r in results))][args.warmup - 1:]
                 memory[side] = [r["memory"] for r in results]
+                collectives[side] = [r["collectives"] for r in results]
+    load_after = os.getloadavg()
     medians = {side: statistics.median(values) for side, values in times.items()}
     p10 = {side: statistics.quantiles(values, n=10)[0] for side, values in times.items()}
     print(f"llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, seq {args.seq}, LoRA r="
-          f"{args.lora_rank} on {', '.join(TARGETS)}; sharded side {args.layout}_size=2 on 2 gloo ranks; "
-          f"global batch {args.batch * 2} x accumulation {args.accum}; transformers {transformers.__version__}")
-    print(f"{'side':>13} {'median ms':>10} {'p10 ms':>8} {'/ddp-full':>10} {'/ddp-lora':>10} "
-          f"{'model MiB/rank':>15} {'trainable+grads+adam MiB/rank':>30}")
-    for side in SIDES:
+          f"{args.lora_rank} on {', '.join(TARGETS)}; sharded sides {args.layout}_size=2 on 2 gloo ranks; "
+          f"global batch {args.batch * 2} x accumulation {args.accum}; {args.rounds} rounds x "
+          f"{args.steps - args.warmup} steps; transformers {transformers.__version__}")
+    print(f"machine: {os.cpu_count()} cores, load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} "
+          f"before, {'/'.join(f'{x:.1f}' for x in load_after)} after")
+    ratios = [f"/{base}" for base in ("ddp-full", "ddp-lora") if base in sides]
+    print(f"{'side':>22} {'median ms':>10} {'p10 ms':>8} " + " ".join(f"{r:>10}" for r in ratios)
+          + f" {'model MiB':>13} {'train+grad+adam MiB':>20} {'peak RSS +MiB':>14} {'held MiB':>9}  "
+          + "collectives/step per rank (" + ", ".join(COLLECTIVE_KINDS) + ")")
+    for side in sides:
         mem = memory[side]
-        model_mib = "/".join(f"{m['model'] / 2**20:.2f}" for m in mem)
-        train_mib = "/".join(f"{m['trainable+grads+adam'] / 2**20:.3f}" for m in mem)
-        print(f"{side:>13} {medians[side] * 1e3:10.1f} {p10[side] * 1e3:8.1f} "
-              f"{medians[side] / medians['ddp-full']:9.3f}x {medians[side] / medians['ddp-lora']:9.3f}x "
-              f"{model_mib:>15} {train_mib:>30}")
+
+        def per_rank(key: str, digits: int, mem=mem) -> str:
+            return "/".join(f"{m[key] / 2**20:.{digits}f}" for m in mem)
+
+        counts = "  ".join("/".join(str(c[kind]) for kind in COLLECTIVE_KINDS) for c in collectives[side])
+        print(f"{side:>22} {medians[side] * 1e3:10.1f} {p10[side] * 1e3:8.1f} "
+              + " ".join(f"{medians[side] / medians[r[1:]]:9.3f}x" for r in ratios)
+              + f" {per_rank('model', 2):>13} {per_rank('trainable+grads+adam', 3):>20} "
+              f"{per_rank('peak_rss', 0):>14} {per_rank('held', 2):>9}  {counts}")
+    print(f"(per-rank values rank0/rank1; frozen FSDP units per rank: "
+          f"{max(m['frozen_units'] for m in memory[sides[-1]])}; collectives of one optimizer step = "
+          f"{args.accum} micro-batches + clip + update, counted after the timed steps)")
 
 
 if __name__ == "__main__":

@@ -401,6 +401,35 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float, **kwargs: Any) -> Sequ
     return _attribute(torch, "_foreach_norm", "foreach_norm", "torch")(tensors, ord, **kwargs)
 
 
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """``torch.autograd.Variable._execution_engine.queue_callback``: run ``callback`` once the running backward has
+    finished (every gradient accumulated); callable only from inside a backward (a hook). What DDP and FSDP use to
+    reduce after the last gradient. Checked on torch 2.13-2.15."""
+    import torch
+
+    engine = _attribute(torch.autograd.Variable, "_execution_engine", "queue_backward_callback", "torch")
+    _attribute(engine, "queue_callback", "queue_backward_callback", "torch")(callback)
+
+
+def current_graph_task_id() -> int:
+    """``torch._C._current_graph_task_id()``: the id of the backward running on this thread (a new one per
+    ``backward()``), -1 outside one. Checked on torch 2.13-2.15."""
+    import torch
+
+    return _attribute(torch._C, "_current_graph_task_id", "current_graph_task_id", "torch")()
+
+
+# The op namespaces of torch's collectives as a dispatch mode sees them: ``torch.distributed`` calls (``c10d``) and
+# the functional collectives DTensor issues (native and autograd). Checked on torch 2.13-2.15.
+COLLECTIVE_OP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of modes that see every op dispatched below
+    autograd (collectives included: what ``CommDebugMode`` derives from). Checked on torch 2.13-2.15."""
+    return _module_attribute("torch.utils._python_dispatch", "TorchDispatchMode", "torch_dispatch_mode", "torch")
+
+
 def dtensor_local(tensor: Any) -> torch.Tensor:
     """``DTensor._local_tensor``: the local shard itself, outside autograd (``to_local()`` records a graph node).
     Checked on torch 2.13-2.15."""
@@ -428,6 +457,19 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     state = _attribute(module, "_get_fsdp_state", "fsdp_param_groups", "torch")()
     groups = _attribute(state, "_fsdp_param_groups", "fsdp_param_groups", "torch")
     return list(groups) if groups is not None else []
+
+
+def fsdp_managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters ``fully_shard`` manages in ``module``'s own parameter groups, as registered on their modules
+    now (``FSDPParam._module_info``: the module and name; its ``sharded_param`` is stale until FSDP's lazy init when
+    the parameter was replaced after ``fully_shard``, as transformers' load does). Parameters added later (LoRA
+    factors) are not among them. Checked on torch 2.13-2.15."""
+    params = []
+    for group in fsdp_param_groups(module):
+        for fsdp_param in _attribute(group, "fsdp_params", "fsdp_managed_parameters", "torch"):
+            info = _attribute(fsdp_param, "_module_info", "fsdp_managed_parameters", "torch")
+            params.append(getattr(info.module, info.param_name))
+    return params
 
 
 def accelerator_type() -> str:

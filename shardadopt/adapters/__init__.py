@@ -7,10 +7,11 @@ global shape (``shapes``), rank 0's values placed like the base layer (``placeme
 over the data-parallel ranks (``data_parallel``), ``modules_to_save`` copies whole (``modules_to_save``), exported
 whole (``export``), or refused by name (``refusals``). The design and its rules: ``docs/adapters.md``.
 
-``lay_out_adapters``, ``adapter_state_dict``, ``full_adapter_tensors``, ``whole_copy`` and ``whole_weight`` are
-collectives: call them on every rank.
+``lay_out_adapters``, ``adapter_state_dict``, ``full_adapter_tensors``, ``whole_copy``, ``whole_weight`` and
+``average_gradients`` are collectives: call them on every rank.
 """
 
+from shardadopt.adapters.data_parallel import average_gradients
 from shardadopt.adapters.export import adapter_state_dict, full_adapter_tensors
 from shardadopt.adapters.layout import check_adapters, lay_out_adapters
 from shardadopt.adapters.modules_to_save import whole_copy
@@ -28,4 +29,4 @@ from shardadopt.adapters.shapes import global_adapter_shapes, whole_weight
 __all__ = ["AdapterLayoutError", "lay_out_adapters", "check_config", "check_adapters",
            "global_adapter_shapes", "adapter_state_dict", "full_adapter_tensors", "is_sharded_base",
            "dtensor_tensor_parallel", "whole_copy", "whole_weight", "MERGE_REFUSAL", "WEIGHTED_REFUSAL",
-           "refuse_weighted_adapter", "adapter_parameters"]
+           "refuse_weighted_adapter", "adapter_parameters", "average_gradients"]

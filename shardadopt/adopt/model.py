@@ -17,6 +17,7 @@ from torch import nn
 
 from shardadopt import upstream
 from shardadopt.adopt.data import dp_owners, shard_dataloader, world_dp_ranks
+from shardadopt.adopt.frozen_units import keep_frozen_units_gathered
 from shardadopt.adopt.record import AdoptionError, adoption_kwargs, adoption_record
 from shardadopt.adopt.refusals import refuse_fused_lm_head_on_plain_shards, refuse_unsupported_distributed_features
 from shardadopt.optimizer_ready import make_shards_contiguous
@@ -83,6 +84,8 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     # (shardadopt.torchprobe): own contiguous storage, same Parameter objects, so an optimizer built before
     # prepare() keeps stepping them.
     make_shards_contiguous(model)
+    if kwargs.keep_frozen_units_gathered:
+        keep_frozen_units_gathered(model)
     if prepare is not None:
         model = prepare(model, device_placement=False, evaluation_mode=True)
     elif model not in upstream.accelerator_models(accelerator):

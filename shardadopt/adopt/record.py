@@ -26,12 +26,16 @@ class AdoptionKwargs(KwargsHandler):
     "tp": .., "ep": ..}``; see :func:`shardadopt.topology`). ``reshard_checkpoints``: whether ``load_state`` may
     load a checkpoint saved with another layout or world size, resharding weights and optimizer state through
     DCP (default on; off refuses it with ``shardadopt.checkpoint.CheckpointMismatchError``). ``split_optimizer``:
-    make foreach/fused optimizers step on homogeneous param groups (default on).
+    make foreach/fused optimizers step on homogeneous param groups (default on). ``keep_frozen_units_gathered``:
+    FSDP2 units whose parameters are all frozen (the base model under LoRA) are not resharded between forward and
+    backward, one all-gather per unit instead of two, at the cost of holding every such unit's unsharded weights
+    from forward to backward (default off; :func:`shardadopt.adopt.keep_frozen_units_gathered`).
     """
 
     topology: dict[str, int] | None = None
     reshard_checkpoints: bool = True
     split_optimizer: bool = True
+    keep_frozen_units_gathered: bool = False
 
 
 class AdoptionError(ValueError):

@@ -143,3 +143,55 @@ def test_unsupported_adapter_combinations_are_refused_by_name(pool2, tiny_models
     for result in pool2.run(adapter_case, tiny_models[MODELS[layout]], sizes, case):
         assert result["error"] and result["error"].startswith("AdapterLayoutError"), result
         assert any(m in result["error"] for m in messages), result
+
+
+def test_lora_with_frozen_units_gathered_trains_like_one_process(pool2, tiny_models, references, tmp_path):
+    """``AdoptionKwargs(keep_frozen_units_gathered=True)`` (the base's FSDP units stay unsharded from forward to
+    backward) trains exactly like one process too (without it: test_lora_training_matches_single_process)."""
+    sizes, dp = distributed_sizes("fsdp", 2)
+    check_lora_training(pool2, tiny_models["llama"], "llama", sizes, dp, references, str(tmp_path),
+                        adoption={"keep_frozen_units_gathered": True})
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["upstream", "frozen-units-gathered"])
+@pytest.mark.parametrize("model", ["llama", "qwen3"])  # tied embeddings (head kept gathered by upstream) and not
+def test_lora_step_issues_the_collectives_the_layout_needs(pool2, tiny_models, model, gathered):
+    """Per optimizer step of LoRA on an fsdp_size=2 load (2 micro-batches): the adapters' gradients are averaged by
+    one all_reduce (all factors together, not one per factor); the frozen base issues no reduce-scatter; each FSDP
+    parameter group is all-gathered once per micro-batch's forward, and the decoder layers, which upstream reshards
+    after forward, once more in its backward, unless ``keep_frozen_units_gathered`` keeps them: then once per
+    micro-batch in all. Counts, not times (``CommDebugMode``)."""
+    from shardadopt.testing.lora.collectives import count_lora_step_collectives
+
+    sizes, dp = distributed_sizes("fsdp", 2)
+    for rank, result in enumerate(pool2.run(count_lora_step_collectives, tiny_models[model], sizes, dp, gathered)):
+        groups, accum, layers, kept = result["groups"], result["accum"], result["layers"], result["kept"]
+        assert result["units"] == result["frozen_units"] and groups > layers >= 2, result
+        assert (result["held"] > 0) == gathered and (kept == groups if gathered else kept < groups - layers), result
+        for step, counts in enumerate(result["per_step"]):
+            what = f"rank {rank} step {step} ({result})"
+            assert counts["adapter_averages"] == 1, f"{what}: adapter gradients averaged in {counts} all_reduces"
+            assert counts["reduce_scatter"] == 0, f"{what}: frozen units reduce-scattered"
+            # per micro-batch: every group in forward; kept gathered, nothing more. Upstream: the groups resharded
+            # after forward again in backward, the layers at least (their input gradient needs the weights), the
+            # embedding too when FSDP2's backward prefetch gathers it (qwen3), though it has no backward
+            backward = counts["all_gather"] / accum - groups
+            if gathered:
+                assert backward == 0, f"{what}: {counts['all_gather']} all-gathers, expected {accum * groups}"
+            else:
+                assert layers <= backward <= groups - kept, f"{what}: {backward} all-gathers per backward"
+
+
+def test_average_gradients_issues_one_all_reduce_per_set_and_dtype(pool2):
+    """``shardadopt.adapters.average_gradients``: every gradient equals the mean over the ranks of its group (computed
+    here from every rank's gradients), with one all_reduce per (parameters, group) set and dtype: a world set of
+    fp32 and fp64 gradients (2) and a subgroup set (1); a parameter without gradient is skipped."""
+    import torch
+
+    from shardadopt.testing.lora.collectives import average_gradient_sets
+
+    for rank, result in enumerate(pool2.run(average_gradient_sets)):
+        assert result["calls"] == result["issued"] == 3 and result["untouched"], result
+        for index, grad in enumerate(result["grads"]):
+            mean = torch.stack([grads[index] for grads in result["rank_grads"]]).mean(0)
+            torch.testing.assert_close(grad, mean, rtol=0, atol=0, msg=f"rank {rank} gradient {index}")

@@ -334,6 +334,58 @@ def test_foreach_mul_():
         torch.testing.assert_close(t, e)
 
 
+def test_queue_backward_callback():
+    """The callback runs once, after the backward accumulated every leaf's gradient (queued from the first hook)."""
+    first, second = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    seen = []
+
+    def hook(param):
+        seen.append("hook")
+        if len(seen) == 1:
+            upstream.queue_backward_callback(lambda: seen.append(
+                ("callback", first.grad is not None and second.grad is not None)))
+
+    first.register_post_accumulate_grad_hook(hook)
+    second.register_post_accumulate_grad_hook(hook)
+    ((first * 2).sum() + (second * 3).sum()).backward()
+    assert seen == ["hook", "hook", ("callback", True)]
+
+
+def test_current_graph_task_id():
+    """Each backward has an id of its own, seen from its hooks; -1 outside a backward."""
+    param = torch.ones(2, requires_grad=True)
+    ids = []
+    param.register_post_accumulate_grad_hook(lambda p: ids.append(upstream.current_graph_task_id()))
+    (param * 2).sum().backward()
+    (param * 3).sum().backward()
+    assert len(ids) == 2 and ids[0] != ids[1] and min(ids) >= 0 and upstream.current_graph_task_id() == -1
+
+
+def test_collective_op_namespaces():
+    """Each namespace holds torch's collective ops (an all-reduce, or the autograd all-to-all)."""
+    import torch.distributed.tensor  # noqa: F401  (registers the c10d and functional collective ops)
+
+    for namespace in upstream.COLLECTIVE_OP_NAMESPACES:
+        ops = getattr(torch.ops, namespace)
+        assert any(hasattr(ops, name) for name in ("allreduce_", "all_reduce", "all_to_all_single")), namespace
+        op = getattr(ops, next(n for n in ("allreduce_", "all_reduce", "all_to_all_single") if hasattr(ops, n)))
+        assert op.default.namespace == namespace
+
+
+def test_torch_dispatch_mode():
+    """A subclass sees the ops dispatched while it is entered."""
+    seen = []
+
+    class Recording(upstream.torch_dispatch_mode()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        torch.ones(2) + torch.ones(2)
+    assert "aten.add.Tensor" in seen
+
+
 def test_foreach_norm():
     tensors = [torch.arange(3.0), -torch.ones(2)]
     for p in (1.0, 2.0, float("inf")):
@@ -554,6 +606,16 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     check("fsdp_param_groups", one_group_on_the_mesh)
 
+    def managed_as_registered_now():
+        module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, bias=False))
+        fully_shard(module[1], mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        first = upstream.fsdp_managed_parameters(module) == [module[0].weight, module[0].bias]
+        module[1].weight = torch.nn.Parameter(module[1].weight.detach().clone())  # replaced after fully_shard
+        return first and upstream.fsdp_managed_parameters(module[1]) == [module[1].weight]
+
+    check("fsdp_managed_parameters", managed_as_registered_now)
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  distributed_config=DistributedConfig(tp_size=world))
 
@@ -594,7 +656,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "process_group_counter",
                          "set_process_group_counter", "group_timeout",
                          "backend_device_types", "dtensor_local", "clear_sharding_propagation_caches",
-                         "fsdp_param_groups", "model_device_mesh", "model_mesh_manager", "set_model_sharding_sizes",
+                         "fsdp_param_groups", "fsdp_managed_parameters", "model_device_mesh", "model_mesh_manager",
+                         "set_model_sharding_sizes",
                          "module_hf_device_mesh")
 
 

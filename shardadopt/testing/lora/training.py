@@ -66,8 +66,9 @@ def train_lora_reference(path: str, dp_size: int, targets: tuple[str, ...] = TAR
 
 def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: str,
                     targets: tuple[str, ...] = TARGETS, steps: int = STEPS, accum: int = ACCUM,
-                    overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The user's accelerate loop with LoRA on a sharded load, then ``save_pretrained`` and a sharded reload."""
+                    overrides: dict[str, Any] | None = None, adoption: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The user's accelerate loop with LoRA on a sharded load, then ``save_pretrained`` and a sharded reload.
+    ``adoption``: ``shardadopt.AdoptionKwargs`` options for the Accelerator."""
     import torch
     import torch.distributed as dist
     from peft import PeftModel, get_peft_model
@@ -79,7 +80,8 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
 
     shardadopt.enable()
     try:
-        accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=accum)
+        handlers = [shardadopt.AdoptionKwargs(**adoption)] if adoption else None
+        accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=accum, kwargs_handlers=handlers)
         base = load_model(path, sizes)
         torch.manual_seed(SEED)
         try:
@@ -137,11 +139,12 @@ def reference_cache(tiny_models: dict[str, str]):
 
 
 def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: int, references, workdir: str,
-                        overrides: dict[str, Any] | None = None) -> None:
+                        overrides: dict[str, Any] | None = None, adoption: dict[str, Any] | None = None) -> None:
     """Run :func:`train_lora_rank` on ``pool`` and assert it equals the one-process run (test helper): losses, grad
     norms, last-step adapter gradients (DoRA: magnitudes too, ``lora_magnitude_vector``), initial and final
     adapters, identical on every rank, base unchanged; the export loads in this process with equal outputs and back
-    onto a sharded base with equal outputs. ``overrides``: more ``LoraConfig`` options on both sides."""
+    onto a sharded base with equal outputs. ``overrides``: more ``LoraConfig`` options on both sides; ``adoption``:
+    ``AdoptionKwargs`` options of the sharded side."""
     import json
     import os
 
@@ -153,7 +156,8 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
 
     targets = ATTENTION if model == "qwen3moe" else TARGETS
     export = os.path.join(workdir, "adapter")
-    results = pool.run(train_lora_rank, path, sizes, dp, export, targets, STEPS, ACCUM, overrides, timeout=600)
+    results = pool.run(train_lora_rank, path, sizes, dp, export, targets, STEPS, ACCUM, overrides, adoption,
+                       timeout=600)
     if sizes.get("tp_size", 1) > 1 and not dtensor_tensor_parallel():
         for result in results:  # refused at get_peft_model, naming the fix
             assert "tensor parallelism on transformers before 5.17" in result["error"], result

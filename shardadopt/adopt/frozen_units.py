@@ -1,0 +1,90 @@
+"""FSDP2 units whose parameters are all frozen (the base model under LoRA) kept unsharded from forward to backward.
+
+FSDP2 all-gathers a unit's weights before its forward, reshards them after it, and all-gathers them again before
+its backward (the input gradient needs the frozen weight too). Frozen weights get no gradient, and FSDP2 reduces only
+gradients that exist, so no reduce-scatter is issued for them; the second all-gather is what remains, and
+``reshard_after_forward=False`` on those units removes it: one all-gather per unit per forward and backward. The
+cost is memory: every such unit's unsharded weights are held from its forward to its backward, so at the peak the
+whole frozen model is unsharded on every rank (:func:`keep_frozen_units_gathered` returns those bytes). Off unless
+asked for (``AdoptionKwargs(keep_frozen_units_gathered=True)``): a model is usually sharded at load time because it
+does not fit unsharded. Measured in ``benchmarks/adapter_step.py``; docs/adapters.md.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardadopt import upstream
+
+_KEPT = "_shardadopt_kept_gathered"  # on an FSDP unit this module switched to reshard_after_forward=False
+
+__all__ = ["frozen_units", "keep_frozen_units_gathered"]
+
+
+def frozen_units(model: nn.Module) -> list[nn.Module]:
+    """The ``fully_shard`` units of ``model`` whose sharded parameters all have ``requires_grad=False`` (parameters
+    added after sharding, such as LoRA factors, are not FSDP's and do not count).
+
+    Args:
+        model: any module (without FSDP2 units: an empty list).
+
+    Returns:
+        The units, in ``model.modules()`` order.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for module in model.modules():
+        params = upstream.fsdp_managed_parameters(module) if isinstance(module, FSDPModule) else []
+        if params and not any(p.requires_grad for p in params):
+            units.append(module)
+    return units
+
+
+def _unsharded_bytes(unit: nn.Module) -> int:
+    """The bytes of the unit's weights gathered over its FSDP shard group (on fsdp x tp: the TP shard)."""
+    from torch.distributed.tensor import DTensor
+
+    groups = upstream.fsdp_param_groups(unit)
+    ranks = groups[0].mesh_info.shard_mesh_size if groups else 1
+    total = 0
+    for param in upstream.fsdp_managed_parameters(unit):
+        if isinstance(param, DTensor):  # sharded (a gathered unit exposes its plain unsharded parameters)
+            local = upstream.dtensor_local(param)
+            total += local.numel() * local.element_size() * ranks
+        else:
+            total += param.numel() * param.element_size()
+    return total
+
+
+def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
+    """Keep the all-frozen FSDP2 units of ``model`` (:func:`frozen_units`) unsharded after forward until their
+    backward (``reshard_after_forward=False``): one all-gather per unit per forward and backward instead of two; or,
+    with ``keep=False``, give the units this function switched back their resharding. Call it after the adapters
+    are added (what is frozen then decides), on every rank alike; no collective. The weights are resharded after
+    each backward; after a forward without backward (evaluation) they stay gathered until the next backward or
+    ``reshard()``.
+
+    Args:
+        model: a model sharded with FSDP2 (at load time or by hand), a peft model around one included.
+        keep: True to keep the units gathered, False to undo.
+
+    Returns:
+        The bytes per rank of the unsharded weights now held from forward to backward by the units this call
+        switched (0 with ``keep=False``, or when no unit is all frozen): the memory the option costs at the step's
+        peak. Units that upstream already keeps gathered (FSDP2's root, transformers' norm-and-head unit) are left
+        alone and not counted.
+    """
+    held, counted = 0, set()
+    for unit in frozen_units(model):
+        groups = upstream.fsdp_param_groups(unit)
+        if keep and all(g.post_forward_mesh_info is not None for g in groups):
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.__dict__[_KEPT] = True
+        elif not keep and unit.__dict__.pop(_KEPT, False):
+            unit.set_reshard_after_forward(True, recurse=False)
+        # modules sharded together (fully_shard([norm, lm_head])) share their groups: counted once
+        if keep and unit.__dict__.get(_KEPT) and not counted & {id(g) for g in groups}:
+            counted.update(id(g) for g in groups)
+            held += _unsharded_bytes(unit)
+    return held
