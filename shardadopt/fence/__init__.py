@@ -12,13 +12,7 @@ The design, its bounds and what is not covered: ``docs/fence.md``.
 from __future__ import annotations
 
 from shardadopt.errors import HANG_KIND, HangError, PeerFailedError
-from shardadopt.fence.breaking import (
-    break_training_groups,
-    keep_protected,
-    protect_group,
-    protected,
-    publish_listeners,
-)
+from shardadopt.fence.breaking import break_training_groups, protect_group, protected, publish_listeners
 from shardadopt.fence.progress_hooks import progress
 from shardadopt.fence.rebuild import generation, rebuild_world
 from shardadopt.fence.records import POLL_INTERVAL
@@ -35,6 +29,6 @@ from shardadopt.fence.watcher import BREAK_GRACE, HANG_EXIT_CODE, control_wait
 __all__ = [
     "BREAK_GRACE", "DEFAULT_HANG_TIMEOUT", "HANG_EXIT_CODE", "HANG_KIND", "HANG_TIMEOUT_ENV", "POLL_INTERVAL",
     "Fence", "HangError", "PeerFailedError", "break_training_groups", "control_wait", "fenced", "gathered_error",
-    "generation", "keep_protected", "progress", "protect_group", "protected", "publish_listeners", "rebuild_world",
+    "generation", "progress", "protect_group", "protected", "publish_listeners", "rebuild_world",
     "resolve_hang_timeout",
 ]

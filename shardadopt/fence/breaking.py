@@ -32,8 +32,6 @@ _HOST = socket.gethostname()
 
 _PROTECTED_PORTS: set[int] = set()  # gloo listener ports of groups that must survive a break (control plane)
 _PROTECTED_GROUPS: weakref.WeakSet = weakref.WeakSet()
-_PORTS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # protected group -> its listener ports
-_LAST_PROTECTED: set[int] = set()  # the listener ports the last protected() block opened
 # (generation, store host, store port) -> this rank's training listeners published there
 _PUBLISHED: dict[tuple[int, Any, Any], set[tuple[str, int]]] = {}
 
@@ -147,10 +145,7 @@ def protected() -> Iterator[None]:
         STATE.protections += 1
     try:
         yield
-        opened = _listen_ports() - before
-        _PROTECTED_PORTS.update(opened)
-        _LAST_PROTECTED.clear()
-        _LAST_PROTECTED.update(opened)
+        _PROTECTED_PORTS.update(_listen_ports() - before)
     finally:
         with BREAK_LOCK:
             STATE.protecting -= 1
@@ -161,18 +156,11 @@ def protect_group(group: Any) -> None:
     """``group`` (created inside ``protected()``) is not aborted by ``break_training_groups``. Held weakly: a
     destroyed group is freed as usual (``shardadopt.cleanexit`` relies on it at exit)."""
     _PROTECTED_GROUPS.add(group)
-    _PORTS_OF[group] = set(_LAST_PROTECTED)
 
 
 def forget_protected_ports() -> None:
     """The process groups were destroyed (``rebuild_world``): their listener ports may be reused by training groups."""
     _PROTECTED_PORTS.clear()
-
-
-def keep_protected(group: Any) -> None:
-    """``group`` (given to ``protect_group``) outlived a ``rebuild_world``, which forgot every protected port: its
-    listener stays out of every later break. The HPO control groups are kept so."""
-    _PROTECTED_PORTS.update(_PORTS_OF.get(group, ()))
 
 
 def _training_groups() -> list[Any]:

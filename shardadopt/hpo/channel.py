@@ -62,9 +62,6 @@ _CHECK_IN_WAIT = 5.0  # seconds the survivors of a failed round wait for each ot
 # shardadopt.cleanexit at exit) frees the control groups with it.
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GROUPS_LOCK = threading.Lock()
-# Control groups kept across a rebuild (``Channel.rebuild``): protected, so the break left their connections working;
-# torch's registry forgot them with the destroyed world, so the group itself answers for its rank and size.
-_CARRIED: weakref.WeakSet = weakref.WeakSet()
 
 
 def control_timeout(timeout: float | None = None) -> float:
@@ -89,8 +86,6 @@ def control_group(timeout: float) -> Any:
 
 
 def _alive(group: Any) -> bool:
-    if group in _CARRIED:
-        return True
     try:
         return group in upstream.registered_process_groups()
     except AttributeError:  # private registry renamed: trust the cache
@@ -141,19 +136,15 @@ class Channel:
         self.context = ""  # what the ranks are doing, for error messages (e.g. "trial 3")
 
     def _bind(self, group: Any) -> None:
-        """Rounds on ``group``, whose own methods are called with its own ranks (a control group kept across a
-        rebuild is in no registry of torch's any more)."""
         self.group = group
-        if group in _CARRIED:
-            self.rank, self.world = group.rank(), group.size()
-        else:
-            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        # Global rank of the group's rank 0: broadcast's src is global (optuna-integration mixes them up).
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
 
     def rebuild(self) -> None:
-        """After a fault broke the training process groups: re-initialise every group (``fence.rebuild_world``).
-        The control groups are kept: they were protected from the break, so their connections work, and creating
-        one again is another rendezvous and full mesh of connections (as long as the new world's). Collective; every
-        rank calls it at the same point."""
+        """After a fault broke the training process groups: re-initialise every group (``fence.rebuild_world``)
+        and a fresh control group. Collective; every rank calls it at the same point."""
         if self.local:
             return
         if not self.own_group:
@@ -162,14 +153,7 @@ class Channel:
                 "group, including the control group given as group=; pass group=None (the default) so shardadopt "
                 "owns the control group and the study can go on after a fault")
             raise self.broken
-        with _GROUPS_LOCK:
-            kept = _GROUPS.get(dist.group.WORLD, {})
         fence.rebuild_world()
-        with _GROUPS_LOCK:
-            _GROUPS[dist.group.WORLD] = kept
-            for group in kept.values():
-                _CARRIED.add(group)
-                fence.keep_protected(group)  # the rebuild forgot the destroyed groups' ports, not this one's
         self._bind(control_group(self.timeout))
 
     @property
@@ -190,15 +174,8 @@ class Channel:
 
     def _gather_table(self) -> None:
         """Every rank's row into the table on every rank: gathered on rank 0, broadcast back (two hops, not a ring)."""
-        options = dist.GatherOptions()
-        options.rootRank = 0
-        self.group.gather([self._gathered] if self.rank == 0 else [], [self._row], options).wait()
-        self._broadcast(self._table, 0)
-
-    def _broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        options = dist.BroadcastOptions()
-        options.rootRank, options.rootTensor = src, 0
-        self.group.broadcast([tensor], options).wait()
+        dist.gather(self._row, self._gathered, dst=self._global[0], group=self.group)
+        dist.broadcast(self._table, src=self._global[0], group=self.group)
 
     def broadcast_bytes(self, src: int, data: bytes | None, length: int, op: int) -> bytes:
         """The ``length`` bytes ``data`` of rank ``src``, on every rank."""
@@ -212,7 +189,7 @@ class Channel:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buffer = torch.empty(length, dtype=torch.uint8)
-        self._collective(lambda: self._broadcast(buffer, src), op)
+        self._collective(lambda: dist.broadcast(buffer, src=self._global[src], group=self.group), op)
         return data if self.rank == src else buffer.numpy().tobytes()
 
     def broadcast_object(self, src: int, obj: Any, op: int) -> Any:
