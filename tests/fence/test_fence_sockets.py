@@ -71,4 +71,5 @@ def test_a_socket_is_asked_about_once_and_a_new_or_closed_one_is_seen(asked):
             ends = _mine(third, other_client, other_server)
             assert {(s.port, s.remote_port) for s in ends} == {
                 (other_client.getsockname()[1], other_client.getpeername()[1]),
-                (other_server.getsockname()[1], other_server.getpeername()[1])}
+                (other_server.getsockname()[1], other_server.getpeername()[1]),
+            }
