@@ -46,15 +46,18 @@ from typing import Any
 import optuna
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh  # imported before the fork: every rank shares it
 
 from shardadopt import fence
-from shardadopt.hpo import ControlOptions, optimize
+from shardadopt.fence.watcher import Watcher
+from shardadopt.hpo import ControlOptions, channel, optimize
 
 _COUNTED = ("set", "get", "check", "wait", "multi_get", "multi_set", "compare_set", "add", "delete_key",
             "num_keys", "append")
 STEP_SLEEP = 0.02  # seconds of "work" per iteration of a trial
 WARM_ITERATIONS = 20  # iterations of a fault trial before the fault
 COLUMNS = ("start s", "req/s", "req/s hang", "out s", "next s", "hang s", "rebuild s")
+STEPS = ("trip", "break", "agree", "destroy", "init", "control", "command", "arm", "start", "mesh", "model_init")
 
 
 class _Fault(RuntimeError):
@@ -76,6 +79,63 @@ def _count_store_requests(counter: list[int]) -> None:
             setattr(cls, name, counted)
 
 
+def _instrument(events: list[tuple[str, float]]) -> None:
+    """Benchmark instrumentation: timestamps of every step between a fault and the next trial (wall clock: the
+    parent compares ranks), wrapped around the functions that take them."""
+
+    def mark(name: str) -> None:
+        events.append((name, time.time()))
+
+    tripped = Watcher._tripped
+
+    def timed_tripped(self, *args, **kwargs):
+        mark("seen")  # the watcher read the trip record
+        try:
+            return tripped(self, *args, **kwargs)
+        finally:
+            mark("broken")  # ... and broke this rank's training groups
+
+    Watcher._tripped = timed_tripped
+    arm = Watcher.arm
+
+    def timed_arm(self, *args, **kwargs):
+        try:
+            return arm(self, *args, **kwargs)
+        finally:
+            mark("armed")  # the next trial's fence armed on this rank
+
+    Watcher.arm = timed_arm
+    broadcast_object = channel.Channel.broadcast_object
+
+    def timed_broadcast_object(self, src, obj, op):
+        result = broadcast_object(self, src, obj, op)
+        if op == channel.OP_COMMAND:
+            mark("command")  # rank 0's next command (the next trial's START) arrived
+        return result
+
+    channel.Channel.broadcast_object = timed_broadcast_object
+    exchange = channel.Channel.exchange
+
+    def timed_exchange(self, op, *args, **kwargs):
+        table = exchange(self, op, *args, **kwargs)
+        if op in (channel.OP_END, channel.OP_FINISH):
+            mark("ended" if op == channel.OP_END else "agreed")
+        return table
+
+    channel.Channel.exchange = timed_exchange
+    def timed(real: Any, after: str) -> Any:
+        def call(*args, **kwargs):
+            result = real(*args, **kwargs)
+            mark(after)
+            return result
+
+        return call
+
+    for module, name, after in ((dist, "destroy_process_group", "destroyed"), (dist, "init_process_group", "init"),
+                                (fence, "rebuild_world", "rebuilt"), (channel, "control_group", "control")):
+        setattr(module, name, timed(getattr(module, name), after))
+
+
 def _search(world: int, steady: float, mode: str, hang_timeout: float | None, requests: list[int],
             marks: dict) -> None:
     """One search of 3 trials: steady, then the last rank raises (``mode="fault"``) or stalls (``"hang"``), then a
@@ -87,6 +147,15 @@ def _search(world: int, steady: float, mode: str, hang_timeout: float | None, re
     def objective(trial):
         marks[f"{mode} started {trial.number}"] = time.time()
         trial.suggest_float("x", 0, 1)
+        if trial.number == 2 and mode == "fault":  # after the rebuild: what a trial creates again (mesh, model)
+            start = time.time()
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp")) if world >= 4 else None
+            marks[f"{mode} mesh"] = time.time()
+            model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(4)))
+            marks[f"{mode} model_init"] = time.time()
+            marks[f"{mode} mesh s"], marks[f"{mode} model_init s"] = marks[f"{mode} mesh"] - start, \
+                marks[f"{mode} model_init"] - marks[f"{mode} mesh"]
+            del mesh, model
         tensor = torch.ones(8)
         iterations = int(steady / STEP_SLEEP) if trial.number == 0 else WARM_ITERATIONS
         before = requests[0]
@@ -143,9 +212,13 @@ def _rank(rank: int, world: int, port: int, steady: float, hang_timeout: float, 
             spent.append(time.monotonic() - start)
 
         fence.rebuild_world = timed_rebuild  # measurement only: the benchmark's wrapper around the public function
+        events: list[tuple[str, float]] = []
+        _instrument(events)
         _search(world, steady, "fault", None, requests, marks)
+        marks["events"] = list(events)
         _search(world, steady, "hang", hang_timeout, requests, marks)
         marks["rebuild"] = spent
+        marks["floor"] = _floor()
         results.put((rank, marks))
     except BaseException as exc:  # noqa: BLE001  (reported by the parent)
         results.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
@@ -154,6 +227,16 @@ def _rank(rank: int, world: int, port: int, steady: float, hang_timeout: float, 
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip teardown: every rank of a big forked world would wait in destructors
+
+
+def _floor() -> tuple[float, float]:
+    """The floor of a recovery at this world size, measured in the same world: a bare new gloo process group over
+    every rank (the rendezvous and connections any rebuild must make) and one barrier on it."""
+    dist.barrier()
+    start = time.time()
+    group = dist.new_group(backend="gloo")
+    dist.barrier(group=group)
+    return start, time.time()
 
 
 def _serve(world: int | None, stop: Any, ports: Any) -> None:
@@ -208,6 +291,7 @@ def run_world(world: int, steady: float, hang_timeout: float, timeout: float = 6
            "req/s": sum(m["fault req/s"] for m in ranks),
            "req/s hang": sum(m["hang req/s"] for m in ranks),
            "rebuild s": statistics.median(max(m["rebuild"][i] for m in ranks) for i in range(2))}
+    row.update(breakdown(seen, world))
     for mode, column in (("fault", "out s"), ("hang", "hang s")):
         at = seen[world - 1][f"{mode} at"]
         outs = sorted(m[f"{mode} out"] - at for m in ranks if f"{mode} out" in m)
@@ -215,6 +299,34 @@ def run_world(world: int, steady: float, hang_timeout: float, timeout: float = 6
         row[f"{mode} outs"] = outs
         if mode == "fault":
             row["next s"] = max(m["fault started 2"] for m in ranks) - at
+    return row
+
+
+def breakdown(seen: dict[int, dict], world: int) -> dict[str, float]:
+    """Where the fault's recovery time goes: for each step, when the slowest rank finished it (seconds after the
+    fault), as increments over the step before; and the floor measured in the same world."""
+    at = seen[world - 1]["fault at"]
+
+    def slowest(name: str) -> float:
+        times = []
+        for marks in seen.values():
+            found = [t for event, t in marks["events"] if event == name and t >= at]
+            if found:
+                times.append(min(found))
+        return max(times) - at if times else float("nan")
+
+    done = {"seen": slowest("seen"), "broken": slowest("broken"), "ended": slowest("ended"),
+            "agreed": slowest("agreed"), "destroyed": slowest("destroyed"), "rebuilt": slowest("rebuilt"),
+            "control": slowest("control"), "command": slowest("command"), "armed": slowest("armed"),
+            "next": max(m["fault started 2"] for m in seen.values()) - at}
+    done["out"] = max([m["fault out"] - at for m in seen.values() if "fault out" in m] + [done["broken"]])
+    row = {"trip": done["seen"], "break": done["out"] - done["seen"], "agree": done["agreed"] - done["out"],
+           "destroy": done["destroyed"] - done["agreed"], "init": done["rebuilt"] - done["destroyed"],
+           "control": done["control"] - done["rebuilt"], "command": done["command"] - done["control"],
+           "arm": done["armed"] - done["command"], "start": done["next"] - done["armed"],
+           "mesh": max(m.get("fault mesh s", 0.0) for m in seen.values()),
+           "model_init": max(m.get("fault model_init s", 0.0) for m in seen.values())}
+    row["floor s"] = max(m["floor"][1] for m in seen.values()) - min(m["floor"][0] for m in seen.values())
     return row
 
 
@@ -268,9 +380,19 @@ def main(argv: list[str] | None = None) -> dict:
     table: dict[int, dict] = {}
     runs: dict[int, list] = {}
     for world in args.ranks:
+        load = os.getloadavg()[0]
         runs[world] = [run_world(world, args.steady, args.hang_timeout) for _ in range(args.repeats)]
-        table[world] = {c: statistics.median(r[c] for r in runs[world]) for c in COLUMNS}
+        table[world] = {c: statistics.median(r[c] for r in runs[world]) for c in COLUMNS + STEPS + ("floor s",)}
+        table[world]["ratio"] = statistics.median(r["next s"] / r["floor s"] for r in runs[world])
+        table[world]["load"] = (load, os.getloadavg()[0])
         print(f"{world:>6} " + " ".join(f"{table[world][c]:>10.3f}" for c in COLUMNS), flush=True)
+    print("\nfault to every rank in the next trial, step by step (seconds the slowest rank spent in each after the "
+          "one before; medians), against the floor measured in the same world (a bare new gloo group + barrier):")
+    print(f"{'ranks':>6} " + " ".join(f"{c:>10}" for c in STEPS + ("next s", "floor s", "next/floor", "load")))
+    for world in args.ranks:
+        row = table[world]
+        print(f"{world:>6} " + " ".join(f"{row[c]:>10.3f}" for c in STEPS + ("next s", "floor s"))
+              + f" {row['ratio']:>9.1f}x {row['load'][0]:>4.1f}-{row['load'][1]:.1f}")
     extrapolated = None
     if len(table) > 1:
         xs = sorted(table)
@@ -278,10 +400,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'512*':>6} " + " ".join(f"{extrapolated[c]:>10.3f}" for c in COLUMNS)
               + "   (* least-squares line through the rows above)")
     xs = sorted(table)
-    print("docs/benchmarks.md (ranks " + ", ".join(map(str, xs)) + "): fault to every rank out "
-          + ", ".join(f"{table[x]['out s']:.2g}" for x in xs) + " s; `rebuild_world` "
+    loads = [v for x in xs for v in table[x]["load"]]
+    print("docs/benchmarks.md (ranks " + ", ".join(map(str, xs)) + f", load {min(loads):.0f}-{max(loads):.0f}): "
+          "fault to every rank out " + ", ".join(f"{table[x]['out s']:.2g}" for x in xs) + " s; `rebuild_world` "
           + ", ".join(f"{table[x]['rebuild s']:.2g}" for x in xs) + " s; fault to every rank in the next trial "
-          + ", ".join(f"{table[x]['next s']:.2g}" for x in xs) + " s")
+          + ", ".join(f"{table[x]['next s']:.2g}" for x in xs) + " s, "
+          + ", ".join(f"{table[x]['ratio']:.1f}x" for x in xs) + " the floor (a new gloo group + barrier: "
+          + ", ".join(f"{table[x]['floor s']:.2g}" for x in xs) + " s)")
     capacity = store_capacity(seconds=args.capacity_seconds)
     print(f"TCPStore capacity: {capacity:.0f} requests/s (8 client processes, check requests)")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

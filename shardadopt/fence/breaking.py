@@ -66,14 +66,21 @@ def _borrowed(fd: int) -> Iterator[socket.socket]:
 def own_tcp_sockets() -> list[TcpSocket]:
     """This process's TCP sockets, asked of each socket of ``/proc/self/fd`` (not read from ``/proc/net/tcp``: that
     table lists every socket of the network namespace, every other rank's gloo pairs included, so parsing it cost
-    each rank time in the world size squared at every break and publication)."""
-    found = []
+    each rank time in the world size squared at every break and publication). A socket already asked about (same
+    descriptor, same inode) is not asked again: a listener stays a listener and a connected socket keeps its ends, and
+    a rank holds two per peer and group, read at every publication and twice at every break."""
+    global _KNOWN
+    found, known = [], {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
         if not link.startswith("socket:["):
+            continue
+        seen = _KNOWN.get((int(fd), link))
+        if seen is not None:
+            found.append(known.setdefault((int(fd), link), seen))
             continue
         try:
             with _borrowed(int(fd)) as sock:
@@ -89,7 +96,14 @@ def own_tcp_sockets() -> list[TcpSocket]:
             continue
         found.append(TcpSocket(int(fd), inode, LISTEN if listening else CONNECTED, local[1],
                                _proc_hex(sock.family, local[0]), _proc_hex(sock.family, remote[0]), remote[1]))
+        if listening or remote[1]:  # settled: not a socket still connecting (or closed) whose ends may change
+            known[(int(fd), link)] = found[-1]
+    _KNOWN = known  # one assignment: the watcher, the monitor and the main thread may read the sockets at once
     return found
+
+
+# (descriptor, "socket:[inode]") -> what own_tcp_sockets found for a settled socket of this process
+_KNOWN: dict[tuple[int, str], TcpSocket] = {}
 
 
 def _proc_hex(family: int, address: str) -> str:

@@ -8,7 +8,7 @@ are kept in step on every rank and need no communication.
 
 Pruning: ``report(value, step)`` is one control round in which rank 0 reports and also asks the pruner, so the
 decision reaches every rank with the report; the ``should_prune()`` that follows returns that decision without
-another round (one tensor collective per report + should_prune). ``should_prune()`` *returns* the same bool on
+another round (one control round per report + should_prune). ``should_prune()`` *returns* the same bool on
 every rank, as Optuna's API does, so ``if trial.should_prune(): raise optuna.TrialPruned()`` works unchanged;
 ``report_and_maybe_prune`` does both and raises. Called on its own (not right after ``report``), ``should_prune``
 asks rank 0's pruner in its own round.
