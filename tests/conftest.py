@@ -59,6 +59,8 @@ def upstream_as_found():
         import shardadopt
 
         shardadopt.disable()
-        pytest.fail(f"this test left shardadopt enabled in the test process ({len(left_on)} patches not off, e.g. "
-                    f"{sorted(left_on)[0]}): disable it in a finally, or decorate the helper that enables it with "
-                    f"shardadopt.testing.patching.keeps_patch_state")
+        pytest.fail(
+            f"this test left shardadopt enabled in the test process ({len(left_on)} patches not off, e.g. "
+            f"{sorted(left_on)[0]}): disable it in a finally, or decorate the helper that enables it with "
+            f"shardadopt.testing.patching.keeps_patch_state"
+        )
