@@ -8,9 +8,10 @@ Needs transformers >= 5.21 for ``ep`` and ``3mesh`` (ep_size). Each layout is lo
 one backward, the goal's measure: ``--rounds`` rounds of ``--calls`` iterations, each iteration one
 ``total_norm`` call and one bare all-reduce (the floor), each timed alone between barriers, side by side. Per round
 the slowest rank's median of each, and their ratio; it prints the median over rounds (and the spread), the
-machine's load, and exits 1 when any layout's median ratio is above ``--goal`` (1.5). Then, for comparison, each
-method below runs ``--calls`` times once, with the median (the slowest rank's), the ratio against shardadopt and
-the collectives one call issues (counted with CommDebugMode). Alongside, the same rounds time what any
+machine's load, and exits 1 when any layout's median ratio is above ``--goal`` (1.5); a summary table (one row per
+layout) closes the output. Then, for comparison, each method below runs ``--compare-calls`` times once, with the
+median (the slowest rank's), the ratio against shardadopt and the collectives one call issues (counted with
+CommDebugMode). Alongside, the same rounds time what any
 one-collective norm must do: one ``_foreach_norm`` over the local tensors, then the bare all-reduce.
 
 - shardadopt: ``shardadopt.gradnorm.total_norm`` (local foreach norms, one all-reduce);
@@ -90,7 +91,7 @@ def _timed(fn, grads) -> float:
     return time.perf_counter() - start
 
 
-def bench_rank(path: str, config: dict, warmup: int, calls: int, rounds: int) -> dict:
+def bench_rank(path: str, config: dict, warmup: int, calls: int, rounds: int, compare_calls: int) -> dict:
     import logging
     import warnings
 
@@ -130,9 +131,9 @@ def bench_rank(path: str, config: dict, warmup: int, calls: int, rounds: int) ->
     for name, fn in [*METHODS.items(), (FLOOR, _floor)]:
         with CommDebugMode() as comm:
             value = fn(grads).item()
-        for _ in range(warmup):
+        for _ in range(min(warmup, compare_calls)):
             fn(grads)
-        times = [_timed(fn, grads) for _ in range(calls)]
+        times = [_timed(fn, grads) for _ in range(compare_calls)]
         out["methods"][name] = {"value": value, "median_ms": 1e3 * statistics.median(times),
                                 "collectives": comm.get_total_counts()}
     return out
@@ -144,6 +145,8 @@ def main() -> None:
                         help=f"any of {', '.join(LAYOUTS)} (default: all)")
     parser.add_argument("--calls", type=int, default=100, help="timed calls per round and per method (default 100)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of total_norm vs the floor (default 5)")
+    parser.add_argument("--compare-calls", type=int, default=20,
+                        help="timed calls per comparison method (default 20; the per-parameter loop is slow)")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--goal", type=float, default=1.5, help="largest total_norm / floor ratio (default 1.5)")
     parser.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "shardadopt-tiny-models"),
@@ -156,11 +159,13 @@ def main() -> None:
 
     models = tiny_checkpoints(args.models, {LAYOUTS[name][0] for name in args.layouts})
     over = []
+    summary = []
     for name in args.layouts:
         model, config, nproc = LAYOUTS[name]
         load_before = os.getloadavg()[0]
         with RankPool(nproc) as pool:
-            results = pool.run(bench_rank, models[model], config, args.warmup, args.calls, args.rounds, timeout=1800)
+            results = pool.run(bench_rank, models[model], config, args.warmup, args.calls, args.rounds,
+                               args.compare_calls, timeout=1800)
         first = results[0]
         print(f"\n{name}: tiny-{model} {config} on {nproc} gloo ranks; {first['grads']} grads "
               f"({first['plain']} plain) on {first['meshes']} distinct meshes; load average {load_before:.2f} "
@@ -176,6 +181,7 @@ def main() -> None:
               f"{statistics.median(r[1] for r in per_round):.3f} ms (goal <= {args.goal}x: "
               f"{'OVER' if ratio > args.goal else 'OK'})")
         kernel = statistics.median(k / floor for _, floor, k in per_round)
+        summary.append((name, ratio, kernel, load_before, os.getloadavg()[0]))
         print(f"  one fused local norm (_foreach_norm, no weights) + floor / floor: median {kernel:.2f}x "
               f"(the part of the ratio no one-collective norm avoids on this machine)")
         ours = max(r["methods"]["shardadopt"]["median_ms"] for r in results)
@@ -188,6 +194,12 @@ def main() -> None:
                   f"{'' if agree else '  (DISAGREES)'}")
         floor = max(r["methods"][FLOOR]["median_ms"] for r in results)
         print(f"  {FLOOR:22s} {floor:8.3f} ms   {floor / ours:5.2f}x shardadopt's time   (no norm: the latency floor)")
+    print(f"\nsummary ({os.cpu_count()} cores; medians over {args.rounds} rounds of {args.calls} calls; goal <= "
+          f"{args.goal}x):")
+    print(f"  {'layout':8s} {'total_norm / floor':>19s} {'foreach_norm + floor / floor':>29s} {'load before':>12s} "
+          f"{'load after':>11s}")
+    for name, ratio, kernel, before, after in summary:
+        print(f"  {name:8s} {ratio:18.2f}x {kernel:28.2f}x {before:12.2f} {after:11.2f}")
     if over:
         sys.exit(f"total_norm above {args.goal}x the floor on: {', '.join(over)}")
 

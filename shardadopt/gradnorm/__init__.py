@@ -16,6 +16,7 @@ Differences from torch, on purpose:
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Iterable
 
@@ -110,14 +111,19 @@ def _planned_norm(tensors: list[Tensor], norm_type: float, error_if_nonfinite: b
     p = check_norm_type(norm_type)
     grp, pg = _group(group)
     reducing = pg is not None and grp.size > 1
-    signed = plan.signature(tensors, grp, pg, plain_replication, foreach)
-    found = None if signed is None else plan.lookup(signed[0], pg)
+    matched = plan.match(tensors, grp, pg, plain_replication, foreach)
+    if matched is None:
+        signed = plan.signature(tensors, grp, pg, plain_replication, foreach)
+        found = None if signed is None else plan.lookup(signed[0], pg)
+        locals_ = [] if signed is None else signed[2]
+    else:
+        found, locals_ = matched
     if found is not None:
-        locals_ = signed[2]
         payload = found.payload(locals_, p)
         if reducing:
-            dist.all_reduce(payload, op=dist.ReduceOp.MAX if reduce_op(p) == "max" else dist.ReduceOp.SUM, group=pg)
-        result = finish(payload, p).to(device=found.result_device or payload.device, dtype=found.result_dtype)
+            dist.all_reduce(payload, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=pg)
+        result = finish(payload, p)
+        result = result.to(device=found.result_device or payload.device, dtype=found.result_dtype)
     else:
         pieces, errors = to_pieces(tensors, grp, plain_replication)
         first = tensors[0].device if tensors else None
@@ -134,7 +140,8 @@ def _planned_norm(tensors: list[Tensor], norm_type: float, error_if_nonfinite: b
         result = finish(payload, p).to(device=payload.device if first is None else first, dtype=result_dtype)
         if signed is not None:
             found = plan.build(signed[0], signed[1], pg, pieces, foreach, payload.device, first, result_dtype)
-            locals_ = signed[2]
+    if found is not None:
+        plan.remember(found, pg, foreach)
     if error_if_nonfinite and not torch.isfinite(result):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
@@ -149,8 +156,9 @@ def _grads(parameters: TensorOrTensors) -> list[Tensor]:
 
 
 def _coefficient(max_norm: float, total_norm: Tensor) -> Tensor:
-    # Always multiply, even by 1: a `coef < 1` test would sync with the device.
-    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    # Always multiply, even by 1: a `coef < 1` test would sync with the device. In place, the same values as
+    # torch's `max_norm / (total_norm + 1e-6)` (Tensor.__rdiv__ is `reciprocal() * other`), fewer temporaries.
+    return (total_norm + 1e-6).reciprocal_().mul_(float(max_norm)).clamp_(max=1.0)
 
 
 def _scale(tensors: list[Tensor], device: torch.device, coef: Tensor, foreach: bool | None) -> None:
@@ -216,7 +224,5 @@ def clip_grad_norm_(parameters: TensorOrTensors, max_norm: float, norm_type: flo
     if used is None:
         clip_grads_with_norm_(parameters, max_norm, norm, foreach)
         return norm
-    coef = _coefficient(max_norm, norm)
-    for device, indices in used.scale_groups:
-        _scale(locals_ if indices is None else [locals_[i] for i in indices], device, coef, foreach)
+    used.scale(locals_, _coefficient(max_norm, norm))
     return norm

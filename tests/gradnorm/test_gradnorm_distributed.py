@@ -153,6 +153,7 @@ LAYOUTS_2 = [
 LAYOUTS_4 = [
     pytest.param("qwen3", dict(dp_replicate_size=2, fsdp_size=2), id="hsdp"),
     pytest.param("qwen3moe", dict(fsdp_size=2, tp_size=2), id="fsdp x tp"),
+    pytest.param("qwen3moe", dict(ep_size=2, fsdp_size=2, tp_size=2), id="ep x fsdp x tp"),
 ]
 
 
@@ -280,6 +281,132 @@ def test_planned_calls_follow_values_and_layouts(pool4):
         for what, ours, expected, count in rank_results:
             assert ours == pytest.approx(expected, rel=1e-6, abs=0), what
             assert count == 1, (what, count)
+
+
+def same_length_layouts_run(seed: int) -> list:
+    """Calls with as many tensors as the previous call but another layout at some position: the plan last used
+    for that many tensors must not be taken for them (each would be weighted, grouped or typed wrongly). Each
+    entry: (what, p, ours, reference over the full tensors in fp64, collectives, result dtype, expected dtype)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from shardadopt.gradnorm import total_norm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    gen = torch.Generator().manual_seed(seed)
+    sharded = distribute_tensor(torch.randn(8, 3, generator=gen), mesh, [Shard(0), Shard(1)], src_data_rank=None)
+    replicated = distribute_tensor(torch.randn(5, generator=gen), mesh["tp"], [Replicate()], src_data_rank=None)
+    wide = distribute_tensor(torch.randn(6, 3, generator=gen), mesh, [Shard(1), Replicate()], src_data_rank=None)
+    as_fp64 = distribute_tensor(torch.randn(8, 3, generator=gen, dtype=torch.float64), mesh, [Shard(0), Shard(1)],
+                                src_data_rank=None)
+    plain = torch.full((3,), 2.0)
+    mine = torch.full((3,), dist.get_rank() + 1.0)  # a different plain tensor on every rank
+    # The same mesh and placements object, a local shard that is empty on some ranks or on none.
+    on_dp = (Shard(0),)
+    sizes = {"full": [1, 1], "empty on rank 1": [1, 0]}  # torch.chunk sizes of 2 and 1 elements
+
+    def on_dp_mesh(what: str) -> DTensor:
+        local = torch.full((sizes[what][mesh["dp"].get_local_rank()],), 1.0 + mesh["dp"].get_local_rank())
+        return DTensor.from_local(local, mesh["dp"], on_dp, run_check=False, shape=torch.Size([sum(sizes[what])]),
+                                  stride=(1,))
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    cases = [  # (what, tensors, plain_replication, full tensors of the reference)
+        ("sharded, replicated", [sharded, replicated], None, None),
+        ("replicated, sharded", [replicated, sharded], None, None),
+        ("sharded, wide", [sharded, wide], None, None),
+        ("sharded, fp64 shard", [sharded, as_fp64], None, None),
+        ("sharded, plain on every rank", [sharded, plain], None, None),
+        ("sharded, plain per rank", [sharded, mine], lambda t: 1,
+         [full(sharded), torch.cat([torch.full((3,), r + 1.0) for r in range(4)])]),
+        ("sharded, plain on every rank again", [sharded, plain], None, None),
+        ("dp shard, none empty", [on_dp_mesh("full"), sharded], None, None),
+        ("dp shard, empty on a rank", [on_dp_mesh("empty on rank 1"), sharded], None, None),
+        ("sharded, replicated again", [sharded, replicated], None, None),
+    ]
+    out = []
+    for p in (2.0, math.inf, 1.0):
+        for what, tensors, replication, fulls in cases:
+            fulls = fulls or [full(t) for t in tensors]
+            expected = torch.linalg.vector_norm(torch.cat([f.double().flatten() for f in fulls]), p).item()
+            wanted = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+            norm, count = _count_collectives(total_norm, tensors, p, plain_replication=replication)
+            out.append((what, p, norm.item(), expected, count, norm.dtype, wanted))
+    return out
+
+
+def test_same_length_other_layout_is_planned_anew(pool4):
+    for rank_results in pool4.run(same_length_layouts_run, 5):
+        for what, p, ours, expected, count, dtype, wanted in rank_results:
+            assert ours == pytest.approx(expected, rel=1e-6, abs=0), (what, p)
+            assert count == 1 and dtype == wanted, (what, p, count, dtype)
+
+
+def training_changes_run(path: str, config: dict) -> list:
+    """The user's loop on a sharded model, clipping ``model.parameters()`` every step while the set of gradients
+    changes between steps: parameters frozen (``requires_grad`` off, their gradients None after
+    ``zero_grad()``), unfrozen again, one gradient dropped by hand, a new parameter added to the clipped list.
+    Each step: (what, norm, reference over the gathered gradients in fp64, collectives, clipped exactly)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+    from shardadopt.testing import full, token_batch
+    from shardadopt.topology import topology
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 distributed_config=DistributedConfig(**config))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if any(not isinstance(p, DTensor) and topology(model).plain_replication(p) != dist.get_world_size()
+           for p in model.parameters()):
+        return None  # shards kept as plain tensors (old transformers): no gathered reference
+    extra = torch.nn.Parameter(torch.zeros(4))  # a new plain parameter, the same on every rank
+    frozen = [p for n, p in model.named_parameters() if ".layers.0." in n]
+    steps = ["all", "layer 0 frozen", "layer 0 unfrozen", "one grad dropped", "a parameter added", "all again"]
+    out = []
+    for step, what in enumerate(steps):
+        for p in frozen:
+            p.requires_grad_(what != "layer 0 frozen")
+        ids = token_batch(step, 2)
+        model(input_ids=ids, labels=ids).loss.backward()
+        params = list(model.parameters())
+        if what == "one grad dropped":
+            params[-1].grad = None
+        if what == "a parameter added":
+            extra.grad = torch.arange(4.0)
+            params.append(extra)
+        replication = topology(model).grad_replication(params)
+        grads = [p.grad for p in params if p.grad is not None]
+        expected = torch.linalg.vector_norm(torch.cat([full(g).double().flatten() for g in grads])).item()
+        before = [upstream.dtensor_local(g).clone() if isinstance(g, DTensor) else g.clone() for g in grads]
+        norm, count = _count_collectives(shardadopt.clip_grad_norm_, params, MAX_NORM, plain_replication=replication)
+        coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
+        after = [upstream.dtensor_local(g) if isinstance(g, DTensor) else g for g in grads]
+        exact = all(torch.equal(a, b * coef) for a, b in zip(after, before))
+        out.append((what, norm.item(), expected, count, exact, dist.get_rank()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("name,config", [pytest.param("qwen3", dict(fsdp_size=2), id="fsdp"),
+                                         pytest.param("qwen3", dict(tp_size=2), id="tp"),
+                                         pytest.param("qwen3moe", dict(ep_size=2, fsdp_size=2), id="ep+fsdp")])
+def test_norm_follows_the_gradients_between_steps(pool2, tiny_models, name, config):
+    skip_unless_loadable(config)
+    results = pool2.run(training_changes_run, tiny_models[name], config)
+    if results[0] is None:
+        pytest.skip(f"transformers {_transformers_version()} keeps these shards as plain tensors: no gathered "
+                    f"reference (test_layout_2_ranks compares them with the one-process model)")
+    for rank_results in results:
+        for what, ours, expected, count, exact, rank in rank_results:
+            assert ours == pytest.approx(expected, rel=1e-6, abs=0), (what, rank)
+            assert count == 1 and exact, (what, rank, count)
 
 
 def nonfinite_run(bad_rank: int, value: float) -> dict:
