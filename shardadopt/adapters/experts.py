@@ -242,39 +242,67 @@ def _experts_class(cls: type) -> type:
     return _classes[cls]
 
 
-def checkpoint_views(state: Any) -> Any:
-    """``state`` (nested dicts / lists of a DCP state dict) with every expert ``lora_B`` DTensor (and its optimizer
-    state: a lone ``_StridedShard``, replicated on the other mesh dims) viewed as a contiguous ``Shard`` of the same
-    local data. DCP cannot write a strided shard (its chunks would overlap); the view shares storage, so ``dcp.load``
-    into it loads the tensor itself. The saved global tensor is in (ep rank, r, local expert) column order: such a
-    checkpoint resumes on the same EP size (``save_pretrained`` writes peft's order). Local: no collective.
+@contextlib.contextmanager
+def checkpoint_views(state: Any) -> Iterator[Any]:
+    """Within the block, ``state`` (nested dicts / lists of a DCP state dict, changed in place) holds, instead of
+    every expert ``lora_B`` DTensor (and its optimizer state: a lone ``_StridedShard(d, split_factor=s)``, replicated
+    on the other mesh dims), a contiguous ``Shard(d + 1)`` view of its dim ``d`` split into ``(s, size / s)``, on the
+    same local data; the originals are back after it. DCP cannot write a strided shard (its chunks would overlap);
+    the view shares storage, so ``dcp.load`` into it loads the tensor itself, and what ``dcp.load`` puts in place of
+    other entries (an optimizer's ``lr``) stays in ``state``. For ``lora_B`` ``(out, r * E)`` the saved tensor is
+    ``(out, r, E)`` in peft's order, the same whatever the EP size, so such a checkpoint resumes on another EP size
+    too. Local: no collective.
 
     Args:
         state: what ``get_state_dict`` returned, nested.
 
-    Returns:
-        The same structure, those DTensors replaced by their views (everything else as it is).
+    Yields:
+        ``state`` itself, those DTensors replaced by their views.
     """
+    swapped: list[tuple[Any, Any, Any]] = []
+    _swap_views(state, swapped)
+    try:
+        yield state
+    finally:
+        for container, key, original in reversed(swapped):
+            container[key] = original
+
+
+def _swap_views(state: Any, swapped: list[tuple[Any, Any, Any]]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    keys = state.keys() if isinstance(state, dict) else range(len(state)) if isinstance(state, list) else ()
+    for key in list(keys):
+        value = state[key]
+        if isinstance(value, DTensor):
+            view = _contiguous_view(value)
+            if view is not None:
+                swapped.append((state, key, value))
+                state[key] = view
+        else:
+            _swap_views(value, swapped)
+
+
+def _contiguous_view(tensor: Any) -> Any:
+    """``tensor`` (a DTensor) as a contiguous ``Shard`` view when it is a lone ``_StridedShard``, else None."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     strided = upstream.strided_shard_type()
-    if isinstance(state, dict):
-        return {k: checkpoint_views(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(checkpoint_views(v) for v in state)
-    if not isinstance(state, DTensor):
-        return state
-    placements = state.placements
+    placements = tensor.placements
     if sum(isinstance(p, strided) for p in placements) != 1 or not all(
         isinstance(p, (strided, Replicate)) for p in placements
     ):
-        return state
-    contiguous = [Shard(p.dim) if isinstance(p, strided) else p for p in placements]
+        return None
+    split = next(p for p in placements if isinstance(p, strided))
+    dim, factor = split.dim, split.split_factor
+    local = upstream.dtensor_local(tensor)
+    shape = (*tensor.shape[:dim], factor, tensor.shape[dim] // factor, *tensor.shape[dim + 1 :])
+    view = local.view(*local.shape[:dim], factor, local.shape[dim] // factor, *local.shape[dim + 1 :])
     return DTensor.from_local(
-        upstream.dtensor_local(state),
-        state.device_mesh,
-        contiguous,
+        view,
+        tensor.device_mesh,
+        [Shard(dim + 1) if p is split else p for p in placements],
         run_check=False,
-        shape=state.shape,
-        stride=state.stride(),
+        shape=torch.Size(shape),
+        stride=torch.empty(shape, device="meta").stride(),
     )

@@ -126,7 +126,8 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
     state = _state_dicts(_as_list(models), _as_list(optimizers), frozen)
     progress()  # this rank's state is collected: a peer still collecting (or hung doing it) is behind
     with _own_errors():
-        dcp.save(checkpoint_views(state), storage_writer=_progress_writer()(path), checkpoint_id=path)
+        with checkpoint_views(state):  # expert LoRA's strided shards as contiguous views
+            dcp.save(state, storage_writer=_progress_writer()(path), checkpoint_id=path)
 
 
 @contextlib.contextmanager
@@ -252,19 +253,21 @@ def _load(directory: str, models: list[torch.nn.Module], optimizers: list, flags
         if not flags[i]:
             _drop_untrained_adapter_state(state.get(_key("optimizer", i, model)), _key("optimizer", i, model),
                                           model, saved)
-    wanted = {k: v for k, v in _flat_shapes(state).items() if ".param_groups." not in k}
-    missing = sorted(k for k in wanted if k not in saved)
-    differ = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
-    if missing or differ:
-        detail = "; ".join(filter(None, [
-            f"{len(missing)} entries missing from the checkpoint (e.g. {missing[:3]})" if missing else "",
-            f"{len(differ)} global shapes differ (e.g. {[(k, saved[k], wanted[k]) for k in differ[:3]]})"
-            if differ else ""]))
-        raise CheckpointMismatchError(
-            f"{directory} does not fit the model/optimizer being loaded: {detail}. It was saved from a different "
-            f"model or optimizer (or a different set of trainable parameters); load it into the same architecture.")
-    with _own_errors():
-        dcp.load(checkpoint_views(state), checkpoint_id=os.path.join(directory, _STATE_DIR))  # into state
+    with checkpoint_views(state):  # expert LoRA's strided shards as contiguous views, as they were saved
+        wanted = {k: v for k, v in _flat_shapes(state).items() if ".param_groups." not in k}
+        missing = sorted(k for k in wanted if k not in saved)
+        differ = sorted(k for k in wanted if k in saved and saved[k] != wanted[k])
+        if missing or differ:
+            detail = "; ".join(filter(None, [
+                f"{len(missing)} entries missing from the checkpoint (e.g. {missing[:3]})" if missing else "",
+                f"{len(differ)} global shapes differ (e.g. {[(k, saved[k], wanted[k]) for k in differ[:3]]})"
+                if differ else ""]))
+            raise CheckpointMismatchError(
+                f"{directory} does not fit the model/optimizer being loaded: {detail}. It was saved from a different "
+                f"model or optimizer (or a different set of trainable parameters); load it into the same "
+                f"architecture.")
+        with _own_errors():  # into state
+            dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         if weights:
             set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],

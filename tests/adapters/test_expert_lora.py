@@ -120,6 +120,7 @@ def _slices_rank(path: str, sizes: dict[str, Any], export_dir: str) -> dict[str,
     from peft import PeftModel, get_peft_model
 
     import shardadopt
+    from shardadopt.adapters.experts import checkpoint_views
     from shardadopt.testing.lora.common import load_model, lora_config, probe_batch
 
     def shards(model) -> dict[str, Any]:
@@ -138,6 +139,9 @@ def _slices_rank(path: str, sizes: dict[str, Any], export_dir: str) -> dict[str,
         with torch.no_grad():
             logits = model(input_ids=probe_batch()).logits
         local_shards = shards(model)
+        experts_factors = {n: p for n, p in model.named_parameters() if ".experts." in n and "lora_" in n}
+        with checkpoint_views(experts_factors) as viewed:  # what DCP writes
+            checkpoint = {n: v.full_tensor() for n, v in viewed.items()}
         model.save_pretrained(export_dir)
         reloaded = PeftModel.from_pretrained(load_model(path, sizes), export_dir)
         with torch.no_grad():
@@ -145,6 +149,7 @@ def _slices_rank(path: str, sizes: dict[str, Any], export_dir: str) -> dict[str,
         return {
             "experts": list(range(first, first + local)),
             "shards": local_shards,
+            "checkpoint": checkpoint,
             "logits": logits,
             "reloaded_shards": shards(reloaded),
             "reloaded_logits": reloaded_logits,
@@ -174,12 +179,12 @@ def test_expert_factor_slices_export_and_reload_match_one_process(pool2, tiny_mo
     with torch.no_grad():
         logits = one(input_ids=probe_batch()).logits
     assert len(expected) == 8 and all(float(v.abs().max()) > 0 for v in expected.values())
+    rank = one.peft_config["default"].r
     for result in results:
         experts = result["experts"]
         for shards in (result["shards"], result["reloaded_shards"]):
             assert sorted(shards) == sorted(expected)
             for name, value in expected.items():
-                rank = one.peft_config["default"].r
                 if ".lora_A." in name:  # (r * E, in): expert-major rows
                     want = value[experts[0] * rank : (experts[-1] + 1) * rank]
                 else:  # (out, r * E): the expert index fastest
@@ -187,6 +192,11 @@ def test_expert_factor_slices_export_and_reload_match_one_process(pool2, tiny_mo
                 assert torch.equal(shards[name], want), f"experts {experts}: {name} is not their slice"
         torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=0, atol=0)
+        # DCP checkpoints hold peft's order whatever the EP size: lora_B (out, r * E) as (out, r, E)
+        assert sorted(result["checkpoint"]) == sorted(expected)
+        for name, value in expected.items():
+            want = value if ".lora_A." in name else value.reshape(value.shape[0], rank, -1)
+            assert torch.equal(result["checkpoint"][name], want), f"{name}: the checkpoint is not in peft's order"
     written = load_file(os.path.join(export, "adapter_model.safetensors"))
     from peft.utils import get_peft_model_state_dict
 
