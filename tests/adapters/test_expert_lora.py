@@ -73,8 +73,9 @@ def references(moe_models):
 
 
 @needs_ep_mesh
-@pytest.mark.parametrize("model, config", [("qwen3moe", "down_proj"), ("qwen3moe", "target_parameters"),
-                                           ("olmoe", "down_proj")])
+@pytest.mark.parametrize(
+    "model, config", [("qwen3moe", "down_proj"), ("qwen3moe", "target_parameters"), ("olmoe", "down_proj")]
+)
 def test_expert_lora_trains_like_one_process(pool2, moe_models, references, tmp_path, model, config):
     import torch
     from peft import PeftModel
