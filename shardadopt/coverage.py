@@ -5,6 +5,9 @@ verdict per model type and layout for each recorded transformers release line. :
 config (a checkpoint directory or a model type), prints the cells for the installed release line (and the other
 recorded lines), the patches that act on that layout with their state on this installation, and with
 ``check=True`` runs the sweep's check for that type and layout here, on a tiny model shrunk from the same config.
+:func:`expert_lora_support` says whether LoRA on the experts (``shardadopt.adapters.experts``) can be laid out for
+the type, from what that layout needs: fused 3-D expert tensors (seen on the type's tiny model, built on the meta
+device) and a recorded expert-parallel cell on the installed release line.
 """
 
 from __future__ import annotations
@@ -89,6 +92,57 @@ def relevant_patches(layout: str) -> list[dict[str, str]]:
     return [s.as_dict() for s in shardadopt.status() if concerns(s.id)]
 
 
+def expert_lora_support(model_type: str, values: dict[str, Any] | None = None) -> str:
+    """Whether LoRA on the experts of ``model_type`` is laid out under expert parallelism on this installation, and
+    why: the type must be an MoE (an expert count in its config), its experts fused 3-D tensors (what
+    ``shardadopt.adapters.experts`` lays out by expert; checked on its tiny model built on the meta device), the
+    installed transformers must shard experts on an ``ep`` mesh (``DistributedConfig(ep_size=...)``, 5.21+) and the
+    installed release line's matrix must record an ``ep`` cell that is not a failure.
+
+    Args:
+        model_type: a transformers model type (``qwen3_moe``).
+        values: a checkpoint's config values (the tiny model is shrunk from them), or None for the type's default.
+
+    Returns:
+        One line: ``"supported: ..."``, ``"not supported: ..."``, ``"unverified: ..."`` (an ep cell that is neither
+        verified nor a failure), ``"unknown: ..."`` (no tiny config) or ``"not an MoE ..."``.
+    """
+    import torch
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    from shardadopt.testing import archs
+
+    try:
+        config = archs.tiny_config(model_type, values)
+        if not any(getattr(config, key, None) for key in archs.EXPERT_COUNTS):
+            return f"not an MoE (no expert count among {', '.join(archs.EXPERT_COUNTS)} in its config)"
+        with torch.device("meta"):
+            network = archs.model_class(model_type)(config)
+    except Exception as exc:  # a config the generic shrink cannot build: the sweep records it the same way
+        return f"unknown: its tiny model does not build ({type(exc).__name__}: {exc})"
+    # what experts.py lays out: a module's own 3-D parameter holding one slice per expert (num_experts)
+    fused = sorted({f"{prefix.split('.', 3)[-1]}.{name}" for prefix, module in network.named_modules()
+                    if isinstance(getattr(module, "num_experts", None), int)
+                    for name, p in module.named_parameters(recurse=False)
+                    if p.ndim == 3 and p.shape[0] == module.num_experts})
+    if not fused:
+        return ("not supported: its experts are not fused 3-D tensors (one per-expert tensor per projection is "
+                "what is sharded by expert and laid out)")
+    line = ".".join(transformers.__version__.split(".")[:2])
+    if "ep_size" not in DistributedConfig.__dataclass_fields__:
+        return (f"not supported on transformers {transformers.__version__}: it shards experts on the TP mesh "
+                f"(no ep_size); upgrade to 5.21 or newer")
+    cell = matrices().get(line, {}).get("cells", {}).get(model_type, {}).get("ep")
+    if cell is None:
+        return f"not supported: no expert-parallel (ep) cell for it in the transformers {line} matrix"
+    if cell["verdict"] in _BAD:
+        return f"not supported: its ep load {cell['verdict']} on transformers {line}"
+    if cell["verdict"] != "verified":
+        return f"unverified: fused 3-D expert tensors, but its ep cell is {cell['verdict']!r} on transformers {line}"
+    return f"supported: fused 3-D expert tensors ({', '.join(fused)}), ep {cell['verdict']} on transformers {line}"
+
+
 def report(model: str, layout: str | None = None, check: bool = False, timeout: float = 300.0) -> int:
     """Print what is known about ``model`` (and run the check with ``check``); 1 when a selected combination is
     known to fail on the installed release line (or fails the check), else 0."""
@@ -131,6 +185,9 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
             bad |= release == line and cell["verdict"] in _BAD
         if line not in cells:
             print(f"  transformers {line} (installed): no recorded matrix for this release line")
+    if layout in (None, "ep"):
+        print(f"expert LoRA (LoRA on the experts under ep, docs/expert-lora.md): "
+              f"{expert_lora_support(model_type, values)}")
     shardadopt.enable()
     try:
         for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules}):

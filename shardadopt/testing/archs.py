@@ -29,7 +29,7 @@ _LAYER_COUNTS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "deco
 _DENSE_PREFIX = ("first_k_dense_replace", "num_dense_layers", "n_dense_layers", "first_k_dense")
 _LAYER_STEPS = ("decoder_sparse_step", "interleave_moe_layer_step", "moe_layer_freq", "no_rope_layer_interval",
                 "sliding_window_pattern", "full_attention_interval", "attn_layer_period", "expert_layer_period")
-_EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+EXPERT_COUNTS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 _FIXED = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "hidden_dim", "dim", "embed_dim"), HIDDEN),
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
@@ -41,7 +41,7 @@ _FIXED = {
                      "decoder_ffn_dim", "encoder_ffn_dim", "mlp_hidden_size"), 128),
     **dict.fromkeys(("moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
                      "moe_ffn_hidden_size", "expert_intermediate_size"), 32),
-    **dict.fromkeys(_EXPERT_COUNTS, 4),
+    **dict.fromkeys(EXPERT_COUNTS, 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k"), 2),
     "n_group": 1, "topk_group": 1, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "vocab_size": VOCAB,
@@ -143,7 +143,7 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
     for key, meaning in _NONE_MEANS.items():
         if key in values and values[key] is None:
             values[key] = meaning
-    if values.get("num_experts_per_tok", 0) is None and any(values.get(k) for k in _EXPERT_COUNTS):
+    if values.get("num_experts_per_tok", 0) is None and any(values.get(k) for k in EXPERT_COUNTS):
         values["num_experts_per_tok"] = 2
     for key, value in list(values.items()):
         if isinstance(value, dict) and key not in layer_dict_keys:

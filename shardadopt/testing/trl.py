@@ -19,7 +19,7 @@ STEPS = 3
 GLOBAL_BATCH = 4
 MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe", "2d": "qwen3", "hsdp": "llama"}
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-ATTENTION = ["q_proj", "v_proj", "o_proj"]  # Qwen3-MoE: its down_proj are fused expert tensors (refused)
+ATTENTION = ["q_proj", "v_proj", "o_proj"]  # Qwen3-MoE: its down_proj are fused expert tensors (experts=True)
 LORA_SEED = 0  # every rank seeded the same before the adapters are added, as a user does
 LR = {"full": 1e-3, "lora": 1e-2}
 # fp32: TP pads the whole global batch where DDP pads per rank, and sharded matmuls sum in another order
@@ -30,7 +30,8 @@ MOE_RTOL = 5e-4
 BF16_RTOL = 2e-2  # bf16 autocast: ~3 significant digits per matmul
 # What shardadopt's refusals say, by cause (the tests assert the refusal of each combination names it and the fix)
 REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"),
-            "lora-tp": ("tensor parallelism on transformers before 5.17", "Upgrade transformers to 5.17")}
+            "lora-tp": ("tensor parallelism on transformers before 5.17", "Upgrade transformers to 5.17"),
+            "experts-tp-mesh": ("not sharded by expert on an ep mesh", "transformers 5.21 or newer")}
 
 
 def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
@@ -45,13 +46,14 @@ def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
                               "rejected": sentences(n, seed=4, max_words=6)})
 
 
-def lora_config(model: str):
-    """The adapters for ``model`` (a key of the tiny checkpoints): attention only on the MoE model."""
+def lora_config(model: str, experts: bool = False):
+    """The adapters for ``model`` (a key of the tiny checkpoints): attention only on the MoE model, unless ``experts``:
+    then :data:`TARGETS` as a user writes them, whose ``down_proj`` peft puts on the fused expert tensors."""
     from peft import LoraConfig
 
     from shardadopt.testing.models import MOE_MODELS
 
-    targets = ATTENTION if model in MOE_MODELS else TARGETS
+    targets = ATTENTION if model in MOE_MODELS and not experts else TARGETS
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
 
 
@@ -108,12 +110,14 @@ def logged_steps(trainer) -> list[dict[str, float]]:
 
 
 def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
-            world: int = 2, bf16: bool = False, lora: str | None = None) -> dict[str, Any]:
+            world: int = 2, bf16: bool = False, lora: str | None = None, experts: bool = False) -> dict[str, Any]:
     """``kind`` ("sft" or "dpo") for STEPS steps on ``model`` sharded per ``layout`` over ``world`` ranks, or
     (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added ``lora`` ("peft_config":
-    by TRL, "wrapped": ``get_peft_model`` first). ``{"log": [{"loss", "grad_norm"} per step],
-    "adapter_grad_reductions": {LoRA factor: all_reduce calls on its gradient}, "dp": data-parallel size}`` or
-    ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model)."""
+    by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with ``experts`` (:func:`lora_config`).
+    ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor: all_reduce calls on its
+    gradient}, "dp": data-parallel size}`` or ``{"refused": shardadopt's error}``, and ``"plain_head_shard"``
+    (:func:`plain_head_shard` of the loaded model). With ``experts`` also ``"adapter"`` (every factor's full tensor
+    after training) and ``"expert_replicas"`` ({expert factor: ranks holding its experts}, sharded loads)."""
     import tempfile
 
     import torch
@@ -139,17 +143,35 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
                     if lora == "wrapped":
                         from peft import get_peft_model
 
-                        network = get_peft_model(network, lora_config(model))
+                        network = get_peft_model(network, lora_config(model, experts))
                     else:
-                        extra["peft_config"] = lora_config(model)
+                        extra["peft_config"] = lora_config(model, experts)
                 trainer = _trl_trainer(kind, network, common, tokenizer, **extra)
                 with counted_grad_reductions(trainer.model, lambda name: "lora_" in name) as reductions:
                     trainer.train()
             except (AdapterLayoutError, AdoptionError) as exc:
                 return {**result, "refused": f"{type(exc).__name__}: {exc}"}
-        return {**result, "log": logged_steps(trainer), "adapter_grad_reductions": reductions, "dp": dp}
+        result.update(log=logged_steps(trainer), adapter_grad_reductions=reductions, dp=dp)
+        if experts:
+            result.update(adapter=_lora_tensors(trainer.model), expert_replicas=_expert_replicas(trainer.model))
+        return result
     finally:
         shardadopt.disable()
+
+
+def _expert_replicas(network) -> dict[str, int]:
+    """{LoRA factor on a laid-out expert tensor: how many ranks hold its experts} (empty without expert parallelism)."""
+    from torch.distributed.tensor import DTensor
+
+    from shardadopt.adapters.experts import expert_replicas, is_expert_layer
+
+    found = {}
+    for prefix, module in network.named_modules():
+        if is_expert_layer(module) and isinstance(module.get_param(), DTensor):
+            for name, _ in module.named_parameters(prefix=prefix):
+                if "lora_" in name:
+                    found[name] = expert_replicas(module)
+    return found
 
 
 def compare(result: dict[str, Any], expected: list[dict[str, float]], rtol: float) -> str | None:
@@ -175,18 +197,21 @@ def refusal_problem(result: dict[str, Any], cause: str) -> str | None:
 
 
 def ddp_reference(pool, tiny_models: dict[str, str], tokenizer: str):
-    """``get(kind, model, bf16=False, lora=None)``: :func:`trl_log` on the plain checkpoint under DDP on ``pool``
-    (its ranks must log the same values), computed once per argument set."""
-    cache: dict[tuple, list[dict[str, float]]] = {}
+    """``get(kind, model, bf16=False, lora=None, experts=False, part="log")``: :func:`trl_log` on the plain
+    checkpoint under DDP on ``pool`` (its ranks must log the same values), computed once per argument set; its log,
+    or with ``part="adapter"`` (``experts`` runs) the adapter factors after training."""
+    cache: dict[tuple, dict[str, Any]] = {}
 
-    def get(kind: str, model: str, bf16: bool = False, lora: str | None = None) -> list[dict[str, float]]:
-        key = (kind, model, bf16, lora)
+    def get(kind: str, model: str, bf16: bool = False, lora: str | None = None, experts: bool = False,
+            part: str = "log") -> Any:
+        key = (kind, model, bf16, lora, experts)
         if key not in cache:
-            runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, bf16=bf16, lora=lora, timeout=300)
+            runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, bf16=bf16, lora=lora,
+                            experts=experts, timeout=300)
             assert "log" in runs[0], runs[0]
             assert runs[0]["log"] == runs[1]["log"], "DDP ranks log the same values"
-            cache[key] = runs[0]["log"]
-        return cache[key]
+            cache[key] = runs[0]
+        return cache[key][part]
 
     return get
 

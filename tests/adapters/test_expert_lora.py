@@ -1,5 +1,5 @@
 """LoRA on the fused expert tensors of an expert-parallel Qwen3-MoE (``ep_size=2, fsdp_size=2``, 2 ranks) equals one
-process (``shardadopt.adapters.experts``, docs/expert-lora.md).
+process (``shardadopt.adapters.experts``, docs/expert-lora.md); training also on OLMoE (the sweep's tiny checkpoint).
 
 A user's config as peft 0.21 reads it (``target_modules=[..., "down_proj"]``: peft adapts the experts' fused
 ``down_proj`` through ``target_parameters``) and an explicit ``target_parameters`` on both expert tensors train
@@ -48,27 +48,38 @@ needs_ep_mesh = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models):
+def moe_models(tiny_models) -> dict[str, str]:
+    """Qwen3-MoE (``shardadopt.testing.models``) and OLMoE: the architecture sweep's tiny checkpoint
+    (``shardadopt.testing.archs``, 3 layers, 4 experts), written next to the other tiny models."""
+    from shardadopt.testing.archs import write_tiny
+
+    return {"qwen3moe": tiny_models["qwen3moe"], "olmoe": write_tiny("olmoe", os.path.dirname(tiny_models["qwen3"]))}
+
+
+@pytest.fixture(scope="module")
+def references(moe_models):
     from shardadopt.testing.lora.training import train_lora_reference
 
-    cache: dict[str, Any] = {}
+    cache: dict[tuple[str, str], Any] = {}
 
-    def get(config: str) -> dict[str, Any]:
-        if config not in cache:
+    def get(model: str, config: str) -> dict[str, Any]:
+        if (model, config) not in cache:
             targets, overrides = CONFIGS[config]
             _, dp = distributed_sizes("ep", 2)
-            cache[config] = train_lora_reference(tiny_models["qwen3moe"], dp, targets, overrides=overrides)
-        return cache[config]
+            cache[model, config] = train_lora_reference(moe_models[model], dp, targets, overrides=overrides)
+        return cache[model, config]
 
     return get
 
 
 @needs_ep_mesh
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_expert_lora_trains_like_one_process(pool2, tiny_models, references, tmp_path, config):
+@pytest.mark.parametrize(
+    "model, config", [("qwen3moe", "down_proj"), ("qwen3moe", "target_parameters"), ("olmoe", "down_proj")]
+)
+def test_expert_lora_trains_like_one_process(pool2, moe_models, references, tmp_path, model, config):
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from shardadopt.testing.lora.common import probe_batch
     from shardadopt.testing.lora.training import train_lora_rank
@@ -76,13 +87,13 @@ def test_expert_lora_trains_like_one_process(pool2, tiny_models, references, tmp
     targets, overrides = CONFIGS[config]
     sizes, dp = distributed_sizes("ep", 2)
     export = str(tmp_path / "adapter")
-    results = pool2.run(
-        train_lora_rank, tiny_models["qwen3moe"], sizes, dp, export, targets, STEPS, ACCUM, overrides, timeout=600
-    )
+    path = moe_models[model]
+    results = pool2.run(train_lora_rank, path, sizes, dp, export, targets, STEPS, ACCUM, overrides, timeout=600)
     assert "error" not in results[0], results[0]["error"]
-    expected = references(config)
+    expected = references(model, config)
     experts = [n for n in expected["grads"] if ".experts." in n]
-    assert len(experts) == (4 if config == "down_proj" else 8), experts  # 2 layers x lora_A/B x tensors
+    layers = AutoConfig.from_pretrained(path).num_hidden_layers
+    assert len(experts) == layers * 2 * (1 if config == "down_proj" else 2), experts  # layers x lora_A/B x tensors
     assert all(float(expected["grads"][n].abs().max()) > 0 for n in experts if "lora_B" in n)
     assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
     first = results[0]
@@ -102,9 +113,7 @@ def test_expert_lora_trains_like_one_process(pool2, tiny_models, references, tmp
     bad = [n for n, v in expected["params"].items() if not params_close(first["params"][n], v)]
     assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
 
-    one = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(tiny_models["qwen3moe"], dtype=torch.float32), export
-    )
+    one = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), export)
     with torch.no_grad():
         logits = one(input_ids=probe_batch()).logits
     for result in results:

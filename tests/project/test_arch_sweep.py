@@ -197,6 +197,36 @@ def test_doctor_model_without_a_recorded_cell_says_why(capsys, monkeypatch):
         assert row == f"  transformers 5.0 (recorded): not in the matrix ({why})", out
 
 
+def _expert_lora_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("expert LoRA ")]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_doctor_model_says_whether_expert_lora_is_supported(capsys):
+    """The expert LoRA line follows what ``shardadopt.adapters.experts`` needs: fused 3-D expert tensors and an ep
+    mesh (transformers 5.21+) with a verified ep cell in the installed matrix (Qwen3-MoE); a dense model is not an
+    MoE; an MoE whose ep load the matrix does not record is not supported."""
+    from transformers.distributed import DistributedConfig
+
+    cells = _installed_matrix()["cells"]
+    code, out = _doctor(capsys, "--model", "qwen3_moe", "--layout", "ep=2,fsdp=2")
+    line = _expert_lora_line(out)
+    if "ep_size" in DistributedConfig.__dataclass_fields__:
+        assert cells["qwen3_moe"]["ep"]["verdict"] == "verified", cells["qwen3_moe"]
+        assert ": supported: fused 3-D expert tensors (mlp.experts.down_proj, mlp.experts.gate_up_proj)" in line, line
+    else:
+        assert ": not supported on transformers" in line and "TP mesh" in line and "5.21" in line, line
+    code, out = _doctor(capsys, "--model", "llama")
+    assert ": not an MoE" in _expert_lora_line(out), out
+    code, out = _doctor(capsys, "--model", "llama", "--layout", "tp=2")
+    assert "expert LoRA" not in out, "the line belongs to the ep layout"
+    if "ep_size" in DistributedConfig.__dataclass_fields__ and "jetmoe" in cells:
+        assert "ep" not in cells["jetmoe"], cells["jetmoe"]  # fused experts, no expert-parallel plan recorded
+        code, out = _doctor(capsys, "--model", "jetmoe", "--layout", "ep=2,fsdp=2")
+        assert ": not supported: no expert-parallel (ep) cell" in _expert_lora_line(out), out
+
+
 def test_doctor_layout_without_model_or_unknown_layout_is_refused(capsys):
     from shardadopt.cli import main
 

@@ -5,8 +5,9 @@ and ``DPOTrainer(model=<sharded>, peft_config=...)`` (TRL's reference: the base 
 rank seeded the same before the adapters are added, as TRL's docs call them, on 2 ranks (fsdp, tp, ep+fsdp) and 4
 (HSDP, 2-D); the reference is the same call on the plain checkpoint under DDP over 2 ranks with the same global
 batch (workers: ``shardadopt.testing.trl``). LoRA on TP before transformers 5.17 (plain TP shards; EP there is on
-the TP mesh) is refused when the adapters are added, naming the fix. An adapter run stopped after a checkpoint and
-resumed by a new trainer equals the uninterrupted run.
+the TP mesh) is refused when the adapters are added, naming the fix. LoRA on the experts of Qwen3-MoE loaded expert
+parallel (``down_proj`` in ``target_modules``: peft adapts the fused expert tensors) tracks DDP too, adapters
+included. An adapter run stopped after a checkpoint and resumed by a new trainer equals the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from shardadopt.testing.trl import FP32_RTOL, MODELS, MOE_RTOL, STEPS, compare, 
 pytestmark = pytest.mark.multiproc
 
 
-def check_lora_run(results: list[dict], trl_ddp, kind: str, how: str, layout: str, sizes: dict) -> None:
+def check_lora_run(results: list[dict], trl_ddp, kind: str, how: str, layout: str, sizes: dict,
+                   experts: bool = False) -> None:
     """Every rank tracks the DDP run of the same LoRA call, or (TP before transformers 5.17) is refused."""
     from shardadopt.adapters import dtensor_tensor_parallel
 
     refused = "tp_size" in sizes and not dtensor_tensor_parallel()
-    expected = None if refused else trl_ddp(kind, MODELS[layout], lora=how)
+    expected = None if refused else trl_ddp(kind, MODELS[layout], lora=how, experts=experts)
     rtol = MOE_RTOL if layout == "ep" else FP32_RTOL
     for rank, result in enumerate(results):
         problem = refusal_problem(result, "lora-tp") if refused else compare(result, expected, rtol)
@@ -35,15 +37,22 @@ def check_lora_run(results: list[dict], trl_ddp, kind: str, how: str, layout: st
 
 def check_one_reduction_per_step(result: dict, what: str) -> None:
     """Each LoRA factor's gradient is averaged over the data-parallel ranks by one mechanism (shardadopt's, not also
-    the Trainer's own sync of transformers 5.25+): one all_reduce per optimizer step, none without data parallelism."""
+    the Trainer's own sync of transformers 5.25+): one all_reduce per optimizer step, none without data parallelism.
+    A factor on expert tensors is averaged over the ranks holding the same experts only: none when one rank holds
+    them (its gradient already sums the whole EP group's tokens, docs/expert-lora.md)."""
     reductions = result["adapter_grad_reductions"]
-    want = STEPS if result["dp"] > 1 else 0
-    wrong = {name: calls for name, calls in reductions.items() if calls != want}
+    replicas = result.get("expert_replicas", {})
+
+    def want(name: str) -> int:
+        return STEPS if (replicas.get(name, result["dp"])) > 1 else 0
+
+    wrong = {name: (calls, want(name)) for name, calls in reductions.items() if calls != want(name)}
     assert reductions and not wrong, (
-        f"{what}: LoRA gradients reduced other than {want} times in {STEPS} steps (dp={result['dp']}): {wrong}")
+        f"{what}: LoRA gradients reduced other than expected in {STEPS} steps (dp={result['dp']}, expert "
+        f"replicas {sorted(set(replicas.values()))}): {{factor: (calls, expected)}} {wrong}")
 
 
-# ep: Qwen3-MoE with adapters on attention (its down_proj are fused expert tensors, refused)
+# ep: Qwen3-MoE with adapters on attention (with its experts: test_expert_lora_tracks_ddp)
 @pytest.mark.parametrize("kind, how, layout", [("sft", "peft_config", "fsdp"), ("sft", "wrapped", "fsdp"),
                                                ("sft", "peft_config", "tp"), ("sft", "wrapped", "tp"),
                                                ("sft", "peft_config", "ep"), ("dpo", "peft_config", "fsdp"),
@@ -51,6 +60,38 @@ def check_one_reduction_per_step(result: dict, what: str) -> None:
 def test_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp, kind, how, layout):
     results = pool2.run(trl_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], lora=how, timeout=300)
     check_lora_run(results, trl_ddp, kind, how, layout, distributed_sizes(layout, 2)[0])
+
+
+def test_expert_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp):
+    """``SFTTrainer(peft_config=LoraConfig(target_modules=[q, v, o, "down_proj"]))`` on Qwen3-MoE loaded
+    ``ep_size=2, fsdp_size=2``: peft puts ``down_proj`` on the fused expert tensors, laid out by expert. Loss, grad
+    norm and every adapter factor after training (experts included) equal the DDP run's; expert factors are reduced
+    only over the ranks holding the same experts (here none). Before transformers 5.21 (EP on the TP mesh):
+    refused by name."""
+    import torch
+
+    from shardadopt.adapters import dtensor_tensor_parallel
+    from shardadopt.testing.lora.common import params_close
+
+    sizes = distributed_sizes("ep", 2)[0]
+    results = pool2.run(trl_log, tiny_models, trl_tokenizer, "sft", "ep", MODELS["ep"], lora="peft_config",
+                        experts=True, timeout=400)
+    if "ep_size" not in sizes:
+        cause = "experts-tp-mesh" if dtensor_tensor_parallel() else "lora-tp"
+        for rank, result in enumerate(results):
+            assert refusal_problem(result, cause) is None, f"rank {rank}: {refusal_problem(result, cause)}"
+        return
+    check_lora_run(results, trl_ddp, "sft", "peft_config", "ep", sizes, experts=True)
+    expected = trl_ddp("sft", MODELS["ep"], lora="peft_config", experts=True, part="adapter")
+    experts = [name for name in expected if ".experts." in name]
+    assert len(experts) == 4, f"lora_A/lora_B on down_proj of 2 layers: {experts}"
+    for rank, result in enumerate(results):
+        assert set(result["expert_replicas"]) == {n for n in result["adapter_grad_reductions"] if ".experts." in n}
+        assert sorted(result["adapter"]) == sorted(expected), f"rank {rank}: {sorted(result['adapter'])[:4]}"
+        bad = [n for n, v in expected.items() if not params_close(result["adapter"][n], v)]
+        assert not bad, f"rank {rank}: adapters differ from the DDP run after training: {bad[:3]}"
+        for name, value in result["adapter"].items():
+            assert torch.equal(value, results[0]["adapter"][name]), f"{name}: rank {rank} vs rank 0"
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "2d"])
