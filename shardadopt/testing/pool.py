@@ -61,6 +61,8 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
     faulthandler.enable(file=stacks_file, all_threads=True)  # a rank killed by SIGSEGV & co. leaves its stack
     sys.path[:] = sys_path
     os.environ.update(env)
+    from multiprocessing.reduction import ForkingPickler
+
     import torch
     import torch.distributed as dist
 
@@ -87,6 +89,8 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], backend:
             fn, args, kwargs = task
             result = fn(*args, **kwargs)
             _flush()  # the task's output is in the log before its answer
+            # the queue pickles in a feeder thread, where an error is printed and the answer lost: pickle here
+            ForkingPickler.dumps(result)
             outbox.put((rank, "ok", result))
         except BaseException:
             _flush()

@@ -150,7 +150,7 @@ def _slices_rank(path: str, sizes: dict[str, Any], export_dir: str) -> dict[str,
         local_shards = shards(model)
         experts_factors = {n: p for n, p in model.named_parameters() if ".experts." in n and "lora_" in n}
         with checkpoint_views(experts_factors) as viewed:  # what DCP writes
-            checkpoint = {n: v.full_tensor() for n, v in viewed.items()}
+            checkpoint = {n: v.detach().full_tensor() for n, v in viewed.items()}
         model.save_pretrained(export_dir)
         reloaded = PeftModel.from_pretrained(load_model(path, sizes), export_dir)
         with torch.no_grad():
