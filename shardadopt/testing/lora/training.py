@@ -138,6 +138,32 @@ def reference_cache(tiny_models: dict[str, str]):
     return get
 
 
+def assert_matches_one_process(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+    """Assert the ranks' :func:`train_lora_rank` results equal the one-process run ``expected``
+    (:func:`train_lora_reference`, test helper): clipping active in every step; every rank the same initial, final and
+    last-step gradient values, losses and norms, its base unchanged; losses and norms (rtol 1e-5), gradients (rtol
+    1e-4) and final adapters equal one process."""
+    import torch
+
+    assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
+    first = results[0]
+    for rank, result in enumerate(results):
+        assert result["base_unchanged"], f"rank {rank}: a base weight changed"
+        for key in ("init", "params", "grads"):
+            for name, value in result[key].items():
+                assert torch.equal(value, first[key][name]), f"{key} {name} differs between rank 0 and {rank}"
+        assert result["losses"] == first["losses"] and result["norms"] == first["norms"]
+    assert sorted(first["init"]) == sorted(expected["init"])
+    for name, value in expected["init"].items():
+        assert torch.equal(first["init"][name], value), f"initial {name} differs from one process"
+    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
+    for name, value in expected["grads"].items():
+        torch.testing.assert_close(first["grads"][name], value, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+    bad = [n for n, v in expected["params"].items() if not params_close(first["params"][n], v)]
+    assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
+
+
 def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: int, references, workdir: str,
                         overrides: dict[str, Any] | None = None, adoption: dict[str, Any] | None = None) -> None:
     """Run :func:`train_lora_rank` on ``pool`` and assert it equals the one-process run (test helper): losses, grad
@@ -165,24 +191,9 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
         return
     assert "error" not in results[0], results[0]["error"]
     expected = references(model, dp, targets, overrides)
-    assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
-    first = results[0]
-    for rank, result in enumerate(results):
-        assert result["base_unchanged"], f"rank {rank}: a base weight changed"
+    assert_matches_one_process(results, expected)
+    for result in results:
         assert result["trainable"] and all(is_adapter(n) for n in result["trainable"]), result["trainable"]
-        for key in ("init", "params", "grads"):
-            for name, value in result[key].items():
-                assert torch.equal(value, first[key][name]), f"{key} {name} differs between rank 0 and {rank}"
-        assert result["losses"] == first["losses"] and result["norms"] == first["norms"]
-    assert sorted(first["init"]) == sorted(expected["init"])
-    for name, value in expected["init"].items():
-        assert torch.equal(first["init"][name], value), f"initial {name} differs from one process"
-    torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
-    for name, value in expected["grads"].items():
-        torch.testing.assert_close(first["grads"][name], value, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
-    bad = [n for n, v in expected["params"].items() if not params_close(first["params"][n], v)]
-    assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
 
     # the export: an ordinary PEFT adapter, full tensors, that one process loads with equal outputs
     assert sorted(os.listdir(export)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
