@@ -164,6 +164,22 @@ def assert_matches_one_process(results: list[dict[str, Any]], expected: dict[str
     assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
 
 
+def assert_export_matches_one_process(results: list[dict[str, Any]], path: str, export: str) -> None:
+    """Assert the adapter a sharded run exported (``export``) loads in this process onto the plain checkpoint
+    ``path`` with the logits the ranks computed, and that the ranks' reload onto a sharded base gave them too (test
+    helper; ``results`` from :func:`train_lora_rank`)."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    one = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), export)
+    with torch.no_grad():
+        logits = one(input_ids=probe_batch()).logits
+    for result in results:
+        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=1e-6, atol=1e-6)
+
+
 def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: int, references, workdir: str,
                         overrides: dict[str, Any] | None = None, adoption: dict[str, Any] | None = None) -> None:
     """Run :func:`train_lora_rank` on ``pool`` and assert it equals the one-process run (test helper): losses, grad
@@ -173,10 +189,6 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
     ``AdoptionKwargs`` options of the sharded side."""
     import json
     import os
-
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from shardadopt.adapters import dtensor_tensor_parallel
 
@@ -199,9 +211,4 @@ def check_lora_training(pool, path: str, model: str, sizes: dict[str, Any], dp: 
     assert sorted(os.listdir(export)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     with open(os.path.join(export, "adapter_config.json")) as file:
         assert sorted(json.load(file)["target_modules"]) == sorted(targets)
-    one = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), export)
-    with torch.no_grad():
-        logits = one(input_ids=probe_batch()).logits
-    for result in results:
-        torch.testing.assert_close(result["logits"], logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(result["reloaded_logits"], result["logits"], rtol=1e-6, atol=1e-6)
+    assert_export_matches_one_process(results, path, export)
