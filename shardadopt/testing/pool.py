@@ -221,10 +221,16 @@ class RankPool:
     def _death(self, rank: int) -> str:
         """How ``rank`` died: its signal by name and, when faulthandler caught it, the stack it died in."""
         code = self._procs[rank].exitcode
-        text = f"process died of {signal_name(code)} without answering" if code is not None and code < 0 else \
-            f"process exited ({signal_name(code or 0)}) without answering"
-        with open(self._stacks[rank], errors="replace") as f:
-            dump = f.read()
+        how = f"died of {signal_name(code)}" if code is not None and code < 0 else f"exited ({signal_name(code or 0)})"
+        try:
+            with open(self._stacks[rank], errors="replace") as f:
+                dump = f.read()
+        except FileNotFoundError:  # the worker's first step creates it: the process died while it was spawned
+            return (f"process {how} before the pool's worker started in it (no stack file). A spawned process "
+                    "imports the launching script again as its main module first, so this is usually a script that "
+                    "starts the pool at module level: put that code under `if __name__ == \"__main__\":`. The "
+                    "process's own error is in the launcher's stderr.")
+        text = f"process {how} without answering"
         fatal = dump.rfind("Fatal Python error")
         return text + (f"; its stack (faulthandler):\n{dump[fatal:].rstrip()}" if fatal >= 0 else "")
 

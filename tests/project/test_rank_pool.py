@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -64,3 +67,22 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_stack():
         message, message
     assert "Fatal Python error: Segmentation fault" in message, message
     assert "_crash_in_native_code" in message and "_segfault_on_rank_one" in message, message
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_ranks_died(tmp_path):
+    """Spawned ranks import the launching script again; without the guard they die starting a pool of their own,
+    before the worker writes its stack file, and the launcher says so instead of failing on the missing file."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""\
+        from shardadopt.testing import RankPool
+
+        with RankPool(2) as pool:
+            pool.run(len, "ab")
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    err = proc.stderr
+    assert "FileNotFoundError" not in err, err
+    assert "RankError: raised on rank(s) [0, 1]" in err, err
+    assert "\nprocess exited (exit code 1) before the pool's worker started in it (no stack file)" in err, err
+    assert 'put that code under `if __name__ == "__main__":`' in err, err
