@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from shardadopt.testing.layouts import distributed_sizes
-from shardadopt.testing.lora.common import ACCUM, ATTENTION, MAX_NORM, SEED, STEPS, TARGETS
+from shardadopt.testing.lora.common import ACCUM, ATTENTION, SEED, STEPS, TARGETS
 
 pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft])")
 
@@ -245,49 +245,15 @@ def test_expert_lora_refused_on_ep_over_the_tp_mesh(pool2, tiny_models):
 def _resume_rank(path: str, sizes: dict[str, Any], dp: int, directory: str, steps: int, save_after: int):
     """The accelerate loop with expert LoRA, ``save_state`` after ``save_after`` steps; then a fresh load with
     adapters initialised from another seed, ``load_state`` and the remaining steps. Both runs' losses and adapters."""
-    import torch
+    from shardadopt.testing.lora.common import load_model, lora_config
+    from shardadopt.testing.lora.resume import straight_and_resumed
 
-    import shardadopt
-    from shardadopt.testing.accelerator import fresh_accelerator
-    from shardadopt.testing.lora.common import LR, PER_DP_BATCH, adapter_params, load_model, lora_config, token_rows
+    def build() -> Any:
+        from peft import get_peft_model
 
-    shardadopt.enable()
-    try:
+        return get_peft_model(load_model(path, sizes), lora_config(target_modules=list(ATTENTION), **BOTH))
 
-        def run(seed: int, resume: bool):
-            from peft import get_peft_model
-
-            accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
-            torch.manual_seed(seed)
-            model = get_peft_model(load_model(path, sizes), lora_config(target_modules=list(ATTENTION), **BOTH))
-            optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-            loader = torch.utils.data.DataLoader(list(token_rows(dp, steps, ACCUM)), batch_size=PER_DP_BATCH)
-            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-            if resume:
-                accelerator.load_state(directory)
-            losses, done = [], save_after if resume else 0
-            for index, batch in enumerate(loader):
-                if resume and index < save_after * ACCUM:
-                    continue  # the batches the saved run consumed
-                with accelerator.accumulate(model):
-                    loss = model(input_ids=batch, labels=batch).loss
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
-                        losses.append(float(accelerator.reduce(loss.detach(), "mean")))
-                    optimizer.step()
-                    optimizer.zero_grad()
-                if accelerator.sync_gradients:
-                    done += 1
-                    if not resume and done == save_after:
-                        accelerator.save_state(directory)
-            return losses, adapter_params(model)
-
-        straight, params = run(SEED, False)
-        resumed, resumed_params = run(SEED + 99, True)
-        return {"straight": straight, "resumed": resumed, "params": params, "resumed_params": resumed_params}
-    finally:
-        shardadopt.disable()
+    return straight_and_resumed(build, dp, steps, directory, save_after)
 
 
 @needs_ep_mesh
