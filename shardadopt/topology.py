@@ -106,7 +106,8 @@ class Topology:
 
     def grad_replication(self, parameters: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], int]:
         """``plain_replication`` for the current gradients of ``parameters`` (what ``shardadopt.gradnorm`` asks
-        about): gradients are new tensors every step, so the map is built per call.
+        about): gradients are new tensors every step, so the map is built per call; a model without plain shards
+        (every release from transformers 5.16 on) needs none, and its answer takes no pass over ``parameters``.
 
         Args:
             parameters: the model's parameters, whose ``.grad`` the returned function is asked about.
@@ -115,9 +116,11 @@ class Topology:
             A function from a gradient tensor to the number of ranks holding an identical copy of it (the world size
             for a tensor it does not know).
         """
+        world = self.world_size
+        if not self._plain_counts:
+            return lambda grad: world
         counts = {id(p.grad): self._plain_counts[id(p)] for p in parameters
                   if p.grad is not None and id(p) in self._plain_counts}
-        world = self.world_size
         return lambda grad: counts.get(id(grad), world)
 
     def describe(self) -> str:
