@@ -326,9 +326,14 @@ def same_length_layouts_run(seed: int) -> list:
         ("dp shard, none empty", [on_dp_mesh("full"), sharded], None, None),
         ("dp shard, empty on a rank", [on_dp_mesh("empty on rank 1"), sharded], None, None),
         ("sharded, replicated again", [sharded, replicated], None, None),
+        # another spec object with the same mesh and placements objects: the plan's identity test falls back to them
+        ("sharded (new spec), replicated", [DTensor.from_local(upstream.dtensor_local(sharded), mesh,
+                                                               sharded.placements, run_check=False,
+                                                               shape=sharded.shape, stride=sharded.stride()),
+                                           replicated], None, None),
     ]
     out = []
-    for p in (2.0, math.inf, 1.0):
+    for p in (2.0, math.inf, 1.0, 0.0, 3.0):
         for what, tensors, replication, fulls in cases:
             fulls = fulls or [full(t) for t in tensors]
             expected = torch.linalg.vector_norm(torch.cat([f.double().flatten() for f in fulls]), p).item()

@@ -93,6 +93,23 @@ def test_gloo_device_check_passes_where_gloo_works():
     assert gloo_collectives_problem("cpu") is None
 
 
+def test_gloo_device_check_asks_again_after_a_one_off_crash(tmp_path, monkeypatch):
+    """Ranks that die of a signal on the first run only (an overloaded machine) leave no problem: asked again."""
+    import functools
+
+    from shardadopt.selftest import device_check
+
+    (tmp_path / "crashes_once.py").write_text(
+        "import os, signal, sys\n"
+        f"marker = os.path.join({str(tmp_path)!r}, 'crashed-' + sys.argv[1])\n"
+        "if not os.path.exists(marker):\n"
+        "    open(marker, 'w').close()\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    assert functools.partial(device_check.gloo_collectives_problem, module="crashes_once")("cpu") is None
+    assert sorted(p.name for p in tmp_path.glob("crashed-*")) == ["crashed-0", "crashed-1"]
+
+
 def test_gloo_device_check_names_the_signal_and_the_stack(tmp_path, monkeypatch):
     problem = _crashing_device_check(tmp_path, monkeypatch)("cpu")
     assert "rank 0 died of SIGSEGV (signal 11)" in problem and "rank 1 died of SIGSEGV" in problem, problem
