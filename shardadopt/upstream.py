@@ -436,20 +436,6 @@ def dtensor_local(tensor: Any) -> torch.Tensor:
     return _attribute(tensor, "_local_tensor", "dtensor_local", "torch")
 
 
-def dtensor_spec_and_local() -> Callable[[Any], tuple[Any, torch.Tensor]]:
-    """A getter of ``(DTensor._spec, DTensor._local_tensor)``: the placement spec (its ``mesh`` and ``placements``) and
-    the local shard in one C-level attribute read, for the grad norm's per-step walk over every gradient. Raises
-    the accessor error when torch renamed either slot. Checked on torch 2.13-2.15."""
-    import operator
-
-    from torch.distributed.tensor import DTensor
-
-    for name in ("_spec", "_local_tensor"):
-        if not hasattr(DTensor, name):  # slots: class attributes
-            raise _changed("dtensor_spec_and_local", f"DTensor.{name}", "torch")
-    return operator.attrgetter("_spec", "_local_tensor")
-
-
 def strided_shard_type() -> type:
     """``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP x TP layouts use (not a
     ``Shard`` subclass in 2.13-2.15). Checked on torch 2.13-2.15."""

@@ -122,7 +122,8 @@ def _planned_norm(tensors: list[Tensor], norm_type: float, error_if_nonfinite: b
         payload = found.payload(locals_, p)
         if reducing:
             dist.all_reduce(payload, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=pg)
-        result = found.finish(payload, p)
+        result = finish(payload, p)
+        result = result.to(device=found.result_device or payload.device, dtype=found.result_dtype)
     else:
         pieces, errors = to_pieces(tensors, grp, plain_replication)
         first = tensors[0].device if tensors else None

@@ -24,8 +24,7 @@ from torch import Tensor
 
 from shardadopt import upstream
 
-__all__ = ["Piece", "Bucket", "PAYLOAD_DTYPE", "accumulation_dtype", "check_norm_type", "reduce_op", "buckets",
-           "local_payload", "bucket_payload",
+__all__ = ["Piece", "Bucket", "check_norm_type", "reduce_op", "buckets", "local_payload", "bucket_payload",
            "poisoned_payload", "finish"]
 
 # The payload and the cross-tensor accumulation are fp64: it is a handful of scalars, and it keeps the sum of
@@ -56,7 +55,7 @@ def reduce_op(norm_type: float) -> str:
     return "max" if math.isinf(check_norm_type(norm_type)) else "sum"
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     # Per-tensor norms in fp32 at least (bf16/fp16 grads are upcast inside the kernel), fp64 grads stay fp64.
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -121,7 +120,7 @@ def bucket_payload(groups: list[Bucket], norm_type: float, device: torch.device 
         device = torch.device("cpu")
     parts = []
     for _, dtype, tensors, weights, foreach in groups:
-        acc = accumulation_dtype(dtype)
+        acc = _accumulation_dtype(dtype)
         upcast = {} if acc == dtype else {"dtype": acc}  # passing dtype= costs even when it changes nothing
         if foreach:
             norms = upstream.foreach_norm(tensors, p, **upcast)

@@ -18,8 +18,6 @@ fails the match and goes through the signature, which finds or builds the plan f
 
 from __future__ import annotations
 
-import functools
-import math
 import weakref
 from collections.abc import Sequence
 
@@ -29,15 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from shardadopt import upstream
-from shardadopt.gradnorm.core import (
-    PAYLOAD_DTYPE,
-    Bucket,
-    Piece,
-    accumulation_dtype,
-    bucket_payload,
-    buckets,
-    finish,
-)
+from shardadopt.gradnorm.core import Bucket, Piece, bucket_payload, buckets
 from shardadopt.gradnorm.layout import Group, PlainReplication
 
 __all__ = ["Plan", "MAX_PLANS", "signature", "lookup", "build", "match"]
@@ -50,7 +40,7 @@ class Plan:
     what :func:`match` compares a later call's tensors with (``checks``, one entry per tensor)."""
 
     __slots__ = ("anchors", "group_ref", "buckets", "scale_groups", "payload_device", "result_device",
-                 "result_dtype", "checks", "fused")
+                 "result_dtype", "checks")
 
     def __init__(self, anchors: tuple, group: dist.ProcessGroup | None, pieces: list[Piece], foreach: bool | None,
                  payload_device: torch.device, result_device: torch.device | None, result_dtype: torch.dtype,
@@ -82,44 +72,12 @@ class Plan:
         self.payload_device = payload_device
         self.result_device = result_device
         self.result_dtype = result_dtype
-        # The common layout (every gradient in one foreach bucket on the payload's device) takes the fused path.
-        self.fused = None
-        if len(self.buckets) == 1 and self.buckets[0][0] is None:
-            bucket = self.buckets[0][1]
-            if bucket.foreach and bucket.device == payload_device:
-                upcast = {} if accumulation_dtype(bucket.dtype) == bucket.dtype else {
-                    "dtype": accumulation_dtype(bucket.dtype)}
-                self.fused = (bucket.weights.reshape(-1), upcast)
 
     def payload(self, locals_: list[Tensor], norm_type: float) -> Tensor:
-        """This rank's all-reduce payload for ``locals_`` (the call's local tensors, in order); :meth:`finish` turns
-        the reduced payload into the norm."""
-        if self.fused is not None and not math.isinf(norm_type):
-            # The same sum as bucket_payload, in the fewest ops: one foreach norm, stack, power, weighted dot.
-            weights, upcast = self.fused
-            norms = torch.stack(upstream.foreach_norm(locals_, norm_type, **upcast)).to(PAYLOAD_DTYPE)
-            if norm_type == 2.0:
-                norms.mul_(norms)
-            elif norm_type not in (0.0, 1.0):  # ord 0 gives counts, ord 1 sums: no power
-                norms.pow_(norm_type)
-            return torch.dot(norms, weights)
+        """This rank's all-reduce payload for ``locals_`` (the call's local tensors, in order)."""
         groups = [Bucket(b.device, b.dtype, locals_ if indices is None else [locals_[i] for i in indices], b.weights,
                          b.foreach) for indices, b in self.buckets]
         return bucket_payload(groups, norm_type, self.payload_device)
-
-    def finish(self, reduced: Tensor, norm_type: float) -> Tensor:
-        """The norm from the all-reduced :meth:`payload`, in the result's dtype on the result's device."""
-        if reduced.dim() == 0:  # the fused payload: a fp64 scalar, rooted in place
-            if norm_type == 2.0:
-                reduced.sqrt_()
-            elif norm_type not in (0.0, 1.0):
-                reduced.pow_(1.0 / norm_type)
-            result = reduced
-        else:
-            result = finish(reduced, norm_type)
-        if self.result_device is not None and result.device != self.result_device:
-            return result.to(device=self.result_device, dtype=self.result_dtype)
-        return result if result.dtype == self.result_dtype else result.to(self.result_dtype)
 
     def scale(self, locals_: list[Tensor], coef: Tensor) -> None:
         """Multiply ``locals_`` (the call's local tensors, in order) by ``coef`` in place: one foreach call per
@@ -153,9 +111,8 @@ def match(tensors: Sequence[Tensor], group: Group, group_pg: dist.ProcessGroup |
     plan = _RECENT.get((id(group_pg), foreach, len(tensors)))
     if plan is None or (plan.group_ref is not None and plan.group_ref() is not group_pg):
         return None
-    parts = _spec_and_local()
     locals_: list[Tensor] = []
-    for tensor, (spec, mesh, placements, kind, dtype, device, empty) in zip(tensors, plan.checks):
+    for tensor, (mesh, placements, kind, dtype, device, empty) in zip(tensors, plan.checks):
         if mesh is None:  # a plain tensor: placements is its replication count
             if isinstance(tensor, DTensor):
                 return None
@@ -167,23 +124,14 @@ def match(tensors: Sequence[Tensor], group: Group, group_pg: dist.ProcessGroup |
                 return None
             local = tensor
         else:
-            if not isinstance(tensor, DTensor):
+            if not isinstance(tensor, DTensor) or tensor.device_mesh is not mesh or tensor.placements is not placements:
                 return None
-            got, local = parts(tensor)
-            # A model's gradients share their parameters' spec objects step after step: one identity test.
-            if got is not spec and (got.mesh is not mesh or got.placements is not placements):
-                return None
+            local = upstream.dtensor_local(tensor)
         if type(local) is not kind or local.dtype is not dtype or local.device != device or (
                 not local.numel()) is not empty:
             return None
         locals_.append(local)
     return plan, locals_
-
-
-@functools.cache
-def _spec_and_local():
-    """``upstream.dtensor_spec_and_local()``, looked up once per process (the getter runs per gradient per step)."""
-    return upstream.dtensor_spec_and_local()
 
 
 def remember(plan: Plan, group_pg: dist.ProcessGroup | None, foreach: bool | None) -> None:
@@ -204,10 +152,10 @@ def signature(tensors: Sequence[Tensor], group: Group, group_pg: dist.ProcessGro
     locals_: list[Tensor] = []
     for tensor in tensors:
         if isinstance(tensor, DTensor):
-            spec, local = _spec_and_local()(tensor)
-            mesh, placements = spec.mesh, spec.placements
+            mesh, placements = tensor.device_mesh, tensor.placements
+            local = upstream.dtensor_local(tensor)
             key.append((id(mesh), id(placements), type(local), local.dtype, local.device, not local.numel()))
-            anchors.append((mesh, placements, spec))
+            anchors.append((mesh, placements))
         else:
             try:
                 replicas = group.size if plain_replication is None else plain_replication(tensor)
@@ -234,17 +182,10 @@ def build(key: tuple, anchors: tuple, group_pg: dist.ProcessGroup | None, pieces
           result_dtype: torch.dtype) -> Plan | None:
     """Plan a call whose ``pieces`` :func:`~shardadopt.gradnorm.layout.to_pieces` found without errors, and cache
     it; None (not cached) when a placement is Partial (its redistribution makes new tensors every call)."""
-    if any(p.is_partial() for _, placements, _ in anchors for p in placements):
+    if any(p.is_partial() for _, placements in anchors for p in placements):
         return None
     dtensors = iter(anchors)
-    checks = []
-    for entry in key[2:]:  # (spec, mesh, placements, ...) per DTensor, (None, None, replicas, ...) per plain tensor
-        if len(entry) == 6:
-            mesh, placements, spec = next(dtensors)
-            checks.append((spec, mesh, placements, *entry[2:]))
-        else:
-            checks.append((None, None, *entry))
-    checks = tuple(checks)
+    checks = tuple((*next(dtensors), *entry[2:]) if len(entry) == 6 else (None, *entry) for entry in key[2:])
     plan = Plan(anchors, group_pg, pieces, foreach, payload_device, result_device, result_dtype, checks)
     if len(_PLANS) >= MAX_PLANS:
         del _PLANS[next(iter(_PLANS))]

@@ -589,14 +589,6 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     check("dtensor_local", local_is_the_shard)
 
-    def spec_and_local_of_the_dtensor():
-        sharded = distribute_tensor(full, mesh, [Shard(0)])
-        spec, local = upstream.dtensor_spec_and_local()(sharded)
-        return (spec.mesh is sharded.device_mesh and spec.placements is sharded.placements
-                and local is upstream.dtensor_local(sharded))
-
-    check("dtensor_spec_and_local", spec_and_local_of_the_dtensor)
-
     def cache_forgets_meshes():
         # meshes compare equal by layout: without the clear, the cached output spec carries the first mesh
         (distribute_tensor(full, mesh, [Shard(0)]) * 2).full_tensor()
@@ -663,8 +655,7 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
 DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "process_group_counter",
                          "set_process_group_counter", "group_timeout",
-                         "backend_device_types", "dtensor_local", "dtensor_spec_and_local",
-                         "clear_sharding_propagation_caches",
+                         "backend_device_types", "dtensor_local", "clear_sharding_propagation_caches",
                          "fsdp_param_groups", "fsdp_managed_parameters", "model_device_mesh", "model_mesh_manager",
                          "set_model_sharding_sizes",
                          "module_hf_device_mesh")
