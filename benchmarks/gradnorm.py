@@ -13,7 +13,9 @@ layout) closes the output. Then, for comparison, each method below runs ``--comp
 median (the slowest rank's), the ratio against shardadopt and the collectives one call issues (counted with
 CommDebugMode). Alongside, the same rounds time what any
 one-collective norm must do: one ``_foreach_norm`` over the local tensors, then the bare all-reduce; the summary
-gives ``total_norm``'s ratio to that too (what shardadopt adds above the unavoidable part).
+gives ``total_norm``'s ratio to that too (what shardadopt adds above the unavoidable part). And the bare all-reduce
+after 150 us of local Python work that runs no torch op: the floor is timed right after a barrier, while every
+rank's gloo threads are still awake, and any local work before the collective (a norm's included) loses that.
 
 - shardadopt: ``shardadopt.gradnorm.total_norm`` (local foreach norms, one all-reduce);
 - per-mesh full_tensor: ``get_total_norm`` per device mesh, ``full_tensor()`` of each mesh's DTensor norm, then
@@ -81,6 +83,7 @@ def _floor(grads):
 
 METHODS = {"shardadopt": _ours, "per-mesh full_tensor": _per_mesh_full_tensor, "per-parameter loop": _per_parameter}
 FLOOR = "floor: 1 bare all_reduce"
+SPIN_SECONDS = 150e-6  # about total_norm's local part on 2 CPU cores
 
 
 def _timed(fn, grads) -> float:
@@ -119,14 +122,21 @@ def bench_rank(path: str, config: dict, warmup: int, calls: int, rounds: int, co
            "plain": sum(not isinstance(g, DTensor) for g in grads), "methods": {}, "rounds": []}
     locals_ = [upstream.dtensor_local(g) if isinstance(g, DTensor) else g for g in grads]
 
+    def idle_and_floor(grads):  # the bare all-reduce after SPIN_SECONDS of local work that is no torch op at all
+        start = time.perf_counter()
+        while time.perf_counter() - start < SPIN_SECONDS:
+            pass
+        return _floor(grads)
+
     def kernel_and_floor(grads):  # what no one-collective norm can avoid: one fused local norm, the all-reduce
         upstream.foreach_norm(locals_, 2.0)
         return _floor(grads)
 
     for _ in range(warmup):
-        _ours(grads), _floor(grads), kernel_and_floor(grads)
+        _ours(grads), _floor(grads), kernel_and_floor(grads), idle_and_floor(grads)
     for _ in range(rounds):  # the goal's measure: ours and the floor alternating, call by call
-        triples = [(_timed(_ours, grads), _timed(_floor, grads), _timed(kernel_and_floor, grads))
+        triples = [(_timed(_ours, grads), _timed(_floor, grads), _timed(kernel_and_floor, grads),
+                    _timed(idle_and_floor, grads))
                    for _ in range(calls)]
         out["rounds"].append(tuple(1e3 * statistics.median(side) for side in zip(*triples)))
     for name, fn in [*METHODS.items(), (FLOOR, _floor)]:
@@ -171,9 +181,9 @@ def main() -> None:
         print(f"\n{name}: tiny-{model} {config} on {nproc} gloo ranks; {first['grads']} grads "
               f"({first['plain']} plain) on {first['meshes']} distinct meshes; load average {load_before:.2f} "
               f"before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} cores)")
-        per_round = [tuple(max(r["rounds"][i][side] for r in results) for side in (0, 1, 2))
+        per_round = [tuple(max(r["rounds"][i][side] for r in results) for side in (0, 1, 2, 3))
                      for i in range(args.rounds)]
-        ratios = [ours / floor for ours, floor, _ in per_round]
+        ratios = [ours / floor for ours, floor, _, _ in per_round]
         ratio = statistics.median(ratios)
         if ratio > args.goal:
             over.append(name)
@@ -181,12 +191,15 @@ def main() -> None:
               f"max {max(ratios):.2f}x); total_norm {statistics.median(r[0] for r in per_round):.3f} ms, floor "
               f"{statistics.median(r[1] for r in per_round):.3f} ms (goal <= {args.goal}x: "
               f"{'OVER' if ratio > args.goal else 'OK'})")
-        kernel = statistics.median(k / floor for _, floor, k in per_round)
-        above = statistics.median(ours / k for ours, _, k in per_round)
+        kernel = statistics.median(k / floor for _, floor, k, _ in per_round)
+        above = statistics.median(ours / k for ours, _, k, _ in per_round)
+        idle = statistics.median(i / floor for _, floor, _, i in per_round)
         summary.append((name, ratio, kernel, above, load_before, os.getloadavg()[0]))
         print(f"  one fused local norm (_foreach_norm, no weights) + floor / floor: median {kernel:.2f}x "
               f"(the part of the ratio no one-collective norm avoids on this machine); total_norm / that: "
               f"{above:.2f}x")
+        print(f"  the bare all-reduce after {1e6 * SPIN_SECONDS:.0f} us of local Python work (no torch op) / floor: "
+              f"median {idle:.2f}x (what local work before the collective costs the collective itself)")
         ours = max(r["methods"]["shardadopt"]["median_ms"] for r in results)
         for method in METHODS:
             median = max(r["methods"][method]["median_ms"] for r in results)  # the slowest rank sets the pace
