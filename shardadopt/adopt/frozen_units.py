@@ -1,24 +1,29 @@
-"""FSDP2 units whose parameters are all frozen (the base model under LoRA) kept unsharded from forward to backward.
+"""FSDP2 units whose parameters are all frozen (the base model under LoRA) kept unsharded for a whole optimizer step.
 
-FSDP2 all-gathers a unit's weights before its forward, reshards them after it, and all-gathers them again before
-its backward (the input gradient needs the frozen weight too). Frozen weights get no gradient, and FSDP2 reduces only
-gradients that exist, so no reduce-scatter is issued for them; the second all-gather is what remains, and
-``reshard_after_forward=False`` on those units removes it: one all-gather per unit per forward and backward. The
-cost is memory: every such unit's unsharded weights are held from its forward to its backward, so at the peak the
-whole frozen model is unsharded on every rank (:func:`keep_frozen_units_gathered` returns those bytes). Off unless
-asked for (``AdoptionKwargs(keep_frozen_units_gathered=True)``): a model is usually sharded at load time because it
-does not fit unsharded. Measured in ``benchmarks/adapter_step.py``; docs/adapters.md.
+FSDP2 all-gathers a unit's weights before its forward, reshards them after it, all-gathers them again before its
+backward (the input gradient needs the frozen weight too) and reshards them after it; under gradient accumulation
+that happens in every micro-batch. Frozen weights get no gradient, and FSDP2 reduces only gradients that exist, so
+no reduce-scatter is issued for them; the repeated all-gathers are what remains. With the option,
+``reshard_after_forward=False`` on those units removes the backward's, and :func:`shardadopt.adopt.no_sync` (the
+micro-batches that do not synchronise gradients) also skips the reshard after backward, so each unit is gathered
+once per optimizer step and resharded after the step's last backward (FSDP2's ``set_reshard_after_backward`` for
+accumulation; frozen weights never change, so the gathered copy stays valid). The cost is memory: at the peak the
+whole frozen model is unsharded on every rank (:func:`keep_frozen_units_gathered` returns those bytes), and it stays
+so between the micro-batches of a step. Off unless asked for (``AdoptionKwargs(keep_frozen_units_gathered=True)``): a
+model is usually sharded at load time because it does not fit unsharded. Measured in ``benchmarks/adapter_step.py``;
+docs/adapters.md.
 """
-
 from __future__ import annotations
 
 from torch import nn
 
 from shardadopt import upstream
 
-_KEPT = "_shardadopt_kept_gathered"  # on an FSDP unit this module switched to reshard_after_forward=False
+# on every frozen FSDP unit under the option: True where this module switched it to reshard_after_forward=False,
+# False where upstream already keeps it gathered after forward (it is still kept across micro-batches)
+_KEPT = "_shardadopt_kept_gathered"
 
-__all__ = ["frozen_units", "keep_frozen_units_gathered"]
+__all__ = ["frozen_units", "keep_frozen_units_gathered", "units_kept_gathered"]
 
 
 def frozen_units(model: nn.Module) -> list[nn.Module]:
@@ -59,11 +64,11 @@ def _unsharded_bytes(unit: nn.Module) -> int:
 
 def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
     """Keep the all-frozen FSDP2 units of ``model`` (:func:`frozen_units`) unsharded after forward until their
-    backward (``reshard_after_forward=False``): one all-gather per unit per forward and backward instead of two; or,
-    with ``keep=False``, give the units this function switched back their resharding. Call it after the adapters
-    are added (what is frozen then decides), on every rank alike; no collective. The weights are resharded after
-    each backward; after a forward without backward (evaluation) they stay gathered until the next backward or
-    ``reshard()``.
+    backward (``reshard_after_forward=False``), and inside :func:`shardadopt.adopt.no_sync` after backward too: one
+    all-gather per unit per optimizer step instead of two per micro-batch; or, with ``keep=False``, give the units
+    back their resharding. Call it after the adapters are added (what is frozen then decides), on every rank alike;
+    no collective. The weights are resharded after each synchronised backward (the step's last); after a forward
+    without backward (evaluation) they stay gathered until the next such backward or ``reshard()``.
 
     Args:
         model: a model sharded with FSDP2 (at load time or by hand), a peft model around one included.
@@ -72,15 +77,17 @@ def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
     Returns:
         The bytes per rank of the unsharded weights now held from forward to backward by the units this call
         switched (0 with ``keep=False``, or when no unit is all frozen): the memory the option costs at the step's
-        peak. Units that upstream already keeps gathered (FSDP2's root, transformers' norm-and-head unit) are left
-        alone and not counted.
+        peak. Units that upstream already keeps gathered after forward (FSDP2's root, transformers'
+        norm-and-head unit) are only kept across micro-batches, and not counted (upstream holds them at the peak).
     """
     held, counted = 0, set()
     for unit in frozen_units(model):
         groups = upstream.fsdp_param_groups(unit)
-        if keep and all(g.post_forward_mesh_info is not None for g in groups):
-            unit.set_reshard_after_forward(False, recurse=False)
-            unit.__dict__[_KEPT] = True
+        if keep and _KEPT not in unit.__dict__:
+            switch = all(g.post_forward_mesh_info is not None for g in groups)
+            if switch:
+                unit.set_reshard_after_forward(False, recurse=False)
+            unit.__dict__[_KEPT] = switch
         elif not keep and unit.__dict__.pop(_KEPT, False):
             unit.set_reshard_after_forward(True, recurse=False)
         # modules sharded together (fully_shard([norm, lm_head])) share their groups: counted once
@@ -88,3 +95,16 @@ def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
             counted.update(id(g) for g in groups)
             held += _unsharded_bytes(unit)
     return held
+
+
+def units_kept_gathered(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units of ``model`` that :func:`keep_frozen_units_gathered` keeps (what ``no_sync`` keeps gathered
+    after backward too).
+
+    Args:
+        model: any module.
+
+    Returns:
+        The units, in ``model.modules()`` order (none without the option).
+    """
+    return [module for module in model.modules() if _KEPT in module.__dict__]
