@@ -459,6 +459,12 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     return list(groups) if groups is not None else []
 
 
+def fsdp_group_syncs_gradients(group: Any) -> bool:
+    """``FSDPParamGroup.reduce_grads``: False while gradient reduction waits (``set_requires_gradient_sync(False)``,
+    FSDP2's ``no_sync`` under accumulation), True in the micro-batch that reduces. Checked on torch 2.13-2.15."""
+    return bool(_attribute(group, "reduce_grads", "fsdp_group_syncs_gradients", "torch"))
+
+
 def fsdp_managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters ``fully_shard`` manages in ``module``'s own parameter groups, as registered on their modules
     now (``FSDPParam._module_info``: the module and name; its ``sharded_param`` is stale until FSDP's lazy init when

@@ -4,26 +4,28 @@ FSDP2 all-gathers a unit's weights before its forward, reshards them after it, a
 backward (the input gradient needs the frozen weight too) and reshards them after it; under gradient accumulation
 that happens in every micro-batch. Frozen weights get no gradient, and FSDP2 reduces only gradients that exist, so
 no reduce-scatter is issued for them; the repeated all-gathers are what remains. With the option,
-``reshard_after_forward=False`` on those units removes the backward's, and :func:`shardadopt.adopt.no_sync` (the
-micro-batches that do not synchronise gradients) also skips the reshard after backward, so each unit is gathered
-once per optimizer step and resharded after the step's last backward (FSDP2's ``set_reshard_after_backward`` for
-accumulation; frozen weights never change, so the gathered copy stays valid). The cost is memory: at the peak the
-whole frozen model is unsharded on every rank (:func:`keep_frozen_units_gathered` returns those bytes), and it stays
-so between the micro-batches of a step. Off unless asked for (``AdoptionKwargs(keep_frozen_units_gathered=True)``): a
-model is usually sharded at load time because it does not fit unsharded. Measured in ``benchmarks/adapter_step.py``;
-docs/adapters.md.
+``reshard_after_forward=False`` on those units removes the backward's, and a forward pre-hook on each unit skips the
+reshard after backward in the micro-batches that do not reduce gradients (FSDP2's ``set_reshard_after_backward`` for
+accumulation, switched by the units' own sync state, so ``no_sync`` from accelerate, the Trainer or by hand all
+count), so each unit is gathered once per optimizer step and resharded after the step's last backward (frozen
+weights never change: the gathered copy stays valid). The cost is memory: at the peak the whole frozen model is
+unsharded on every rank (:func:`keep_frozen_units_gathered` returns those bytes), and it stays so between the
+micro-batches of a step. Off unless asked for (``AdoptionKwargs(keep_frozen_units_gathered=True)``; Trainer: call
+the function after adding the adapters): a model is usually sharded at load time because it does not fit
+unsharded. Measured in ``benchmarks/adapter_step.py``; docs/adapters.md.
 """
+
 from __future__ import annotations
 
 from torch import nn
 
 from shardadopt import upstream
 
-# on every frozen FSDP unit under the option: True where this module switched it to reshard_after_forward=False,
-# False where upstream already keeps it gathered after forward (it is still kept across micro-batches)
+# on every frozen FSDP unit under the option: (whether this module switched it to reshard_after_forward=False, or
+# upstream already keeps it gathered after forward; the handle of its pre-forward hook keeping it across micro-batches)
 _KEPT = "_shardadopt_kept_gathered"
 
-__all__ = ["frozen_units", "keep_frozen_units_gathered", "units_kept_gathered"]
+__all__ = ["frozen_units", "keep_frozen_units_gathered"]
 
 
 def frozen_units(model: nn.Module) -> list[nn.Module]:
@@ -64,11 +66,12 @@ def _unsharded_bytes(unit: nn.Module) -> int:
 
 def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
     """Keep the all-frozen FSDP2 units of ``model`` (:func:`frozen_units`) unsharded after forward until their
-    backward (``reshard_after_forward=False``), and inside :func:`shardadopt.adopt.no_sync` after backward too: one
-    all-gather per unit per optimizer step instead of two per micro-batch; or, with ``keep=False``, give the units
-    back their resharding. Call it after the adapters are added (what is frozen then decides), on every rank alike;
-    no collective. The weights are resharded after each synchronised backward (the step's last); after a forward
-    without backward (evaluation) they stay gathered until the next such backward or ``reshard()``.
+    backward (``reshard_after_forward=False``), and after the backward of micro-batches that do not reduce gradients
+    (under accumulation) too: one all-gather per unit per optimizer step instead of two per micro-batch; or, with
+    ``keep=False``, give the units back their resharding. Call it after the adapters are added (what is frozen then
+    decides), on every rank alike; no collective. The weights are resharded after each synchronised backward (the
+    step's last); after a forward without backward (evaluation) they stay gathered until the next such backward or
+    ``reshard()``.
 
     Args:
         model: a model sharded with FSDP2 (at load time or by hand), a peft model around one included.
@@ -87,24 +90,22 @@ def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
             switch = all(g.post_forward_mesh_info is not None for g in groups)
             if switch:
                 unit.set_reshard_after_forward(False, recurse=False)
-            unit.__dict__[_KEPT] = switch
-        elif not keep and unit.__dict__.pop(_KEPT, False):
-            unit.set_reshard_after_forward(True, recurse=False)
+            unit.__dict__[_KEPT] = (switch, unit.register_forward_pre_hook(_reshard_after_synced_backward))
+        elif not keep and _KEPT in unit.__dict__:
+            switch, hook = unit.__dict__.pop(_KEPT)
+            hook.remove()
+            unit.set_reshard_after_backward(True, recurse=False)
+            if switch:
+                unit.set_reshard_after_forward(True, recurse=False)
         # modules sharded together (fully_shard([norm, lm_head])) share their groups: counted once
-        if keep and unit.__dict__.get(_KEPT) and not counted & {id(g) for g in groups}:
+        if keep and unit.__dict__[_KEPT][0] and not counted & {id(g) for g in groups}:
             counted.update(id(g) for g in groups)
             held += _unsharded_bytes(unit)
     return held
 
 
-def units_kept_gathered(model: nn.Module) -> list[nn.Module]:
-    """The FSDP2 units of ``model`` that :func:`keep_frozen_units_gathered` keeps (what ``no_sync`` keeps gathered
-    after backward too).
-
-    Args:
-        model: any module.
-
-    Returns:
-        The units, in ``model.modules()`` order (none without the option).
-    """
-    return [module for module in model.modules() if _KEPT in module.__dict__]
+def _reshard_after_synced_backward(unit: nn.Module, args: object) -> None:
+    """Before a kept unit's forward: reshard it after this micro-batch's backward only if that backward reduces
+    gradients (the step's last); inside ``no_sync`` the next micro-batch needs the same weights."""
+    syncs = all(upstream.fsdp_group_syncs_gradients(g) for g in upstream.fsdp_param_groups(unit))
+    unit.set_reshard_after_backward(syncs, recurse=False)

@@ -13,16 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardadopt.adopt.frozen_units import units_kept_gathered
 from shardadopt.adopt.record import adopted
 
 
 @contextlib.contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Skip FSDP2 gradient reduction (reduce-scatter and HSDP all-reduce) inside the block; gradients accumulate
-    unsharded locally and the next synchronised backward reduces the sum. Frozen units kept gathered
-    (:func:`shardadopt.adopt.keep_frozen_units_gathered`) are not resharded after backward inside the block either:
-    the next micro-batch needs the same weights.
+    unsharded locally and the next synchronised backward reduces the sum.
 
     Args:
         model: the adopted model; its ``FSDPModule`` units are switched (none: nothing happens).
@@ -33,18 +30,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     from torch.distributed.fsdp import FSDPModule
 
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    kept = units_kept_gathered(model)
     for module in modules:
         module.set_requires_gradient_sync(False, recurse=False)
-    for unit in kept:
-        unit.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
         for module in modules:
             module.set_requires_gradient_sync(True, recurse=False)
-        for unit in kept:
-            unit.set_reshard_after_backward(True, recurse=False)
 
 
 def clip_grad_norm_(accelerator: Any, parameters: Iterable[torch.Tensor], max_norm: float,
