@@ -183,6 +183,26 @@ def test_lora_step_issues_the_collectives_the_layout_needs(pool2, tiny_models, m
                 assert layers <= backward <= groups - kept, f"{what}: {backward} all-gathers per backward"
 
 
+def test_trainer_lora_with_frozen_units_gathered_trains_alike_with_fewer_all_gathers(pool2, tiny_models, tmp_path):
+    """A Trainer user turns the option on with ``keep_frozen_units_gathered(model)`` after ``get_peft_model`` (the
+    Trainer builds its own Accelerator): the plain transformers Trainer (accumulation 2, clipping) on an fsdp_size=2
+    load logs the same losses and grad norms as without it, and each optimizer step all-gathers every FSDP parameter
+    group once (the layout's need), where upstream gathers more."""
+    from shardadopt.testing.lora.collectives import trainer_lora_run
+
+    sizes, dp = distributed_sizes("fsdp", 2)
+    runs = {gathered: pool2.run(trainer_lora_run, tiny_models["llama"], sizes, dp, gathered,
+                                str(tmp_path / str(gathered)), timeout=300) for gathered in (False, True)}
+    for rank, (upstream_run, kept) in enumerate(zip(runs[False], runs[True])):
+        assert kept["held"] > 0 and upstream_run["held"] == 0, (rank, kept, upstream_run)
+        assert len(kept["log"]) == len(kept["per_step"]) == 2, (rank, kept)
+        assert kept["log"] == upstream_run["log"], f"rank {rank}: {kept['log']} != {upstream_run['log']}"
+        for step, (before, after) in enumerate(zip(upstream_run["per_step"], kept["per_step"])):
+            what = f"rank {rank} step {step}: {after} kept, {before} upstream, {kept['groups']} groups"
+            assert after["all_gather"] == kept["groups"] < before["all_gather"], what
+            assert after["reduce_scatter"] == before["reduce_scatter"] == 0, what
+
+
 def test_average_gradients_issues_one_all_reduce_per_set_and_dtype(pool2):
     """``shardadopt.adapters.average_gradients``: every gradient equals the mean over the ranks of its group (computed
     here from every rank's gradients), with one all_reduce per (parameters, group) set and dtype: a world set of
