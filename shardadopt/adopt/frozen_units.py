@@ -10,9 +10,11 @@ accumulation, switched by the units' own sync state, so ``no_sync`` from acceler
 count), so each unit is gathered once per optimizer step and resharded after the step's last backward (frozen
 weights never change: the gathered copy stays valid). The cost is memory: at the peak the whole frozen model is
 unsharded on every rank (:func:`keep_frozen_units_gathered` returns those bytes), and it stays so between the
-micro-batches of a step. Off unless asked for (``AdoptionKwargs(keep_frozen_units_gathered=True)``; Trainer: call
-the function after adding the adapters): a model is usually sharded at load time because it does not fit
-unsharded. Measured in ``benchmarks/adapter_step.py``; docs/adapters.md.
+micro-batches of a step. ``across_steps`` keeps them gathered after every backward: one all-gather per unit for the
+whole run (the first forward; again only after something reshards them, such as a ``state_dict()``), the same peak,
+held between steps too. Off unless asked for (``AdoptionKwargs(keep_frozen_units_gathered=True)``; Trainer: call the
+function after adding the adapters): a model is usually sharded at load time because it does not fit unsharded.
+Measured in ``benchmarks/adapter_step.py``; docs/adapters.md.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from torch import nn
 from shardadopt import upstream
 
 # on every frozen FSDP unit under the option: (whether this module switched it to reshard_after_forward=False, or
-# upstream already keeps it gathered after forward; the handle of its pre-forward hook keeping it across micro-batches)
+# upstream already keeps it gathered after forward; the handle of its pre-forward hook keeping it across micro-batches,
+# None when it is kept across steps)
 _KEPT = "_shardadopt_kept_gathered"
 
 __all__ = ["frozen_units", "keep_frozen_units_gathered"]
@@ -64,18 +67,20 @@ def _unsharded_bytes(unit: nn.Module) -> int:
     return total
 
 
-def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
+def keep_frozen_units_gathered(model: nn.Module, keep: bool = True, across_steps: bool = False) -> int:
     """Keep the all-frozen FSDP2 units of ``model`` (:func:`frozen_units`) unsharded after forward until their
     backward (``reshard_after_forward=False``), and after the backward of micro-batches that do not reduce gradients
     (under accumulation) too: one all-gather per unit per optimizer step instead of two per micro-batch; or, with
     ``keep=False``, give the units back their resharding. Call it after the adapters are added (what is frozen then
     decides), on every rank alike; no collective. The weights are resharded after each synchronised backward (the
     step's last); after a forward without backward (evaluation) they stay gathered until the next such backward or
-    ``reshard()``.
+    ``reshard()``. With ``across_steps`` they are not resharded after any backward: gathered once for the run, held
+    between steps too (the step's peak does not change: it already holds them). Calling it again switches the mode.
 
     Args:
         model: a model sharded with FSDP2 (at load time or by hand), a peft model around one included.
         keep: True to keep the units gathered, False to undo.
+        across_steps: keep them gathered from one optimizer step to the next too.
 
     Returns:
         The bytes per rank of the unsharded weights now held from forward to backward by the units this call
@@ -86,17 +91,22 @@ def keep_frozen_units_gathered(model: nn.Module, keep: bool = True) -> int:
     held, counted = 0, set()
     for unit in frozen_units(model):
         groups = upstream.fsdp_param_groups(unit)
-        if keep and _KEPT not in unit.__dict__:
+        if _KEPT in unit.__dict__:  # kept already: undone first (then kept again in the mode asked for)
+            switch, hook = unit.__dict__.pop(_KEPT)
+            if hook is not None:
+                hook.remove()
+            unit.set_reshard_after_backward(True, recurse=False)
+            if switch and not keep:
+                unit.set_reshard_after_forward(True, recurse=False)
+        elif keep:
             switch = all(g.post_forward_mesh_info is not None for g in groups)
             if switch:
                 unit.set_reshard_after_forward(False, recurse=False)
-            unit.__dict__[_KEPT] = (switch, unit.register_forward_pre_hook(_reshard_after_synced_backward))
-        elif not keep and _KEPT in unit.__dict__:
-            switch, hook = unit.__dict__.pop(_KEPT)
-            hook.remove()
-            unit.set_reshard_after_backward(True, recurse=False)
-            if switch:
-                unit.set_reshard_after_forward(True, recurse=False)
+        if keep:
+            hook = None if across_steps else unit.register_forward_pre_hook(_reshard_after_synced_backward)
+            if across_steps:
+                unit.set_reshard_after_backward(False, recurse=False)
+            unit.__dict__[_KEPT] = (switch, hook)
         # modules sharded together (fully_shard([norm, lm_head])) share their groups: counted once
         if keep and unit.__dict__[_KEPT][0] and not counted & {id(g) for g in groups}:
             counted.update(id(g) for g in groups)

@@ -16,13 +16,14 @@ from shardadopt.testing.lora.common import ACCUM, LR, MAX_NORM, PER_DP_BATCH, SE
 
 
 def count_lora_step_collectives(
-    path: str, sizes: dict[str, Any], dp_size: int, gathered: bool, steps: int = 2, accum: int = ACCUM
+    path: str, sizes: dict[str, Any], dp_size: int, gathered: bool | str, steps: int = 2, accum: int = ACCUM
 ) -> dict[str, Any]:
     """``steps`` optimizer steps of ``accum`` micro-batches; ``gathered``: with
-    ``AdoptionKwargs(keep_frozen_units_gathered=True)``. Returns ``{"per_step": [{kind: calls, "adapter_averages":
-    calls}], "units": FSDP modules holding weights, "groups": their parameter groups (one all-gather each),
-    "frozen_units": modules all frozen, "kept": groups not resharded after forward, "layers": decoder layers,
-    "held": bytes the option holds, "accum": accum}``."""
+    ``AdoptionKwargs(keep_frozen_units_gathered=True)``, or ``"across_steps"`` with
+    ``AdoptionKwargs(keep_frozen_units_gathered_across_steps=True)``. Returns ``{"per_step": [{kind: calls,
+    "adapter_averages": calls}], "units": FSDP modules holding weights, "groups": their parameter groups (one
+    all-gather each), "frozen_units": modules all frozen, "kept": groups not resharded after forward, "layers":
+    decoder layers, "held": bytes the option holds, "accum": accum}``."""
     import torch
     import torch.distributed as dist
     from peft import get_peft_model
@@ -38,7 +39,8 @@ def count_lora_step_collectives(
 
     shardadopt.enable()
     try:
-        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=gathered)]
+        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=bool(gathered),
+                                              keep_frozen_units_gathered_across_steps=gathered == "across_steps")]
         accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=accum, kwargs_handlers=handlers)
         torch.manual_seed(SEED)
         model = get_peft_model(load_model(path, sizes), lora_config())
@@ -56,7 +58,7 @@ def count_lora_step_collectives(
             "kept": sum(g.post_forward_mesh_info is None for g in groups.values()),
             "layers": len(model.get_base_model().model.layers),
             "accum": accum,
-            "held": keep_frozen_units_gathered(model) if gathered else 0,
+            "held": keep_frozen_units_gathered(model, across_steps=gathered == "across_steps") if gathered else 0,
         }
 
         averages = [0]
