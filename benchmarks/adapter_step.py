@@ -14,7 +14,11 @@ pool so that load on a shared machine hits them alike:
 - ``sharded-lora``: the checkpoint loaded with ``DistributedConfig(fsdp_size=2)`` (or ``tp_size=2``) and the same
   adapters, with ``shardadopt.enable()``;
 - ``sharded-lora-gathered``: the same with ``AdoptionKwargs(keep_frozen_units_gathered=True)`` (FSDP2 units whose
-  weights are all frozen are not resharded between forward and backward; nothing changes on a TP load).
+  weights are all frozen are not resharded between forward and backward nor between the micro-batches of a step:
+  one all-gather per unit per step; nothing changes on a TP load);
+- ``sharded-lora-across-steps``: with ``AdoptionKwargs(keep_frozen_units_gathered_across_steps=True)`` (kept from one
+  step to the next too: no all-gather after the first step, so its gap to ``ddp-lora`` is the layout's cost
+  without the base's all-gathers, measured).
 
 A step is the time between two consecutive optimizer-step ends, the slowest rank's; the first ``--warmup`` steps of
 every run are dropped. It prints each side's median (and p10) step and the ratios against ``ddp-lora`` (and
@@ -48,8 +52,8 @@ from _timing import timed_accelerate_loop, write_llama
 LR = 1e-3
 MAX_GRAD_NORM = 1.0
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-SIDES = ("ddp-full", "ddp-lora", "sharded-lora", "sharded-lora-gathered")
-DEFAULT_SIDES = "ddp-lora,sharded-lora,sharded-lora-gathered"
+SIDES = ("ddp-full", "ddp-lora", "sharded-lora", "sharded-lora-gathered", "sharded-lora-across-steps")
+DEFAULT_SIDES = "ddp-lora,sharded-lora,sharded-lora-gathered,sharded-lora-across-steps"
 
 
 def _local_bytes(tensor) -> int:
@@ -115,7 +119,9 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
     try:
         baseline = _trimmed_rss()
         upstream.reset_accelerate_state()
-        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=side.endswith("-gathered"))]
+        kept, across = side.endswith(("-gathered", "-across-steps")), side.endswith("-across-steps")
+        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=kept,
+                                              keep_frozen_units_gathered_across_steps=across)]
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum, kwargs_handlers=handlers)
         kwargs = {"dtype": torch.float32}
         dp = dist.get_world_size()
@@ -140,7 +146,7 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
         counted = torch.utils.data.DataLoader(list(rows[split:]), batch_size=per_rank)
         model, optimizer, loader, counted = accelerator.prepare(model, optimizer, loader, counted)
         # what the option holds (asking again changes nothing): the units' unsharded weights, per rank
-        held = keep_frozen_units_gathered(model) if side.endswith("-gathered") else 0
+        held = keep_frozen_units_gathered(model, across_steps=across) if kept else 0
         units = len(frozen_units(model))
 
         def memory() -> dict[str, int]:  # after the last update: gradients and AdamW state are there
@@ -227,7 +233,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} "
           f"before, {'/'.join(f'{x:.1f}' for x in load_after)} after")
     ratios = [f"/{base}" for base in ("ddp-full", "ddp-lora") if base in sides]
-    print(f"{'side':>22} {'step ms':>8} {'p10 ms':>7} " + " ".join(f"{r:>9}" for r in ratios)
+    print(f"{'side':>25} {'step ms':>8} {'p10 ms':>7} " + " ".join(f"{r:>9}" for r in ratios)
           + f" {'colls ms':>8} {'step gap':>8} {'colls gap':>9} {'explained':>9} {'rest ms':>7}"
           + f" {'model MiB':>11} {'train+grad+adam':>15} {'peak RSS +MiB':>13} {'held MiB':>9}"
           + "  collectives/step (count x MiB): " + ", ".join(COLLECTIVE_KINDS))
@@ -243,7 +249,7 @@ def main() -> None:
         # per kind: calls x MiB in all (rank 0; the other rank's when it differs)
         kinds = ["  ".join(f"{len(c[kind])}x{sum(c[kind]) / 2**20:.2f}" for kind in COLLECTIVE_KINDS)
                  for c in collectives[side]]
-        print(f"{side:>22} {step[side]:8.1f} {p10[side]:7.1f} "
+        print(f"{side:>25} {step[side]:8.1f} {p10[side]:7.1f} "
               + " ".join(f"{step[side] / step[r[1:]]:8.3f}x" for r in ratios)
               + f" {replay[side]:8.1f}" + gaps + f"{step[side] - replay[side]:7.1f}"
               + f" {per_rank('model', 2):>11} {per_rank('trainable+grads+adam', 3):>15} "

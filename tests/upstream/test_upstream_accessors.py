@@ -606,6 +606,16 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     check("fsdp_param_groups", one_group_on_the_mesh)
 
+    def syncs_unless_no_sync():
+        module = torch.nn.Linear(2, 2)
+        fully_shard(module, mesh=mesh)
+        [group] = upstream.fsdp_param_groups(module)
+        syncing = upstream.fsdp_group_syncs_gradients(group)
+        module.set_requires_gradient_sync(False)
+        return syncing is True and upstream.fsdp_group_syncs_gradients(group) is False
+
+    check("fsdp_group_syncs_gradients", syncs_unless_no_sync)
+
     def managed_as_registered_now():
         module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, bias=False))
         fully_shard(module[1], mesh=mesh)
@@ -656,7 +666,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "process_group_counter",
                          "set_process_group_counter", "group_timeout",
                          "backend_device_types", "dtensor_local", "clear_sharding_propagation_caches",
-                         "fsdp_param_groups", "fsdp_managed_parameters", "model_device_mesh", "model_mesh_manager",
+                         "fsdp_param_groups", "fsdp_group_syncs_gradients", "fsdp_managed_parameters",
+                         "model_device_mesh", "model_mesh_manager",
                          "set_model_sharding_sizes",
                          "module_hf_device_mesh")
 
