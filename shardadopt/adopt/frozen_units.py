@@ -86,7 +86,8 @@ def keep_frozen_units_gathered(model: nn.Module, keep: bool = True, across_steps
         The bytes per rank of the unsharded weights now held from forward to backward by the units this call
         switched (0 with ``keep=False``, or when no unit is all frozen): the memory the option costs at the step's
         peak. Units that upstream already keeps gathered after forward (FSDP2's root, transformers'
-        norm-and-head unit) are only kept across micro-batches, and not counted (upstream holds them at the peak).
+        norm-and-head unit) are only kept after backward (across micro-batches, or steps), and not counted (upstream
+        holds them at the peak).
     """
     held, counted = 0, set()
     for unit in frozen_units(model):
