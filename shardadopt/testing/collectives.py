@@ -144,14 +144,15 @@ def recorded_collectives() -> Iterator[list[Collective]]:
         (yields) the list of :class:`Collective`, filled as the block runs.
     """
     import torch
-    from torch.utils._pytree import tree_flatten
+
+    from shardadopt import upstream
 
     recorded: list[Collective] = []
 
     def seen(func, args, kwargs, result) -> None:
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = upstream.pytree_flatten((args, kwargs))
         dummy = [torch.zeros_like(x) if isinstance(x, torch.Tensor) else x for x in flat]
-        tensors = [x for x in flat + tree_flatten(result)[0] if isinstance(x, torch.Tensor)]
+        tensors = [x for x in flat + upstream.pytree_flatten(result)[0] if isinstance(x, torch.Tensor)]
         nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
         args, kwargs = spec.unflatten(dummy)
         recorded.append(Collective(func, args, kwargs, collective_kind(func), nbytes))
@@ -169,13 +170,14 @@ def replay_collectives(collectives: list[Collective]) -> None:
         collectives: what :func:`recorded_collectives` recorded on this rank.
     """
     import torch
-    from torch.utils._pytree import tree_flatten
+
+    from shardadopt import upstream
 
     for collective in collectives:
         result = collective.op(*collective.args, **collective.kwargs)
-        for item in tree_flatten(result)[0]:
+        for item in upstream.pytree_flatten(result)[0]:
             if isinstance(item, torch.Tensor):
                 if collective.op.namespace != "c10d":  # functional collectives: an async tensor
-                    torch.ops._c10d_functional.wait_tensor(item)
+                    upstream.wait_functional_collective(item)
             elif hasattr(item, "wait"):  # c10d ops: their Work
                 item.wait()
