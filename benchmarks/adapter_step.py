@@ -14,7 +14,11 @@ pool so that load on a shared machine hits them alike:
 - ``sharded-lora``: the checkpoint loaded with ``DistributedConfig(fsdp_size=2)`` (or ``tp_size=2``) and the same
   adapters, with ``shardadopt.enable()``;
 - ``sharded-lora-gathered``: the same with ``AdoptionKwargs(keep_frozen_units_gathered=True)`` (FSDP2 units whose
-  weights are all frozen are not resharded between forward and backward; nothing changes on a TP load).
+  weights are all frozen are not resharded between forward and backward nor between the micro-batches of a step:
+  one all-gather per unit per step; nothing changes on a TP load);
+- ``sharded-lora-across-steps``: with ``AdoptionKwargs(keep_frozen_units_gathered_across_steps=True)`` (kept from one
+  step to the next too: no all-gather after the first step, so its gap to ``ddp-lora`` is the layout's cost
+  without the base's all-gathers, measured).
 
 A step is the time between two consecutive optimizer-step ends, the slowest rank's; the first ``--warmup`` steps of
 every run are dropped. It prints each side's median (and p10) step and the ratios against ``ddp-lora`` (and
@@ -22,8 +26,15 @@ every run are dropped. It prints each side's median (and p10) step and the ratio
 gradients and AdamW state, the peak RSS growth (the resident set's high-water mark, sampled every millisecond
 during the timed steps, above the RSS after ``malloc_trim`` just before the load: what the side added, allocator
 caching included), and the unsharded frozen weights the option holds; and the collectives of one optimizer step
-(run once more after the timed steps, counted by ``CommDebugMode``), by kind. The machine's load is printed before
-and after.
+(run once more after the timed steps, recorded by a dispatch mode like ``CommDebugMode``), by kind, with their
+bytes. The machine's load is printed before and after.
+
+Whether the sharded sides' extra time is their collectives': every side replays the collectives its recorded step
+issued (the same ops, groups and sizes, on zero buffers, each waited for before the next) alone, as many times as
+it ran steps, timed the same way (the slowest rank, warmup dropped, median over the rounds, in the same pool run
+right after its steps). Per sharded side it prints the step's gap to ``ddp-lora`` next to the replayed collectives'
+gap to ``ddp-lora``'s replay (the share of the gap the layout's collectives explain, if they did not overlap with
+compute), and the step minus its replay (what is not collective time, derived, not measured apart).
 """
 
 from __future__ import annotations
@@ -34,14 +45,15 @@ import os
 import statistics
 import tempfile
 import threading
+import time
 
 from _timing import timed_accelerate_loop, write_llama
 
 LR = 1e-3
 MAX_GRAD_NORM = 1.0
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-SIDES = ("ddp-full", "ddp-lora", "sharded-lora", "sharded-lora-gathered")
-DEFAULT_SIDES = "ddp-lora,sharded-lora,sharded-lora-gathered"
+SIDES = ("ddp-full", "ddp-lora", "sharded-lora", "sharded-lora-gathered", "sharded-lora-across-steps")
+DEFAULT_SIDES = "ddp-lora,sharded-lora,sharded-lora-gathered,sharded-lora-across-steps"
 
 
 def _local_bytes(tensor) -> int:
@@ -101,13 +113,15 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
     import shardadopt
     from shardadopt import upstream
     from shardadopt.adopt import frozen_units, keep_frozen_units_gathered
-    from shardadopt.testing.collectives import counted_collectives
+    from shardadopt.testing.collectives import COLLECTIVE_KINDS, recorded_collectives, replay_collectives
 
     shardadopt.enable()
     try:
         baseline = _trimmed_rss()
         upstream.reset_accelerate_state()
-        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=side.endswith("-gathered"))]
+        kept, across = side.endswith(("-gathered", "-across-steps")), side.endswith("-across-steps")
+        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=kept,
+                                              keep_frozen_units_gathered_across_steps=across)]
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum, kwargs_handlers=handlers)
         kwargs = {"dtype": torch.float32}
         dp = dist.get_world_size()
@@ -132,7 +146,7 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
         counted = torch.utils.data.DataLoader(list(rows[split:]), batch_size=per_rank)
         model, optimizer, loader, counted = accelerator.prepare(model, optimizer, loader, counted)
         # what the option holds (asking again changes nothing): the units' unsharded weights, per rank
-        held = keep_frozen_units_gathered(model) if side.endswith("-gathered") else 0
+        held = keep_frozen_units_gathered(model, across_steps=across) if kept else 0
         units = len(frozen_units(model))
 
         def memory() -> dict[str, int]:  # after the last update: gradients and AdamW state are there
@@ -151,9 +165,16 @@ def run_side(side: str, path: str, layout: str, steps: int, batch: int, accum: i
                                                    batch_inputs, memory)
         measured.update(peak_rss=rss.peak - baseline, held=held, frozen_units=units)
         dist.barrier()
-        with counted_collectives() as collectives:
+        with recorded_collectives() as recorded:
             timed_accelerate_loop(accelerator, model, optimizer, counted, MAX_GRAD_NORM, batch_inputs)
-        return {"steps": [b - a for a, b in zip(ends, ends[1:])], "memory": measured, "collectives": collectives}
+        collectives = {kind: [c.nbytes for c in recorded if c.kind == kind] for kind in COLLECTIVE_KINDS}
+        dist.barrier()
+        replays = [time.perf_counter()]
+        for _ in range(steps):
+            replay_collectives(recorded)
+            replays.append(time.perf_counter())
+        return {"steps": [b - a for a, b in zip(ends, ends[1:])], "memory": measured, "collectives": collectives,
+                "replays": [b - a for a, b in zip(replays, replays[1:])]}
     finally:
         shardadopt.disable()
 
@@ -188,6 +209,7 @@ def main() -> None:
     path = write_llama(args.models, args.hidden, args.layers, args.vocab)
     shape = (path, args.layout, args.steps, args.batch, args.accum, args.seq, args.vocab, args.lora_rank)
     times: dict[str, list[float]] = {side: [] for side in sides}
+    replays: dict[str, list[float]] = {side: [] for side in sides}
     memory: dict[str, list[dict]] = {}
     collectives: dict[str, list[dict]] = {}
     load_before = os.getloadavg()
@@ -195,12 +217,15 @@ def main() -> None:
         for _ in range(args.rounds):
             for side in sides:
                 results = pool.run(run_side, side, *shape, timeout=900)
+                # per step the slowest rank; the steps before the warmup's end dropped, likewise for the replays
                 times[side] += [max(step) for step in zip(*(r["steps"] for r in results))][args.warmup - 1:]
+                replays[side] += [max(step) for step in zip(*(r["replays"] for r in results))][args.warmup:]
                 memory[side] = [r["memory"] for r in results]
                 collectives[side] = [r["collectives"] for r in results]
     load_after = os.getloadavg()
-    medians = {side: statistics.median(values) for side, values in times.items()}
-    p10 = {side: statistics.quantiles(values, n=10)[0] for side, values in times.items()}
+    step = {side: statistics.median(values) * 1e3 for side, values in times.items()}
+    p10 = {side: statistics.quantiles(values, n=10)[0] * 1e3 for side, values in times.items()}
+    replay = {side: statistics.median(values) * 1e3 for side, values in replays.items()}
     print(f"llama hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, seq {args.seq}, LoRA r="
           f"{args.lora_rank} on {', '.join(TARGETS)}; sharded sides {args.layout}_size=2 on 2 gloo ranks; "
           f"global batch {args.batch * 2} x accumulation {args.accum}; {args.rounds} rounds x "
@@ -208,24 +233,33 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} "
           f"before, {'/'.join(f'{x:.1f}' for x in load_after)} after")
     ratios = [f"/{base}" for base in ("ddp-full", "ddp-lora") if base in sides]
-    print(f"{'side':>22} {'median ms':>10} {'p10 ms':>8} " + " ".join(f"{r:>10}" for r in ratios)
-          + f" {'model MiB':>13} {'train+grad+adam MiB':>20} {'peak RSS +MiB':>14} {'held MiB':>9}  "
-          + "collectives/step per rank (" + ", ".join(COLLECTIVE_KINDS) + ")")
+    print(f"{'side':>25} {'step ms':>8} {'p10 ms':>7} " + " ".join(f"{r:>9}" for r in ratios)
+          + f" {'colls ms':>8} {'step gap':>8} {'colls gap':>9} {'explained':>9} {'rest ms':>7}"
+          + f" {'model MiB':>11} {'train+grad+adam':>15} {'peak RSS +MiB':>13} {'held MiB':>9}"
+          + "  collectives/step (count x MiB): " + ", ".join(COLLECTIVE_KINDS))
     for side in sides:
         mem = memory[side]
 
         def per_rank(key: str, digits: int, mem=mem) -> str:
             return "/".join(f"{m[key] / 2**20:.{digits}f}" for m in mem)
 
-        counts = "  ".join("/".join(str(c[kind]) for kind in COLLECTIVE_KINDS) for c in collectives[side])
-        print(f"{side:>22} {medians[side] * 1e3:10.1f} {p10[side] * 1e3:8.1f} "
-              + " ".join(f"{medians[side] / medians[r[1:]]:9.3f}x" for r in ratios)
-              + f" {per_rank('model', 2):>13} {per_rank('trainable+grads+adam', 3):>20} "
-              f"{per_rank('peak_rss', 0):>14} {per_rank('held', 2):>9}  {counts}")
+        gap, colls_gap = step[side] - step["ddp-lora"], replay[side] - replay["ddp-lora"]
+        gaps = (f" {gap:8.1f} {colls_gap:9.1f} {colls_gap / gap:8.0%} " if side != "ddp-lora" and gap > 0
+                else f" {'':8} {'':9} {'':9} ")
+        # per kind: calls x MiB in all (rank 0; the other rank's when it differs)
+        kinds = ["  ".join(f"{len(c[kind])}x{sum(c[kind]) / 2**20:.2f}" for kind in COLLECTIVE_KINDS)
+                 for c in collectives[side]]
+        print(f"{side:>25} {step[side]:8.1f} {p10[side]:7.1f} "
+              + " ".join(f"{step[side] / step[r[1:]]:8.3f}x" for r in ratios)
+              + f" {replay[side]:8.1f}" + gaps + f"{step[side] - replay[side]:7.1f}"
+              + f" {per_rank('model', 2):>11} {per_rank('trainable+grads+adam', 3):>15} "
+              f"{per_rank('peak_rss', 0):>13} {per_rank('held', 2):>9}  "
+              + (kinds[0] if len(set(kinds)) == 1 else " | ".join(kinds)))
     print(f"(per-rank values rank0/rank1; frozen FSDP units per rank: "
           f"{max(m['frozen_units'] for m in memory[sides[-1]])}; collectives of one optimizer step = "
-          f"{args.accum} micro-batches + clip + update, counted after the timed steps)")
-
+          f"{args.accum} micro-batches + clip + update, recorded after the timed steps; colls ms: those collectives "
+          f"replayed alone on zero buffers, each waited for, median; step gap / colls gap: each minus ddp-lora's; "
+          f"explained: colls gap / step gap; rest ms: step - colls ms)")
 
 if __name__ == "__main__":
     main()

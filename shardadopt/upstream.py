@@ -430,6 +430,21 @@ def torch_dispatch_mode() -> type:
     return _module_attribute("torch.utils._python_dispatch", "TorchDispatchMode", "torch_dispatch_mode", "torch")
 
 
+def pytree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """``torch.utils._pytree.tree_flatten``: the leaves of nested lists, tuples and dicts (an op's arguments) and the
+    spec whose ``unflatten(leaves)`` rebuilds them. Checked on torch 2.13-2.15."""
+    return _module_attribute("torch.utils._pytree", "tree_flatten", "pytree_flatten", "torch")(tree)
+
+
+def wait_functional_collective(tensor: torch.Tensor) -> torch.Tensor:
+    """``torch.ops._c10d_functional.wait_tensor``: wait for the functional collective (DTensor's) that produces
+    ``tensor``; the tensor itself when none is pending. Checked on torch 2.13-2.15."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the op)
+
+    ops = _attribute(torch.ops, "_c10d_functional", "wait_functional_collective", "torch")
+    return _attribute(ops, "wait_tensor", "wait_functional_collective", "torch")(tensor)
+
+
 def dtensor_local(tensor: Any) -> torch.Tensor:
     """``DTensor._local_tensor``: the local shard itself, outside autograd (``to_local()`` records a graph node).
     Checked on torch 2.13-2.15."""
@@ -457,6 +472,12 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     state = _attribute(module, "_get_fsdp_state", "fsdp_param_groups", "torch")()
     groups = _attribute(state, "_fsdp_param_groups", "fsdp_param_groups", "torch")
     return list(groups) if groups is not None else []
+
+
+def fsdp_group_syncs_gradients(group: Any) -> bool:
+    """``FSDPParamGroup.reduce_grads``: False while gradient reduction waits (``set_requires_gradient_sync(False)``,
+    FSDP2's ``no_sync`` under accumulation), True in the micro-batch that reduces. Checked on torch 2.13-2.15."""
+    return bool(_attribute(group, "reduce_grads", "fsdp_group_syncs_gradients", "torch"))
 
 
 def fsdp_managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:

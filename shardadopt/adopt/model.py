@@ -84,8 +84,8 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     # (shardadopt.torchprobe): own contiguous storage, same Parameter objects, so an optimizer built before
     # prepare() keeps stepping them.
     make_shards_contiguous(model)
-    if kwargs.keep_frozen_units_gathered:
-        keep_frozen_units_gathered(model)
+    if kwargs.keep_frozen_units_gathered or kwargs.keep_frozen_units_gathered_across_steps:
+        keep_frozen_units_gathered(model, across_steps=kwargs.keep_frozen_units_gathered_across_steps)
     if prepare is not None:
         model = prepare(model, device_placement=False, evaluation_mode=True)
     elif model not in upstream.accelerator_models(accelerator):

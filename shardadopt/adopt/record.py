@@ -28,14 +28,18 @@ class AdoptionKwargs(KwargsHandler):
     DCP (default on; off refuses it with ``shardadopt.checkpoint.CheckpointMismatchError``). ``split_optimizer``:
     make foreach/fused optimizers step on homogeneous param groups (default on). ``keep_frozen_units_gathered``:
     FSDP2 units whose parameters are all frozen (the base model under LoRA) are not resharded between forward and
-    backward, one all-gather per unit instead of two, at the cost of holding every such unit's unsharded weights
-    from forward to backward (default off; :func:`shardadopt.adopt.keep_frozen_units_gathered`).
+    backward and across the micro-batches of a step, one all-gather per unit per optimizer step instead of two per
+    micro-batch, at the cost of holding every such unit's unsharded weights from forward to backward (default off;
+    :func:`shardadopt.adopt.keep_frozen_units_gathered`). ``keep_frozen_units_gathered_across_steps``: the same, kept
+    from one step to the next too (implies the former): one all-gather per unit for the run, the same peak, held
+    between steps too (default off).
     """
 
     topology: dict[str, int] | None = None
     reshard_checkpoints: bool = True
     split_optimizer: bool = True
     keep_frozen_units_gathered: bool = False
+    keep_frozen_units_gathered_across_steps: bool = False
 
 
 class AdoptionError(ValueError):

@@ -145,41 +145,68 @@ def test_unsupported_adapter_combinations_are_refused_by_name(pool2, tiny_models
         assert any(m in result["error"] for m in messages), result
 
 
-def test_lora_with_frozen_units_gathered_trains_like_one_process(pool2, tiny_models, references, tmp_path):
+@pytest.mark.parametrize("option", ["keep_frozen_units_gathered", "keep_frozen_units_gathered_across_steps"])
+def test_lora_with_frozen_units_gathered_trains_like_one_process(pool2, tiny_models, references, tmp_path, option):
     """``AdoptionKwargs(keep_frozen_units_gathered=True)`` (the base's FSDP units stay unsharded from forward to
-    backward) trains exactly like one process too (without it: test_lora_training_matches_single_process)."""
+    backward and across a step's micro-batches), or kept across steps too, trains exactly like one process too
+    (without it: test_lora_training_matches_single_process)."""
     sizes, dp = distributed_sizes("fsdp", 2)
     check_lora_training(pool2, tiny_models["llama"], "llama", sizes, dp, references, str(tmp_path),
-                        adoption={"keep_frozen_units_gathered": True})
+                        adoption={option: True})
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["upstream", "frozen-units-gathered"])
+@pytest.mark.parametrize("gathered", [False, True, "across_steps"],
+                         ids=["upstream", "frozen-units-gathered", "gathered-across-steps"])
 @pytest.mark.parametrize("model", ["llama", "qwen3"])  # tied embeddings (head kept gathered by upstream) and not
 def test_lora_step_issues_the_collectives_the_layout_needs(pool2, tiny_models, model, gathered):
     """Per optimizer step of LoRA on an fsdp_size=2 load (2 micro-batches): the adapters' gradients are averaged by
     one all_reduce (all factors together, not one per factor); the frozen base issues no reduce-scatter; each FSDP
     parameter group is all-gathered once per micro-batch's forward, and the decoder layers, which upstream reshards
     after forward, once more in its backward, unless ``keep_frozen_units_gathered`` keeps them: then once per
-    micro-batch in all. Counts, not times (``CommDebugMode``)."""
+    optimizer step in all (kept gathered across the micro-batches too), or, kept across steps too, once in the first
+    step and never again. Counts, not times (``CommDebugMode``)."""
     from shardadopt.testing.lora.collectives import count_lora_step_collectives
 
     sizes, dp = distributed_sizes("fsdp", 2)
     for rank, result in enumerate(pool2.run(count_lora_step_collectives, tiny_models[model], sizes, dp, gathered)):
         groups, accum, layers, kept = result["groups"], result["accum"], result["layers"], result["kept"]
         assert result["units"] == result["frozen_units"] and groups > layers >= 2, result
-        assert (result["held"] > 0) == gathered and (kept == groups if gathered else kept < groups - layers), result
+        assert (result["held"] > 0) == bool(gathered), result
+        assert kept == groups if gathered else kept < groups - layers, result
         for step, counts in enumerate(result["per_step"]):
             what = f"rank {rank} step {step} ({result})"
             assert counts["adapter_averages"] == 1, f"{what}: adapter gradients averaged in {counts} all_reduces"
             assert counts["reduce_scatter"] == 0, f"{what}: frozen units reduce-scattered"
-            # per micro-batch: every group in forward; kept gathered, nothing more. Upstream: the groups resharded
-            # after forward again in backward, the layers at least (their input gradient needs the weights), the
-            # embedding too when FSDP2's backward prefetch gathers it (qwen3), though it has no backward
-            backward = counts["all_gather"] / accum - groups
+            # kept gathered: every group once per step (the first micro-batch's forward), whatever the accumulation.
+            # Upstream, per micro-batch: every group in forward, and the groups resharded after forward again in
+            # backward, the layers at least (their input gradient needs the weights), the embedding too when
+            # FSDP2's backward prefetch gathers it (qwen3), though it has no backward
             if gathered:
-                assert backward == 0, f"{what}: {counts['all_gather']} all-gathers, expected {accum * groups}"
+                expected = groups if step == 0 or gathered is True else 0
+                assert counts["all_gather"] == expected, f"{what}: {counts['all_gather']} all-gathers, not {expected}"
             else:
+                backward = counts["all_gather"] / accum - groups
                 assert layers <= backward <= groups - kept, f"{what}: {backward} all-gathers per backward"
+
+
+def test_trainer_lora_with_frozen_units_gathered_trains_alike_with_fewer_all_gathers(pool2, tiny_models, tmp_path):
+    """A Trainer user turns the option on with ``keep_frozen_units_gathered(model)`` after ``get_peft_model`` (the
+    Trainer builds its own Accelerator): the plain transformers Trainer (accumulation 2, clipping) on an fsdp_size=2
+    load logs the same losses and grad norms as without it, and each optimizer step all-gathers every FSDP parameter
+    group once (the layout's need), where upstream gathers more."""
+    from shardadopt.testing.lora.collectives import trainer_lora_run
+
+    sizes, dp = distributed_sizes("fsdp", 2)
+    runs = {gathered: pool2.run(trainer_lora_run, tiny_models["llama"], sizes, dp, gathered,
+                                str(tmp_path / str(gathered)), timeout=300) for gathered in (False, True)}
+    for rank, (upstream_run, kept) in enumerate(zip(runs[False], runs[True])):
+        assert kept["held"] > 0 and upstream_run["held"] == 0, (rank, kept, upstream_run)
+        assert len(kept["log"]) == len(kept["per_step"]) == 2, (rank, kept)
+        assert kept["log"] == upstream_run["log"], f"rank {rank}: {kept['log']} != {upstream_run['log']}"
+        for step, (before, after) in enumerate(zip(upstream_run["per_step"], kept["per_step"])):
+            what = f"rank {rank} step {step}: {after} kept, {before} upstream, {kept['groups']} groups"
+            assert after["all_gather"] == kept["groups"] < before["all_gather"], what
+            assert after["reduce_scatter"] == before["reduce_scatter"] == 0, what
 
 
 def test_average_gradients_issues_one_all_reduce_per_set_and_dtype(pool2):

@@ -386,6 +386,14 @@ def test_torch_dispatch_mode():
     assert "aten.add.Tensor" in seen
 
 
+def test_pytree_flatten():
+    """The leaves in order, and a spec that rebuilds the nesting."""
+    tree = ([1, torch.ones(2)], {"a": (2, None)})
+    leaves, spec = upstream.pytree_flatten(tree)
+    assert leaves[0] == 1 and leaves[2:] == [2, None] and leaves[1] is tree[0][1]
+    assert spec.unflatten(leaves) == tree
+
+
 def test_foreach_norm():
     tensors = [torch.arange(3.0), -torch.ones(2)]
     for p in (1.0, 2.0, float("inf")):
@@ -606,6 +614,24 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     check("fsdp_param_groups", one_group_on_the_mesh)
 
+    def syncs_unless_no_sync():
+        module = torch.nn.Linear(2, 2)
+        fully_shard(module, mesh=mesh)
+        [group] = upstream.fsdp_param_groups(module)
+        syncing = upstream.fsdp_group_syncs_gradients(group)
+        module.set_requires_gradient_sync(False)
+        return syncing is True and upstream.fsdp_group_syncs_gradients(group) is False
+
+    check("fsdp_group_syncs_gradients", syncs_unless_no_sync)
+
+    def functional_all_reduce_waited():
+        import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+
+        issued = torch.ops._c10d_functional.all_reduce(torch.ones(2), "sum", dist.group.WORLD.group_name)
+        return torch.equal(upstream.wait_functional_collective(issued), torch.full((2,), float(world)))
+
+    check("wait_functional_collective", functional_all_reduce_waited)
+
     def managed_as_registered_now():
         module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, bias=False))
         fully_shard(module[1], mesh=mesh)
@@ -656,7 +682,9 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "process_group_counter",
                          "set_process_group_counter", "group_timeout",
                          "backend_device_types", "dtensor_local", "clear_sharding_propagation_caches",
-                         "fsdp_param_groups", "fsdp_managed_parameters", "model_device_mesh", "model_mesh_manager",
+                         "fsdp_param_groups", "fsdp_group_syncs_gradients", "wait_functional_collective",
+                         "fsdp_managed_parameters",
+                         "model_device_mesh", "model_mesh_manager",
                          "set_model_sharding_sizes",
                          "module_hf_device_mesh")
 

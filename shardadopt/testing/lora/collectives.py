@@ -16,13 +16,14 @@ from shardadopt.testing.lora.common import ACCUM, LR, MAX_NORM, PER_DP_BATCH, SE
 
 
 def count_lora_step_collectives(
-    path: str, sizes: dict[str, Any], dp_size: int, gathered: bool, steps: int = 2, accum: int = ACCUM
+    path: str, sizes: dict[str, Any], dp_size: int, gathered: bool | str, steps: int = 2, accum: int = ACCUM
 ) -> dict[str, Any]:
     """``steps`` optimizer steps of ``accum`` micro-batches; ``gathered``: with
-    ``AdoptionKwargs(keep_frozen_units_gathered=True)``. Returns ``{"per_step": [{kind: calls, "adapter_averages":
-    calls}], "units": FSDP modules holding weights, "groups": their parameter groups (one all-gather each),
-    "frozen_units": modules all frozen, "kept": groups not resharded after forward, "layers": decoder layers,
-    "held": bytes the option holds, "accum": accum}``."""
+    ``AdoptionKwargs(keep_frozen_units_gathered=True)``, or ``"across_steps"`` with
+    ``AdoptionKwargs(keep_frozen_units_gathered_across_steps=True)``. Returns ``{"per_step": [{kind: calls,
+    "adapter_averages": calls}], "units": FSDP modules holding weights, "groups": their parameter groups (one
+    all-gather each), "frozen_units": modules all frozen, "kept": groups not resharded after forward, "layers":
+    decoder layers, "held": bytes the option holds, "accum": accum}``."""
     import torch
     import torch.distributed as dist
     from peft import get_peft_model
@@ -38,7 +39,8 @@ def count_lora_step_collectives(
 
     shardadopt.enable()
     try:
-        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=gathered)]
+        handlers = [shardadopt.AdoptionKwargs(keep_frozen_units_gathered=bool(gathered),
+                                              keep_frozen_units_gathered_across_steps=gathered == "across_steps")]
         accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=accum, kwargs_handlers=handlers)
         torch.manual_seed(SEED)
         model = get_peft_model(load_model(path, sizes), lora_config())
@@ -56,7 +58,7 @@ def count_lora_step_collectives(
             "kept": sum(g.post_forward_mesh_info is None for g in groups.values()),
             "layers": len(model.get_base_model().model.layers),
             "accum": accum,
-            "held": keep_frozen_units_gathered(model) if gathered else 0,
+            "held": keep_frozen_units_gathered(model, across_steps=gathered == "across_steps") if gathered else 0,
         }
 
         averages = [0]
@@ -137,3 +139,58 @@ def average_gradient_sets() -> dict[str, Any]:
         "rank_grads": gathered,
         "untouched": without.grad is None,
     }
+
+
+def trainer_lora_run(path: str, sizes: dict[str, Any], dp_size: int, gathered: bool, directory: str,
+                     steps: int = 2, accum: int = ACCUM) -> dict[str, Any]:
+    """LoRA trained by the plain transformers ``Trainer`` (``gradient_accumulation_steps=accum``, clipping, logging
+    every step) for ``steps`` optimizer steps; ``gathered``: the user called
+    ``shardadopt.adopt.keep_frozen_units_gathered(model)`` after ``get_peft_model`` (the Trainer builds its own
+    Accelerator, so ``AdoptionKwargs`` cannot reach it). Returns ``{"log": [{"loss", "grad_norm"} per step],
+    "per_step": [{kind: calls} from each step's first micro-batch to its update (the loss logging after it not
+    included)], "groups": the FSDP parameter groups holding weights (one all-gather each), "held": bytes the option
+    holds}``."""
+    import contextlib
+
+    import torch
+    from peft import get_peft_model
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    import shardadopt
+    from shardadopt import upstream
+    from shardadopt.adopt import keep_frozen_units_gathered
+    from shardadopt.testing.collectives import counted_collectives
+    from shardadopt.testing.trl import logged_steps
+
+    per_step: list[dict[str, int]] = []
+
+    class CountSteps(TrainerCallback):
+        def __init__(self) -> None:
+            self.stack = contextlib.ExitStack()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            per_step.append(self.stack.enter_context(counted_collectives()))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.stack.close()
+
+    shardadopt.enable()
+    try:
+        upstream.reset_accelerate_state()  # pooled ranks run several trainers in one process
+        torch.manual_seed(SEED)
+        model = get_peft_model(load_model(path, sizes), lora_config())
+        held = keep_frozen_units_gathered(model) if gathered else 0
+        groups = {id(g) for m in model.modules() if isinstance(m, FSDPModule) for g in upstream.fsdp_param_groups(m)
+                  if upstream.fsdp_managed_parameters(m)}
+        data = [{"input_ids": row, "labels": row} for row in token_rows(dp_size, steps, accum)]
+        args = TrainingArguments(output_dir=directory, per_device_train_batch_size=PER_DP_BATCH,
+                                 gradient_accumulation_steps=accum, max_steps=steps, learning_rate=LR,
+                                 lr_scheduler_type="constant", max_grad_norm=MAX_NORM, logging_steps=1,
+                                 save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[CountSteps()])
+        trainer.remove_callback(PrinterCallback)
+        trainer.train()
+        return {"log": logged_steps(trainer), "per_step": per_step, "groups": len(groups), "held": held}
+    finally:
+        shardadopt.disable()

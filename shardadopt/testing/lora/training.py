@@ -72,6 +72,7 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
     import torch
     import torch.distributed as dist
     from peft import PeftModel, get_peft_model
+    from torch.distributed.fsdp import FSDPModule
 
     import shardadopt
     from shardadopt.adapters import AdapterLayoutError
@@ -108,6 +109,9 @@ def train_lora_rank(path: str, sizes: dict[str, Any], dp_size: int, export_dir: 
                 optimizer.step()
                 optimizer.zero_grad()
         unwrapped = accelerator.unwrap_model(model)
+        for unit in unwrapped.modules():  # units kept gathered across steps expose their whole weights until then
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
         base_unchanged = all(torch.equal(local_copy(p), frozen[n]) for n, p in unwrapped.named_parameters()
                              if n in frozen)
         trainable = sorted(n for n, p in unwrapped.named_parameters() if p.requires_grad)
