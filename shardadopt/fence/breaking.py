@@ -234,19 +234,20 @@ def _listeners_key(generation: int) -> str:
     return records.key(generation, "listeners")
 
 
-def publish_listeners(store: Any, blocking: bool = True) -> None:
+def publish_listeners(store: Any, blocking: bool = True, sockets: list[TcpSocket] | None = None) -> None:
     """Add this rank's training listeners not yet published in this generation to the store's list (one ``append``
     request, none when nothing is new), so a peer can shut the connections it opened to them.
 
     Args:
         store: the base store, or a connection of its.
         blocking: False to give up when a break or a rebuild holds the lock.
+        sockets: this process's sockets, just read (``own_tcp_sockets``); None to read them.
     """
     protections, generation, base = STATE.protections, STATE.generation, records.base_store(store)
     if STATE.protecting:  # a protected group's listener may be open but not marked protected yet
         return
     try:
-        current = training_listeners(own_tcp_sockets(), getattr(base, "port", None))
+        current = training_listeners(own_tcp_sockets() if sockets is None else sockets, getattr(base, "port", None))
     except OSError:  # no /proc: not Linux
         return
     where = (generation, getattr(base, "host", None), getattr(base, "port", None))
@@ -292,15 +293,15 @@ def _shutdown_gloo_connections(store: Any = None) -> int:
         store_port = getattr(records.base_store(store), "port", None)
     except Exception:  # noqa: BLE001  (no default group any more)
         return 0
-    try:
-        publish_listeners(store)  # for the peers' breaks that come after this one
-        peers = _published_listeners(store, STATE.generation)
-    except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
-        pass
-    try:  # read after the store's answers: gloo closes a broken pair's fd, and a new socket may take its number
+    try:  # read once, for the publication and the shutdown: with 2 per peer and group, the scan is a break's cost
         sockets = own_tcp_sockets()
     except OSError:  # no /proc: not Linux
         return 0
+    try:
+        publish_listeners(store, sockets=sockets)  # for the peers' breaks that come after this one
+        peers = _published_listeners(store, STATE.generation)
+    except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
+        pass
     own = {port for _, port in training_listeners(sockets, store_port)}
     count = 0
     for s in sockets:

@@ -94,7 +94,8 @@ class Fence:
             origin = trip.origin
             if trip.kind == HANG_KIND:  # whatever this rank raised (DCP wraps errors in its own) follows from the hang
                 mark_hang(exc)
-            records.wake_all(store, self.generation)
+            if STATE.tripped != self.generation:  # else this rank's watcher was woken: one request woke them all
+                records.wake_all(store, self.generation)
         except Exception:  # noqa: BLE001  (store unreachable: its host died; break anyway)
             pass
         breaking.break_training_groups()
