@@ -36,6 +36,9 @@ _PROTECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _UNCLAIMED_PORTS: set[int] = set()  # opened by the last protected() block, until protect_group names their group
 # (generation, store host, store port) -> this rank's training listeners published there
 _PUBLISHED: dict[tuple[int, Any, Any], set[tuple[str, int]]] = {}
+# generation -> inodes of the connections this rank shut down in it: a second break (the watcher's, then the main
+# thread's trip) shuts down only what is new, so each rank pays the shutdowns once
+_SHUT: dict[int, set[int]] = {}
 
 
 class TcpSocket(NamedTuple):
@@ -303,15 +306,20 @@ def _shutdown_gloo_connections(store: Any = None) -> int:
     except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
         pass
     own = {port for _, port in training_listeners(sockets, store_port)}
+    generation = STATE.generation
+    for old in [g for g in _SHUT if g != generation]:
+        del _SHUT[old]
+    shut = _SHUT.setdefault(generation, set())
     count = 0
     for s in sockets:
-        if s.state == LISTEN or not (s.port in own or (s.remote_address, s.remote_port) in peers):
+        if s.state == LISTEN or s.inode in shut or not (s.port in own or (s.remote_address, s.remote_port) in peers):
             continue
         try:
             with _borrowed(s.fd) as connection:
                 if os.fstat(connection.fileno()).st_ino != s.inode:
                     continue  # the number was closed and reused since it was read: someone else's socket
                 connection.shutdown(socket.SHUT_RDWR)
+            shut.add(s.inode)
             count += 1
         except OSError:
             continue
