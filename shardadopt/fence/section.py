@@ -110,7 +110,9 @@ class Fence:
 
     def tripped(self) -> bool:
         """Whether any rank tripped this fence's generation; store errors raise (the job cannot go on)."""
-        return False if self.local else self._record() is not None
+        if self.local:
+            return False
+        return STATE.tripped == self.generation or self._record() is not None  # this rank's watcher read it already
 
     def _record(self) -> tuple[int, str] | None:
         if self.local:
