@@ -133,8 +133,8 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
     (:func:`lora_config`). ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor:
     all_reduce calls on its gradient}, "dp": data-parallel size}`` or ``{"refused": shardadopt's error}``, and
     ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model). With ``experts`` also ``"adapter"`` (every
-    factor's full tensor after training), ``"export"`` (what ``trainer.model.save_pretrained`` wrote, as
-    ``safetensors`` loads it) and ``"expert_replicas"`` ({expert factor: ranks holding its experts}, sharded
+    factor's full tensor after training), ``"export"`` (global rank 0: what ``trainer.model.save_pretrained``
+    wrote, as ``safetensors`` loads it) and ``"expert_replicas"`` ({expert factor: ranks holding its experts}, sharded
     loads)."""
     import os
     import tempfile
@@ -172,11 +172,14 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
                 return {**result, "refused": f"{type(exc).__name__}: {exc}"}
             result.update(log=logged_steps(trainer), adapter_grad_reductions=reductions, dp=dp)
             if experts:
+                import torch.distributed as dist
                 from safetensors.torch import load_file
 
-                trainer.model.save_pretrained(os.path.join(out, "adapter"))  # every rank: its own temporary folder
-                result.update(adapter=_lora_tensors(trainer.model), expert_replicas=_expert_replicas(trainer.model),
-                              export=load_file(os.path.join(out, "adapter", "adapter_model.safetensors")))
+                # a collective; the file is written on global rank 0 (a sharded model's export writes it once)
+                trainer.model.save_pretrained(os.path.join(out, "adapter"))
+                if dist.get_rank() == 0:
+                    result["export"] = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+                result.update(adapter=_lora_tensors(trainer.model), expert_replicas=_expert_replicas(trainer.model))
         return result
     finally:
         shardadopt.disable()

@@ -6,8 +6,10 @@ rank seeded the same before the adapters are added, as TRL's docs call them, on 
 (HSDP, 2-D); the reference is the same call on the plain checkpoint under DDP over 2 ranks with the same global
 batch (workers: ``shardadopt.testing.trl``). LoRA on TP before transformers 5.17 (plain TP shards; EP there is on
 the TP mesh) is refused when the adapters are added, naming the fix. LoRA on the experts of Qwen3-MoE loaded expert
-parallel (``down_proj`` in ``target_modules``: peft adapts the fused expert tensors) tracks DDP too, adapters
-included. An adapter run stopped after a checkpoint and resumed by a new trainer equals the uninterrupted run.
+parallel (``down_proj`` in ``target_modules`` through TRL, both fused expert tensors in ``target_parameters``
+through the plain ``Trainer``: peft adapts the fused expert tensors) tracks DDP too, adapters and their export
+included. An adapter run stopped after a checkpoint and resumed by a new trainer equals the uninterrupted run (with
+expert adapters too, through the ``Trainer``).
 """
 
 from __future__ import annotations
@@ -101,22 +103,27 @@ def check_expert_lora_run(results: list[dict], trl_ddp, kind: str, how: str, exp
                           expert_factors: int) -> None:
     """Every rank of an expert-LoRA run (``experts`` as :func:`shardadopt.testing.trl.lora_config` reads it) tracks
     the DDP run: its log (:func:`check_lora_run`), its ``expert_factors`` factors on expert tensors and every other
-    one after training, and its export; both ranks hold the same adapter and wrote the same file."""
+    one after training, and the file ``save_pretrained`` wrote (the trained factors, bit for bit); both ranks hold the
+    same adapter."""
     import torch
 
     from shardadopt.testing.lora.common import params_close
 
     check_lora_run(results, trl_ddp, kind, how, "ep", distributed_sizes("ep", 2)[0], experts=experts)
-    for part in ("adapter", "export"):
+    for part in ("adapter", "export"):  # the export: the file rank 0 wrote
         expected = trl_ddp(kind, MODELS["ep"], lora=how, experts=experts, part=part)
         on_experts = [name for name in expected if ".experts." in name]
         assert len(on_experts) == expert_factors, f"{part}: lora_A/lora_B on the expert tensors: {on_experts}"
-        for rank, result in enumerate(results):
+        for rank, result in enumerate(results if part == "adapter" else results[:1]):
             assert sorted(result[part]) == sorted(expected), f"rank {rank} {part}: {sorted(result[part])[:4]}"
             bad = [n for n, v in expected.items() if not params_close(result[part][n], v)]
             assert not bad, f"rank {rank}: {part} differs from the DDP run's after training: {bad[:3]}"
             for name, value in result[part].items():
                 assert torch.equal(value, results[0][part][name]), f"{part} {name}: rank {rank} vs rank 0"
+    # the file holds the trained factors themselves, bit for bit
+    trained = {name.replace(".default.", "."): value for name, value in results[0]["adapter"].items()}
+    assert sorted(trained) == sorted(results[0]["export"]), (sorted(trained)[:2], sorted(results[0]["export"])[:2])
+    assert all(torch.equal(value, trained[name]) for name, value in results[0]["export"].items())
     for result in results:
         assert set(result["expert_replicas"]) == {n for n in result["adapter_grad_reductions"] if ".experts." in n}
 
