@@ -94,27 +94,30 @@ def plain_head_shard(network) -> bool:
 
 def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra):
     """``kind``: "sft" / "dpo" (TRL's trainer and config) or "trainer" (``Trainer`` and ``TrainingArguments`` on the
-    SFT text tokenized, ``DataCollatorForLanguageModeling``), sequences cut at :data:`MAX_LENGTH` either way."""
+    SFT text tokenized, ``DataCollatorForLanguageModeling``), sequences cut at :data:`MAX_LENGTH` either way; the
+    dataset holds ``STEPS`` global batches of each of ``common``'s gradient accumulation steps."""
     from transformers import AutoTokenizer, PrinterCallback
 
     processing_class = AutoTokenizer.from_pretrained(tokenizer)
+    samples = STEPS * GLOBAL_BATCH * common.get("gradient_accumulation_steps", 1)
     if kind == "trainer":
         from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-        data = dataset("sft").map(lambda batch: processing_class(batch["text"], truncation=True, max_length=MAX_LENGTH),
-                                  batched=True, remove_columns=["text"])
+        data = dataset("sft", samples).map(
+            lambda batch: processing_class(batch["text"], truncation=True, max_length=MAX_LENGTH), batched=True,
+            remove_columns=["text"])
         trainer = Trainer(model=network, args=TrainingArguments(**common), train_dataset=data,
                           data_collator=DataCollatorForLanguageModeling(processing_class, mlm=False), **extra)
     elif kind == "sft":
         from trl import SFTConfig, SFTTrainer
 
         trainer = SFTTrainer(model=network, args=SFTConfig(**common, max_length=MAX_LENGTH),
-                             train_dataset=dataset("sft"), processing_class=processing_class, **extra)
+                             train_dataset=dataset("sft", samples), processing_class=processing_class, **extra)
     else:
         from trl import DPOConfig, DPOTrainer
 
         trainer = DPOTrainer(model=network, args=DPOConfig(**common, max_length=MAX_LENGTH),
-                             train_dataset=dataset("dpo"), processing_class=processing_class, **extra)
+                             train_dataset=dataset("dpo", samples), processing_class=processing_class, **extra)
     trainer.remove_callback(PrinterCallback)
     return trainer
 
@@ -126,16 +129,17 @@ def logged_steps(trainer) -> list[dict[str, float]]:
 
 
 def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
-            world: int = 2, bf16: bool = False, lora: str | None = None, experts: str | None = None) -> dict[str, Any]:
+            world: int = 2, bf16: bool = False, lora: str | None = None, experts: str | None = None,
+            accum: int = 1) -> dict[str, Any]:
     """``kind`` ("sft", "dpo" or "trainer": :func:`_trainer`) for STEPS steps on ``model`` sharded per ``layout``
     over ``world`` ranks, or (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added
     ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with ``experts``
-    (:func:`lora_config`). ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor:
-    all_reduce calls on its gradient}, "dp": data-parallel size}`` or ``{"refused": shardadopt's error}``, and
-    ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model). With ``experts`` also ``"adapter"`` (every
-    factor's full tensor after training), ``"export"`` (global rank 0: what ``trainer.model.save_pretrained``
-    wrote, as ``safetensors`` loads it) and ``"expert_replicas"`` ({expert factor: ranks holding its experts}, sharded
-    loads)."""
+    (:func:`lora_config`), each step accumulating ``accum`` global batches. ``{"log": [{"loss", "grad_norm"} per
+    step], "adapter_grad_reductions": {LoRA factor: all_reduce calls on its gradient}, "dp": data-parallel size}`` or
+    ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model).
+    With ``experts`` also ``"adapter"`` (every factor's full tensor after training), ``"export"`` (global rank 0:
+    what ``trainer.model.save_pretrained`` wrote, as ``safetensors`` loads it) and ``"expert_replicas"`` ({expert
+    factor: ranks holding its experts}, sharded loads)."""
     import os
     import tempfile
 
@@ -155,7 +159,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
             common = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=STEPS,
                           learning_rate=LR["lora" if lora else "full"], lr_scheduler_type="constant",
                           logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=bf16, seed=0,
-                          disable_tqdm=True)
+                          gradient_accumulation_steps=accum, disable_tqdm=True)
             try:
                 if lora is not None:
                     torch.manual_seed(LORA_SEED)
@@ -223,17 +227,17 @@ def refusal_problem(result: dict[str, Any], cause: str) -> str | None:
 
 
 def ddp_reference(pool, tiny_models: dict[str, str], tokenizer: str):
-    """``get(kind, model, bf16=False, lora=None, experts=None, part="log")``: :func:`trl_log` on the plain
+    """``get(kind, model, bf16=False, lora=None, experts=None, part="log", accum=1)``: :func:`trl_log` on the plain
     checkpoint under DDP on ``pool`` (its ranks must log the same values), computed once per argument set; its log,
     or with ``part="adapter"`` (``experts`` runs) the adapter factors after training."""
     cache: dict[tuple, dict[str, Any]] = {}
 
     def get(kind: str, model: str, bf16: bool = False, lora: str | None = None, experts: str | None = None,
-            part: str = "log") -> Any:
-        key = (kind, model, bf16, lora, experts)
+            part: str = "log", accum: int = 1) -> Any:
+        key = (kind, model, bf16, lora, experts, accum)
         if key not in cache:
             runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, bf16=bf16, lora=lora,
-                            experts=experts, timeout=300)
+                            experts=experts, accum=accum, timeout=300)
             assert "log" in runs[0], runs[0]
             assert runs[0]["log"] == runs[1]["log"], "DDP ranks log the same values"
             cache[key] = runs[0]

@@ -28,12 +28,12 @@ needs_ep_mesh = pytest.mark.skipif(
 
 
 def check_lora_run(results: list[dict], trl_ddp, kind: str, how: str, layout: str, sizes: dict,
-                   experts: str | None = None) -> None:
+                   experts: str | None = None, accum: int = 1) -> None:
     """Every rank tracks the DDP run of the same LoRA call, or (TP before transformers 5.17) is refused."""
     from shardadopt.adapters import dtensor_tensor_parallel
 
     refused = "tp_size" in sizes and not dtensor_tensor_parallel()
-    expected = None if refused else trl_ddp(kind, MODELS[layout], lora=how, experts=experts)
+    expected = None if refused else trl_ddp(kind, MODELS[layout], lora=how, experts=experts, accum=accum)
     rtol = MOE_RTOL if layout == "ep" else FP32_RTOL
     for rank, result in enumerate(results):
         problem = refusal_problem(result, "lora-tp") if refused else compare(result, expected, rtol)
@@ -92,15 +92,16 @@ def test_expert_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp):
 def test_trainer_expert_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp):
     """The plain ``Trainer`` on ``get_peft_model(<Qwen3-MoE loaded ep_size=2, fsdp_size=2>, LoraConfig(
     target_modules=[q, v, o], target_parameters=[experts' gate_up_proj and down_proj]))``, as transformers' docs
-    call it: loss, grad norm, every adapter factor after training and ``save_pretrained``'s file equal the same
-    Trainer's on the plain checkpoint under DDP (same global batches)."""
+    call it, accumulating 2 batches per step: loss, grad norm, every adapter factor after training and
+    ``save_pretrained``'s file equal the same Trainer's on the plain checkpoint under DDP (same global batches); one
+    gradient all_reduce per step for the attention factors, none for the expert ones (one rank per expert group)."""
     results = pool2.run(trl_log, tiny_models, trl_tokenizer, "trainer", "ep", MODELS["ep"], lora="wrapped",
-                        experts="parameters", timeout=400)
-    check_expert_lora_run(results, trl_ddp, "trainer", "wrapped", "parameters", expert_factors=8)
+                        experts="parameters", accum=2, timeout=400)
+    check_expert_lora_run(results, trl_ddp, "trainer", "wrapped", "parameters", expert_factors=8, accum=2)
 
 
 def check_expert_lora_run(results: list[dict], trl_ddp, kind: str, how: str, experts: str,
-                          expert_factors: int) -> None:
+                          expert_factors: int, accum: int = 1) -> None:
     """Every rank of an expert-LoRA run (``experts`` as :func:`shardadopt.testing.trl.lora_config` reads it) tracks
     the DDP run: its log (:func:`check_lora_run`), its ``expert_factors`` factors on expert tensors and every other
     one after training, and the file ``save_pretrained`` wrote (the trained factors, bit for bit); both ranks hold the
@@ -109,9 +110,9 @@ def check_expert_lora_run(results: list[dict], trl_ddp, kind: str, how: str, exp
 
     from shardadopt.testing.lora.common import params_close
 
-    check_lora_run(results, trl_ddp, kind, how, "ep", distributed_sizes("ep", 2)[0], experts=experts)
+    check_lora_run(results, trl_ddp, kind, how, "ep", distributed_sizes("ep", 2)[0], experts=experts, accum=accum)
     for part in ("adapter", "export"):  # the export: the file rank 0 wrote
-        expected = trl_ddp(kind, MODELS["ep"], lora=how, experts=experts, part=part)
+        expected = trl_ddp(kind, MODELS["ep"], lora=how, experts=experts, part=part, accum=accum)
         on_experts = [name for name in expected if ".experts." in name]
         assert len(on_experts) == expert_factors, f"{part}: lora_A/lora_B on the expert tensors: {on_experts}"
         for rank, result in enumerate(results if part == "adapter" else results[:1]):
