@@ -4,7 +4,8 @@
 :func:`trl_log` is what a TRL user writes: load (sharded per ``layout``, or plain under DDP), optionally add LoRA
 (TRL's ``peft_config=`` or ``get_peft_model`` first), ``SFTConfig``/``SFTTrainer`` on a ``datasets`` text dataset or
 ``DPOConfig``/``DPOTrainer`` on prompt/chosen/rejected with TRL's default reference model, a local tokenizer as
-``processing_class`` (no downloads), ``train()``. The same global batch on every layout: a run with ``dp``
+``processing_class`` (no downloads), ``train()``; or, as transformers' docs show the plain ``Trainer``, the same text
+tokenized with ``DataCollatorForLanguageModeling``. The same global batch on every layout: a run with ``dp``
 data-parallel ranks takes ``GLOBAL_BATCH // dp`` per device. TRL's configs default to ``bf16=True``, on CPU too: the
 fp32 runs set ``bf16=False`` as a user comparing in fp32 does. :func:`resume_log` trains an adapter run with
 checkpoints, stops it after one and resumes it in a new trainer (``trainer.train(resume_from_checkpoint=True)``).
@@ -19,7 +20,13 @@ STEPS = 3
 GLOBAL_BATCH = 4
 MODELS = {"fsdp": "llama", "tp": "qwen3", "ep": "qwen3moe", "2d": "qwen3", "hsdp": "llama"}
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-ATTENTION = ["q_proj", "v_proj", "o_proj"]  # Qwen3-MoE: its down_proj are fused expert tensors (experts=True)
+ATTENTION = ["q_proj", "v_proj", "o_proj"]  # Qwen3-MoE: its down_proj are fused expert tensors (experts=...)
+# LoRA on the MoE experts, by how the user names them: "down_proj" in target_modules (peft maps it to the fused
+# tensor), or both fused tensors in target_parameters (with attention in target_modules)
+EXPERTS = {"down_proj": {"target_modules": TARGETS},
+           "parameters": {"target_modules": ATTENTION,
+                          "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}
+MAX_LENGTH = 32
 LORA_SEED = 0  # every rank seeded the same before the adapters are added, as a user does
 LR = {"full": 1e-3, "lora": 1e-2}
 # fp32: TP pads the whole global batch where DDP pads per rank, and sharded matmuls sum in another order
@@ -46,15 +53,15 @@ def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
                               "rejected": sentences(n, seed=4, max_words=6)})
 
 
-def lora_config(model: str, experts: bool = False):
-    """The adapters for ``model`` (a key of the tiny checkpoints): attention only on the MoE model, unless ``experts``:
-    then :data:`TARGETS` as a user writes them, whose ``down_proj`` peft puts on the fused expert tensors."""
+def lora_config(model: str, experts: str | None = None):
+    """The adapters for ``model`` (a key of the tiny checkpoints): :data:`TARGETS`, attention only on the MoE model
+    unless ``experts`` (a key of :data:`EXPERTS`) names how its fused expert tensors are targeted."""
     from peft import LoraConfig
 
     from shardadopt.testing.models import MOE_MODELS
 
-    targets = ATTENTION if model in MOE_MODELS and not experts else TARGETS
-    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
+    targets = {"target_modules": ATTENTION if model in MOE_MODELS else TARGETS}
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM", **EXPERTS.get(experts, targets))
 
 
 def _load(path: str, layout: str | None, world: int):
@@ -85,20 +92,32 @@ def plain_head_shard(network) -> bool:
     return not isinstance(head, DTensor) and head.shape[0] < network.config.vocab_size
 
 
-def _trl_trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra):
+def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra):
+    """``kind``: "sft" / "dpo" (TRL's trainer and config) or "trainer" (``Trainer`` and ``TrainingArguments`` on the
+    SFT text tokenized, ``DataCollatorForLanguageModeling``), sequences cut at :data:`MAX_LENGTH` either way; the
+    dataset holds ``STEPS`` global batches of each of ``common``'s gradient accumulation steps."""
     from transformers import AutoTokenizer, PrinterCallback
 
     processing_class = AutoTokenizer.from_pretrained(tokenizer)
-    if kind == "sft":
+    samples = STEPS * GLOBAL_BATCH * common.get("gradient_accumulation_steps", 1)
+    if kind == "trainer":
+        from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+        data = dataset("sft", samples).map(
+            lambda batch: processing_class(batch["text"], truncation=True, max_length=MAX_LENGTH), batched=True,
+            remove_columns=["text"])
+        trainer = Trainer(model=network, args=TrainingArguments(**common), train_dataset=data,
+                          data_collator=DataCollatorForLanguageModeling(processing_class, mlm=False), **extra)
+    elif kind == "sft":
         from trl import SFTConfig, SFTTrainer
 
-        trainer = SFTTrainer(model=network, args=SFTConfig(**common), train_dataset=dataset("sft"),
-                             processing_class=processing_class, **extra)
+        trainer = SFTTrainer(model=network, args=SFTConfig(**common, max_length=MAX_LENGTH),
+                             train_dataset=dataset("sft", samples), processing_class=processing_class, **extra)
     else:
         from trl import DPOConfig, DPOTrainer
 
-        trainer = DPOTrainer(model=network, args=DPOConfig(**common), train_dataset=dataset("dpo"),
-                             processing_class=processing_class, **extra)
+        trainer = DPOTrainer(model=network, args=DPOConfig(**common, max_length=MAX_LENGTH),
+                             train_dataset=dataset("dpo", samples), processing_class=processing_class, **extra)
     trainer.remove_callback(PrinterCallback)
     return trainer
 
@@ -110,14 +129,18 @@ def logged_steps(trainer) -> list[dict[str, float]]:
 
 
 def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
-            world: int = 2, bf16: bool = False, lora: str | None = None, experts: bool = False) -> dict[str, Any]:
-    """``kind`` ("sft" or "dpo") for STEPS steps on ``model`` sharded per ``layout`` over ``world`` ranks, or
-    (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added ``lora`` ("peft_config":
-    by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with ``experts`` (:func:`lora_config`).
-    ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor: all_reduce calls on its
-    gradient}, "dp": data-parallel size}`` or ``{"refused": shardadopt's error}``, and ``"plain_head_shard"``
-    (:func:`plain_head_shard` of the loaded model). With ``experts`` also ``"adapter"`` (every factor's full tensor
-    after training) and ``"expert_replicas"`` ({expert factor: ranks holding its experts}, sharded loads)."""
+            world: int = 2, bf16: bool = False, lora: str | None = None, experts: str | None = None,
+            accum: int = 1) -> dict[str, Any]:
+    """``kind`` ("sft", "dpo" or "trainer": :func:`_trainer`) for STEPS steps on ``model`` sharded per ``layout``
+    over ``world`` ranks, or (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added
+    ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with ``experts``
+    (:func:`lora_config`), each step accumulating ``accum`` global batches. ``{"log": [{"loss", "grad_norm"} per
+    step], "adapter_grad_reductions": {LoRA factor: all_reduce calls on its gradient}, "dp": data-parallel size}`` or
+    ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model).
+    With ``experts`` also ``"adapter"`` (every factor's full tensor after training), ``"export"`` (global rank 0:
+    what ``trainer.model.save_pretrained`` wrote, as ``safetensors`` loads it) and ``"expert_replicas"`` ({expert
+    factor: ranks holding its experts}, sharded loads)."""
+    import os
     import tempfile
 
     import torch
@@ -136,7 +159,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
             common = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=STEPS,
                           learning_rate=LR["lora" if lora else "full"], lr_scheduler_type="constant",
                           logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=bf16, seed=0,
-                          max_length=32, disable_tqdm=True)
+                          gradient_accumulation_steps=accum, disable_tqdm=True)
             try:
                 if lora is not None:
                     torch.manual_seed(LORA_SEED)
@@ -146,14 +169,21 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
                         network = get_peft_model(network, lora_config(model, experts))
                     else:
                         extra["peft_config"] = lora_config(model, experts)
-                trainer = _trl_trainer(kind, network, common, tokenizer, **extra)
+                trainer = _trainer(kind, network, common, tokenizer, **extra)
                 with counted_grad_reductions(trainer.model, lambda name: "lora_" in name) as reductions:
                     trainer.train()
             except (AdapterLayoutError, AdoptionError) as exc:
                 return {**result, "refused": f"{type(exc).__name__}: {exc}"}
-        result.update(log=logged_steps(trainer), adapter_grad_reductions=reductions, dp=dp)
-        if experts:
-            result.update(adapter=_lora_tensors(trainer.model), expert_replicas=_expert_replicas(trainer.model))
+            result.update(log=logged_steps(trainer), adapter_grad_reductions=reductions, dp=dp)
+            if experts:
+                import torch.distributed as dist
+                from safetensors.torch import load_file
+
+                # a collective; the file is written on global rank 0 (a sharded model's export writes it once)
+                trainer.model.save_pretrained(os.path.join(out, "adapter"))
+                if dist.get_rank() == 0:
+                    result["export"] = load_file(os.path.join(out, "adapter", "adapter_model.safetensors"))
+                result.update(adapter=_lora_tensors(trainer.model), expert_replicas=_expert_replicas(trainer.model))
         return result
     finally:
         shardadopt.disable()
@@ -197,17 +227,17 @@ def refusal_problem(result: dict[str, Any], cause: str) -> str | None:
 
 
 def ddp_reference(pool, tiny_models: dict[str, str], tokenizer: str):
-    """``get(kind, model, bf16=False, lora=None, experts=False, part="log")``: :func:`trl_log` on the plain
+    """``get(kind, model, bf16=False, lora=None, experts=None, part="log", accum=1)``: :func:`trl_log` on the plain
     checkpoint under DDP on ``pool`` (its ranks must log the same values), computed once per argument set; its log,
     or with ``part="adapter"`` (``experts`` runs) the adapter factors after training."""
     cache: dict[tuple, dict[str, Any]] = {}
 
-    def get(kind: str, model: str, bf16: bool = False, lora: str | None = None, experts: bool = False,
-            part: str = "log") -> Any:
-        key = (kind, model, bf16, lora, experts)
+    def get(kind: str, model: str, bf16: bool = False, lora: str | None = None, experts: str | None = None,
+            part: str = "log", accum: int = 1) -> Any:
+        key = (kind, model, bf16, lora, experts, accum)
         if key not in cache:
             runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, bf16=bf16, lora=lora,
-                            experts=experts, timeout=300)
+                            experts=experts, accum=accum, timeout=300)
             assert "log" in runs[0], runs[0]
             assert runs[0]["log"] == runs[1]["log"], "DDP ranks log the same values"
             cache[key] = runs[0]
@@ -224,27 +254,20 @@ def _lora_tensors(network) -> dict[str, Any]:
 
 
 def resume_log(models: dict[str, str], tokenizer: str, how: str, layout: str, model: str, directory: str, *,
-               steps: int = 4, stop_after: int = 2) -> dict[str, Any]:
+               steps: int = 4, stop_after: int = 2, experts: str | None = None) -> dict[str, Any]:
     """An adapter run with a checkpoint every 2 steps, three ways on ``model`` sharded per ``layout`` over 2 ranks:
     ``steps`` steps straight; the same stopped after ``checkpoint-{stop_after}`` (a callback setting
     ``control.should_training_stop``, as examples/trainer_finetune.py does); and a new trainer on a fresh load, its
     adapters initialised from another seed, resuming with ``train(resume_from_checkpoint=True)``. ``how``: "sft"
     (``SFTTrainer(peft_config=...)``) or "trainer" (``Trainer`` on a ``get_peft_model`` model, a tokenized dataset
-    and ``DataCollatorForLanguageModeling``). Per run its log, its adapter factors (full tensors) at the end,
-    ``checkpoint-{stop_after}`` (path and files) and what ``trainer.save_model`` wrote at the end (``"final"``); or
-    ``{"refused": ...}``."""
+    and ``DataCollatorForLanguageModeling``), with ``experts`` on the MoE experts too (:func:`lora_config`). Per
+    run its log, its adapter factors (full tensors) at the end, ``checkpoint-{stop_after}`` (path and files) and
+    what ``trainer.save_model`` wrote at the end (``"final"``); or ``{"refused": ...}``."""
     import os
 
     import torch
     from peft import get_peft_model
-    from transformers import (
-        AutoTokenizer,
-        DataCollatorForLanguageModeling,
-        PrinterCallback,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
+    from transformers import TrainerCallback
 
     import shardadopt
     from shardadopt.adapters import AdapterLayoutError
@@ -263,16 +286,11 @@ def resume_log(models: dict[str, str], tokenizer: str, how: str, layout: str, mo
         callbacks = [StopAfter()] if stop else []
         torch.manual_seed(seed)
         if how == "sft":
-            trainer = _trl_trainer("sft", network, {**common, "max_length": 32}, tokenizer,
-                                   peft_config=lora_config(model), callbacks=callbacks)
+            trainer = _trainer("sft", network, common, tokenizer, peft_config=lora_config(model, experts),
+                               callbacks=callbacks)
         else:
-            processing_class = AutoTokenizer.from_pretrained(tokenizer)
-            data = dataset("sft").map(lambda batch: processing_class(batch["text"], truncation=True, max_length=32),
-                                      batched=True, remove_columns=["text"])
-            trainer = Trainer(model=get_peft_model(network, lora_config(model)), args=TrainingArguments(**common),
-                              train_dataset=data, callbacks=callbacks,
-                              data_collator=DataCollatorForLanguageModeling(processing_class, mlm=False))
-            trainer.remove_callback(PrinterCallback)
+            trainer = _trainer("trainer", get_peft_model(network, lora_config(model, experts)), common, tokenizer,
+                               callbacks=callbacks)
         trainer.train(resume_from_checkpoint=True if resume else None)
         trainer.save_model(os.path.join(out, "final"))  # an adapter run's final model: its adapter, as upstream
         checkpoint = os.path.join(out, f"checkpoint-{stop_after}")

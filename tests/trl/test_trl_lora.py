@@ -6,8 +6,10 @@ rank seeded the same before the adapters are added, as TRL's docs call them, on 
 (HSDP, 2-D); the reference is the same call on the plain checkpoint under DDP over 2 ranks with the same global
 batch (workers: ``shardadopt.testing.trl``). LoRA on TP before transformers 5.17 (plain TP shards; EP there is on
 the TP mesh) is refused when the adapters are added, naming the fix. LoRA on the experts of Qwen3-MoE loaded expert
-parallel (``down_proj`` in ``target_modules``: peft adapts the fused expert tensors) tracks DDP too, adapters
-included. An adapter run stopped after a checkpoint and resumed by a new trainer equals the uninterrupted run.
+parallel (``down_proj`` in ``target_modules`` through TRL, both fused expert tensors in ``target_parameters``
+through the plain ``Trainer``: peft adapts the fused expert tensors) tracks DDP too, adapters and their export
+included. An adapter run stopped after a checkpoint and resumed by a new trainer equals the uninterrupted run (with
+expert adapters too, through the ``Trainer``).
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ from shardadopt.testing.trl import FP32_RTOL, MODELS, MOE_RTOL, STEPS, compare, 
 
 pytestmark = pytest.mark.multiproc
 
+needs_ep_mesh = pytest.mark.skipif(
+    "ep_size" not in distributed_sizes("ep", 2)[0],
+    reason="transformers before 5.21 shards experts on the TP mesh (no ep_size): expert LoRA is refused there "
+    "(test_expert_lora_tracks_ddp)")
+
 
 def check_lora_run(results: list[dict], trl_ddp, kind: str, how: str, layout: str, sizes: dict,
-                   experts: bool = False) -> None:
+                   experts: str | None = None, accum: int = 1) -> None:
     """Every rank tracks the DDP run of the same LoRA call, or (TP before transformers 5.17) is refused."""
     from shardadopt.adapters import dtensor_tensor_parallel
 
     refused = "tp_size" in sizes and not dtensor_tensor_parallel()
-    expected = None if refused else trl_ddp(kind, MODELS[layout], lora=how, experts=experts)
+    expected = None if refused else trl_ddp(kind, MODELS[layout], lora=how, experts=experts, accum=accum)
     rtol = MOE_RTOL if layout == "ep" else FP32_RTOL
     for rank, result in enumerate(results):
         problem = refusal_problem(result, "lora-tp") if refused else compare(result, expected, rtol)
@@ -65,33 +72,61 @@ def test_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp, kind, how, 
 def test_expert_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp):
     """``SFTTrainer(peft_config=LoraConfig(target_modules=[q, v, o, "down_proj"]))`` on Qwen3-MoE loaded
     ``ep_size=2, fsdp_size=2``: peft puts ``down_proj`` on the fused expert tensors, laid out by expert. Loss, grad
-    norm and every adapter factor after training (experts included) equal the DDP run's; expert factors are reduced
-    only over the ranks holding the same experts (here none). Before transformers 5.21 (EP on the TP mesh):
-    refused by name."""
-    import torch
-
+    norm and every adapter factor after training (experts included) and its export equal the DDP run's; expert
+    factors are reduced only over the ranks holding the same experts (here none). Before transformers 5.21 (EP on
+    the TP mesh): refused by name."""
     from shardadopt.adapters import dtensor_tensor_parallel
-    from shardadopt.testing.lora.common import params_close
 
     sizes = distributed_sizes("ep", 2)[0]
     results = pool2.run(trl_log, tiny_models, trl_tokenizer, "sft", "ep", MODELS["ep"], lora="peft_config",
-                        experts=True, timeout=400)
+                        experts="down_proj", timeout=400)
     if "ep_size" not in sizes:
         cause = "experts-tp-mesh" if dtensor_tensor_parallel() else "lora-tp"
         for rank, result in enumerate(results):
             assert refusal_problem(result, cause) is None, f"rank {rank}: {refusal_problem(result, cause)}"
         return
-    check_lora_run(results, trl_ddp, "sft", "peft_config", "ep", sizes, experts=True)
-    expected = trl_ddp("sft", MODELS["ep"], lora="peft_config", experts=True, part="adapter")
-    experts = [name for name in expected if ".experts." in name]
-    assert len(experts) == 4, f"lora_A/lora_B on down_proj of 2 layers: {experts}"
-    for rank, result in enumerate(results):
+    check_expert_lora_run(results, trl_ddp, "sft", "peft_config", "down_proj", expert_factors=4)
+
+
+@needs_ep_mesh
+def test_trainer_expert_lora_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp):
+    """The plain ``Trainer`` on ``get_peft_model(<Qwen3-MoE loaded ep_size=2, fsdp_size=2>, LoraConfig(
+    target_modules=[q, v, o], target_parameters=[experts' gate_up_proj and down_proj]))``, as transformers' docs
+    call it, accumulating 2 batches per step: loss, grad norm, every adapter factor after training and
+    ``save_pretrained``'s file equal the same Trainer's on the plain checkpoint under DDP (same global batches); one
+    gradient all_reduce per step for the attention factors, none for the expert ones (one rank per expert group)."""
+    results = pool2.run(trl_log, tiny_models, trl_tokenizer, "trainer", "ep", MODELS["ep"], lora="wrapped",
+                        experts="parameters", accum=2, timeout=400)
+    check_expert_lora_run(results, trl_ddp, "trainer", "wrapped", "parameters", expert_factors=8, accum=2)
+
+
+def check_expert_lora_run(results: list[dict], trl_ddp, kind: str, how: str, experts: str,
+                          expert_factors: int, accum: int = 1) -> None:
+    """Every rank of an expert-LoRA run (``experts`` as :func:`shardadopt.testing.trl.lora_config` reads it) tracks
+    the DDP run: its log (:func:`check_lora_run`), its ``expert_factors`` factors on expert tensors and every other
+    one after training, and the file ``save_pretrained`` wrote (the trained factors, bit for bit); both ranks hold the
+    same adapter."""
+    import torch
+
+    from shardadopt.testing.lora.common import params_close
+
+    check_lora_run(results, trl_ddp, kind, how, "ep", distributed_sizes("ep", 2)[0], experts=experts, accum=accum)
+    for part in ("adapter", "export"):  # the export: the file rank 0 wrote
+        expected = trl_ddp(kind, MODELS["ep"], lora=how, experts=experts, part=part, accum=accum)
+        on_experts = [name for name in expected if ".experts." in name]
+        assert len(on_experts) == expert_factors, f"{part}: lora_A/lora_B on the expert tensors: {on_experts}"
+        for rank, result in enumerate(results if part == "adapter" else results[:1]):
+            assert sorted(result[part]) == sorted(expected), f"rank {rank} {part}: {sorted(result[part])[:4]}"
+            bad = [n for n, v in expected.items() if not params_close(result[part][n], v)]
+            assert not bad, f"rank {rank}: {part} differs from the DDP run's after training: {bad[:3]}"
+            for name, value in result[part].items():
+                assert torch.equal(value, results[0][part][name]), f"{part} {name}: rank {rank} vs rank 0"
+    # the file holds the trained factors themselves, bit for bit
+    trained = {name.replace(".default.", "."): value for name, value in results[0]["adapter"].items()}
+    assert sorted(trained) == sorted(results[0]["export"]), (sorted(trained)[:2], sorted(results[0]["export"])[:2])
+    assert all(torch.equal(value, trained[name]) for name, value in results[0]["export"].items())
+    for result in results:
         assert set(result["expert_replicas"]) == {n for n in result["adapter_grad_reductions"] if ".experts." in n}
-        assert sorted(result["adapter"]) == sorted(expected), f"rank {rank}: {sorted(result['adapter'])[:4]}"
-        bad = [n for n, v in expected.items() if not params_close(result["adapter"][n], v)]
-        assert not bad, f"rank {rank}: adapters differ from the DDP run after training: {bad[:3]}"
-        for name, value in result["adapter"].items():
-            assert torch.equal(value, results[0]["adapter"][name]), f"{name}: rank {rank} vs rank 0"
 
 
 @pytest.mark.parametrize("layout", ["hsdp", "2d"])
@@ -115,10 +150,7 @@ def test_adapter_run_resumes_exactly(pool2, tiny_models, trl_tokenizer, tmp_path
     resumed with ``train(resume_from_checkpoint=True)`` by a new trainer on a fresh load (adapters initialised from
     another seed): the resumed steps' losses and grad norms and the final adapters equal the uninterrupted run's,
     on every rank."""
-    import torch
-
     from shardadopt.adapters import dtensor_tensor_parallel
-    from shardadopt.checkpoint.state import _saved_shapes as saved_shapes
     from shardadopt.testing.trl import resume_log
 
     results = pool2.run(resume_log, tiny_models, trl_tokenizer, how, layout, MODELS[layout], str(tmp_path),
@@ -127,6 +159,31 @@ def test_adapter_run_resumes_exactly(pool2, tiny_models, trl_tokenizer, tmp_path
         for result in results:
             assert refusal_problem(result, "lora-tp") is None, result
         return
+    check_resumed_exactly(results, tiny_models[MODELS[layout]])
+
+
+@needs_ep_mesh
+def test_trainer_expert_adapter_run_resumes_exactly(pool2, tiny_models, trl_tokenizer, tmp_path):
+    """``Trainer`` on a ``get_peft_model`` Qwen3-MoE loaded ``ep_size=2, fsdp_size=2`` with LoRA on both fused
+    expert tensors (``target_parameters``), stopped after checkpoint-2 and resumed by a new trainer on a fresh load:
+    as :func:`test_adapter_run_resumes_exactly`, bit for bit, expert factors included."""
+    from shardadopt.testing.trl import resume_log
+
+    results = pool2.run(resume_log, tiny_models, trl_tokenizer, "trainer", "ep", MODELS["ep"], str(tmp_path),
+                        experts="parameters", timeout=600)
+    assert all(any(".experts." in n for n in r.get("straight", {}).get("adapter", {})) for r in results), results
+    check_resumed_exactly(results, tiny_models[MODELS["ep"]])
+
+
+def check_resumed_exactly(results: list[dict], path: str) -> None:
+    """Each rank's resumed run (:func:`shardadopt.testing.trl.resume_log`) equals its uninterrupted run: losses,
+    grad norms and final adapters bit for bit, the same on every rank; checkpoint-2 and the final ``save_model``
+    hold an ordinary PEFT adapter that one process loads onto the plain checkpoint at ``path``, and no base
+    weights."""
+    import torch
+
+    from shardadopt.checkpoint.state import _saved_shapes as saved_shapes
+
     for rank, result in enumerate(results):
         assert "refused" not in result, result["refused"]
         straight, stopped, resumed = result["straight"], result["stopped"], result["resumed"]
@@ -144,7 +201,7 @@ def test_adapter_run_resumes_exactly(pool2, tiny_models, trl_tokenizer, tmp_path
     first = results[0]
     for run, directory, adapter in (("checkpoint-2", first["stopped"]["checkpoint"], first["stopped"]["adapter"]),
                                     ("save_model", first["resumed"]["final"], first["resumed"]["adapter"])):
-        loaded = one_process_adapter(tiny_models[MODELS[layout]], directory)
+        loaded = one_process_adapter(path, directory)
         assert sorted(loaded) == sorted(adapter), f"{run}: {sorted(loaded)[:2]} vs {sorted(adapter)[:2]}"
         for name, value in adapter.items():
             assert torch.equal(loaded[name], value), f"{run}: {name} differs from the trained adapter"
