@@ -14,8 +14,9 @@ median (the slowest rank's), the ratio against shardadopt and the collectives on
 CommDebugMode). Alongside, the same rounds time what any
 one-collective norm must do: one ``_foreach_norm`` over the local tensors, then the bare all-reduce; the summary
 gives ``total_norm``'s ratio to that too (what shardadopt adds above the unavoidable part). And the bare all-reduce
-after 150 us of local Python work that runs no torch op: the floor is timed right after a barrier, while every
-rank's gloo threads are still awake, and any local work before the collective (a norm's included) loses that.
+timed together with 150 us of local Python work before it that runs no torch op (about a norm's local part): the
+floor is timed right after a barrier, while every rank's gloo threads are still awake, and any norm does its local
+work before its collective.
 
 - shardadopt: ``shardadopt.gradnorm.total_norm`` (local foreach norms, one all-reduce);
 - per-mesh full_tensor: ``get_total_norm`` per device mesh, ``full_tensor()`` of each mesh's DTensor norm, then
@@ -198,8 +199,8 @@ def main() -> None:
         print(f"  one fused local norm (_foreach_norm, no weights) + floor / floor: median {kernel:.2f}x "
               f"(the part of the ratio no one-collective norm avoids on this machine); total_norm / that: "
               f"{above:.2f}x")
-        print(f"  the bare all-reduce after {1e6 * SPIN_SECONDS:.0f} us of local Python work (no torch op) / floor: "
-              f"median {idle:.2f}x (what local work before the collective costs the collective itself)")
+        print(f"  {1e6 * SPIN_SECONDS:.0f} us of local Python work (no torch op), then the bare all-reduce / floor: "
+              f"median {idle:.2f}x (what that much local work before the collective costs in all)")
         ours = max(r["methods"]["shardadopt"]["median_ms"] for r in results)
         for method in METHODS:
             median = max(r["methods"][method]["median_ms"] for r in results)  # the slowest rank sets the pace
