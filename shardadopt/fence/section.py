@@ -94,8 +94,7 @@ class Fence:
             origin = trip.origin
             if trip.kind == HANG_KIND:  # whatever this rank raised (DCP wraps errors in its own) follows from the hang
                 mark_hang(exc)
-            if STATE.tripped != self.generation:  # else this rank's watcher was woken: one request woke them all
-                records.wake_all(store, self.generation)
+            records.wake_all(store, self.generation)
         except Exception:  # noqa: BLE001  (store unreachable: its host died; break anyway)
             pass
         breaking.break_training_groups()
@@ -110,9 +109,7 @@ class Fence:
 
     def tripped(self) -> bool:
         """Whether any rank tripped this fence's generation; store errors raise (the job cannot go on)."""
-        if self.local:
-            return False
-        return STATE.tripped == self.generation or self._record() is not None  # this rank's watcher read it already
+        return False if self.local else self._record() is not None
 
     def _record(self) -> tuple[int, str] | None:
         if self.local:
