@@ -261,5 +261,6 @@ def main() -> None:
           f"replayed alone on zero buffers, each waited for, median; step gap / colls gap: each minus ddp-lora's; "
           f"explained: colls gap / step gap; rest ms: step - colls ms)")
 
+
 if __name__ == "__main__":
     main()

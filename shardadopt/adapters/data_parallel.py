@@ -131,7 +131,7 @@ def attach_dp(module: nn.Module, group: Any, dp_size: int, fsdp_modules: list[nn
 
 def _sync_probe(fsdp_modules: list[nn.Module]) -> Any:
     """The first FSDP2 parameter group in ``fsdp_modules`` or below them (a root unit that holds no weights of its own,
-    as transformers' FSDP plan makes, has none), whose ``reduce_grads`` is False inside FSDP2 ``no_sync``
+    as transformers' FSDP plan makes, has none), which does not sync gradients inside FSDP2 ``no_sync``
     (``set_requires_gradient_sync(False)``), where reductions wait; None without FSDP2."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -155,7 +155,7 @@ def _average_over_dp(param: nn.Parameter, group: Any, dp_size: int, fsdp_modules
             return
         if not probe:
             probe.append(_sync_probe(fsdp_modules))
-        if probe[0] is None or probe[0].reduce_grads:
+        if probe[0] is None or upstream.fsdp_group_syncs_gradients(probe[0]):
             _pending.add(p, order, group, dp_size)
 
     # Frozen factors too (an inactive adapter: set_adapter makes it trainable later, after prepare): torch hooks

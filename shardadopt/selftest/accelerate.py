@@ -129,7 +129,7 @@ def _fsdp_reduces(model) -> bool | None:
     """Whether FSDP2 will reduce gradients in this backward (None for models without FSDP modules)."""
     from torch.distributed.fsdp import FSDPModule
 
-    flags = [g.reduce_grads for m in model.modules() if isinstance(m, FSDPModule)
+    flags = [upstream.fsdp_group_syncs_gradients(g) for m in model.modules() if isinstance(m, FSDPModule)
              for g in upstream.fsdp_param_groups(m)]
     return all(flags) if flags else None
 

@@ -8,6 +8,7 @@ averages every factor of a group in one ``all_reduce`` over a flat buffer:
 (``counted_collectives``); ``benchmarks/adapter_step.py`` records them with their sizes and replays them alone on
 dummy buffers (``recorded_collectives``, ``replay_collectives``), to tell the collectives' share of a step's time.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
