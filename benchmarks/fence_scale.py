@@ -319,6 +319,8 @@ def breakdown(seen: dict[int, dict], world: int) -> dict[str, float]:
             "agreed": slowest("agreed"), "destroyed": slowest("destroyed"), "rebuilt": slowest("rebuilt"),
             "control": slowest("control"), "command": slowest("command"), "armed": slowest("armed"),
             "next": max(m["fault started 2"] for m in seen.values()) - at}
+    if done["control"] != done["control"]:  # no control group created after the rebuild: it was kept
+        done["control"] = done["rebuilt"]
     done["out"] = max([m["fault out"] - at for m in seen.values() if "fault out" in m] + [done["broken"]])
     row = {"trip": done["seen"], "break": done["out"] - done["seen"], "agree": done["agreed"] - done["out"],
            "destroy": done["destroyed"] - done["agreed"], "init": done["rebuilt"] - done["destroyed"],

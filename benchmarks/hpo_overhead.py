@@ -7,8 +7,8 @@ throughput with 1 vs 2 concurrent jobs.
 
 1. Per ``report`` + ``should_prune`` on 2 and 4 gloo ranks (``DistributedTrial`` inside ``shardadopt.hpo.optimize``,
    MedianPruner, in-memory storage): the median wall time per pair on rank 0, side by side with the floor the
-   FINDINGS name (one ``dist.broadcast`` of a one-byte tensor on the same gloo group), with one bare
-   ``dist.all_reduce`` of a control round's table (world x 4 int64: the collective a round is made of, so
+   FINDINGS name (one broadcast of a one-byte tensor on the same gloo group), with one bare
+   all-reduce of a control round's table (world x 4 int64: the collective a round is made of, so
    ``rt/all_reduce`` is shardadopt's own share) and with the same Optuna calls in one process (what rank 0 spends
    in Optuna itself). Target: < 2 ms median. With more ranks than cores the collectives wait for the scheduler.
 2. ``Trainer.hyperparameter_search`` on 2 ranks with the tiny qwen3 model: trials per minute without pruning
@@ -71,8 +71,9 @@ def _round_trips(calls: int) -> dict:
     group = control_group(control_timeout())
     flag = torch.zeros(1, dtype=torch.uint8)
     table = torch.zeros(dist.get_world_size(), 4, dtype=torch.int64)  # the size of one control round's message
-    floors = {"broadcast": lambda: dist.broadcast(flag, src=0, group=group),
-              "all_reduce": lambda: dist.all_reduce(table, group=group)}
+    # the control group is a gloo backend of its own, used through its methods as the control rounds use it
+    floors = {"broadcast": lambda: group.broadcast(flag, 0).wait(),
+              "all_reduce": lambda: group.allreduce([table]).wait()}
     result = {"pair": timings["pair"]}
     for name, collective in floors.items():
         samples = []

@@ -30,10 +30,15 @@ _WILDCARD = {"00000000", "0" * 32}
 _IPV6_LOOPBACK = "0" * 24 + "01000000"  # ::1 as /proc/net/tcp6 writes it
 _HOST = socket.gethostname()
 
-_PROTECTED_PORTS: set[int] = set()  # gloo listener ports of groups that must survive a break (control plane)
-_PROTECTED_GROUPS: weakref.WeakSet = weakref.WeakSet()
+# Groups that must survive a break (the HPO control plane) -> their gloo listener ports. Weak: a group's ports stop
+# being protected when it is freed, so a training group that reuses one of them later is broken as any other.
+_PROTECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNCLAIMED_PORTS: set[int] = set()  # opened by the last protected() block, until protect_group names their group
 # (generation, store host, store port) -> this rank's training listeners published there
 _PUBLISHED: dict[tuple[int, Any, Any], set[tuple[str, int]]] = {}
+# generation -> inodes of the connections this rank shut down in it: a second break (the watcher's, then the main
+# thread's trip) shuts down only what is new, so each rank pays the shutdowns once
+_SHUT: dict[int, set[int]] = {}
 
 
 class TcpSocket(NamedTuple):
@@ -125,7 +130,7 @@ def training_listeners(sockets: list[TcpSocket], store_port: int | None) -> set[
     wildcard server), neither the store's nor a protected group's."""
     return {(s.address, s.port) for s in sockets
             if s.state == LISTEN and s.address not in _WILDCARD and s.port != store_port
-            and s.port not in _PROTECTED_PORTS}
+            and s.port not in protected_ports()}
 
 
 def _loopback(address: str) -> bool:
@@ -137,15 +142,16 @@ def _loopback(address: str) -> bool:
 
 @contextmanager
 def protected() -> Iterator[None]:
-    """Process groups created inside this block survive ``break_training_groups`` (used for the control group,
-    which must carry the ranks' agreement after the training groups were broken). Collective like ``new_group``."""
+    """Process groups created inside this block survive ``break_training_groups`` once ``protect_group`` names them
+    (used for the control group, which must carry the ranks' agreement after the training groups were broken).
+    Collective like ``new_group``."""
     before = _listen_ports()
     with BREAK_LOCK:  # a publication that read the sockets before this block began sees it and gives up
         STATE.protecting += 1
         STATE.protections += 1
     try:
         yield
-        _PROTECTED_PORTS.update(_listen_ports() - before)
+        _UNCLAIMED_PORTS.update(_listen_ports() - before)
     finally:
         with BREAK_LOCK:
             STATE.protecting -= 1
@@ -154,13 +160,33 @@ def protected() -> Iterator[None]:
 
 def protect_group(group: Any) -> None:
     """``group`` (created inside ``protected()``) is not aborted by ``break_training_groups``. Held weakly: a
-    destroyed group is freed as usual (``shardadopt.cleanexit`` relies on it at exit)."""
-    _PROTECTED_GROUPS.add(group)
+    destroyed group is freed as usual (``shardadopt.cleanexit`` relies on it at exit), and its ports with it."""
+    _PROTECTED[group] = frozenset(_PROTECTED.get(group, frozenset()) | _UNCLAIMED_PORTS)
+    _UNCLAIMED_PORTS.clear()
+
+
+def protected_ports() -> set[int]:
+    """The gloo listener ports of the live protected groups."""
+    return set().union(*_PROTECTED.values(), _UNCLAIMED_PORTS)
 
 
 def forget_protected_ports() -> None:
-    """The process groups were destroyed (``rebuild_world``): their listener ports may be reused by training groups."""
-    _PROTECTED_PORTS.clear()
+    """Every registered process group is about to be destroyed (``rebuild_world``): their listener ports may be
+    reused by training groups. A protected group outside torch's registry (the HPO control group) survives the
+    rebuild and stays protected while it lives."""
+    _UNCLAIMED_PORTS.clear()
+    registered = None
+    for _ in range(10):  # another thread may be creating a group while the registry is read
+        try:
+            registered = upstream.registered_process_groups()
+            break
+        except RuntimeError:
+            continue
+        except AttributeError:  # private registry renamed: forget them all (a group kept unprotected fails later)
+            break
+    for group in list(_PROTECTED):
+        if registered is None or group in registered:
+            _PROTECTED.pop(group, None)
 
 
 def _training_groups() -> list[Any]:
@@ -173,7 +199,7 @@ def _training_groups() -> list[Any]:
             continue
         except AttributeError:  # private registry renamed: the default group at least
             break
-    return [g for g in groups if g is not None and g not in _PROTECTED_GROUPS]
+    return [g for g in groups if g is not None and g not in _PROTECTED]
 
 
 # -- the break --------------------------------------------------------------------------------------------------------
@@ -211,19 +237,20 @@ def _listeners_key(generation: int) -> str:
     return records.key(generation, "listeners")
 
 
-def publish_listeners(store: Any, blocking: bool = True) -> None:
+def publish_listeners(store: Any, blocking: bool = True, sockets: list[TcpSocket] | None = None) -> None:
     """Add this rank's training listeners not yet published in this generation to the store's list (one ``append``
     request, none when nothing is new), so a peer can shut the connections it opened to them.
 
     Args:
         store: the base store, or a connection of its.
         blocking: False to give up when a break or a rebuild holds the lock.
+        sockets: this process's sockets, just read (``own_tcp_sockets``); None to read them.
     """
     protections, generation, base = STATE.protections, STATE.generation, records.base_store(store)
     if STATE.protecting:  # a protected group's listener may be open but not marked protected yet
         return
     try:
-        current = training_listeners(own_tcp_sockets(), getattr(base, "port", None))
+        current = training_listeners(own_tcp_sockets() if sockets is None else sockets, getattr(base, "port", None))
     except OSError:  # no /proc: not Linux
         return
     where = (generation, getattr(base, "host", None), getattr(base, "port", None))
@@ -269,25 +296,30 @@ def _shutdown_gloo_connections(store: Any = None) -> int:
         store_port = getattr(records.base_store(store), "port", None)
     except Exception:  # noqa: BLE001  (no default group any more)
         return 0
-    try:
-        publish_listeners(store)  # for the peers' breaks that come after this one
-        peers = _published_listeners(store, STATE.generation)
-    except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
-        pass
-    try:  # read after the store's answers: gloo closes a broken pair's fd, and a new socket may take its number
+    try:  # read once, for the publication and the shutdown: with 2 per peer and group, the scan is a break's cost
         sockets = own_tcp_sockets()
     except OSError:  # no /proc: not Linux
         return 0
+    try:
+        publish_listeners(store, sockets=sockets)  # for the peers' breaks that come after this one
+        peers = _published_listeners(store, STATE.generation)
+    except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
+        pass
     own = {port for _, port in training_listeners(sockets, store_port)}
+    generation = STATE.generation
+    for old in [g for g in _SHUT if g != generation]:
+        del _SHUT[old]
+    shut = _SHUT.setdefault(generation, set())
     count = 0
     for s in sockets:
-        if s.state == LISTEN or not (s.port in own or (s.remote_address, s.remote_port) in peers):
+        if s.state == LISTEN or s.inode in shut or not (s.port in own or (s.remote_address, s.remote_port) in peers):
             continue
         try:
             with _borrowed(s.fd) as connection:
                 if os.fstat(connection.fileno()).st_ino != s.inode:
                     continue  # the number was closed and reused since it was read: someone else's socket
                 connection.shutdown(socket.SHUT_RDWR)
+            shut.add(s.inode)
             count += 1
         except OSError:
             continue

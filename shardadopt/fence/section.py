@@ -94,7 +94,8 @@ class Fence:
             origin = trip.origin
             if trip.kind == HANG_KIND:  # whatever this rank raised (DCP wraps errors in its own) follows from the hang
                 mark_hang(exc)
-            records.wake_all(store, self.generation)
+            if STATE.tripped != self.generation:  # else this rank's watcher was woken: one request woke them all
+                records.wake_all(store, self.generation)
         except Exception:  # noqa: BLE001  (store unreachable: its host died; break anyway)
             pass
         breaking.break_training_groups()
@@ -109,7 +110,9 @@ class Fence:
 
     def tripped(self) -> bool:
         """Whether any rank tripped this fence's generation; store errors raise (the job cannot go on)."""
-        return False if self.local else self._record() is not None
+        if self.local:
+            return False
+        return STATE.tripped == self.generation or self._record() is not None  # this rank's watcher read it already
 
     def _record(self) -> tuple[int, str] | None:
         if self.local:

@@ -251,8 +251,10 @@ class Watcher:
             try:
                 store.set(records.key(generation, "beat", rank),
                           hang_decision.format_beat(hang_decision.Beat(beat, count, stalled, in_torch)))
-                # groups created inside the section (a trial's device mesh); never waits for a break or a rebuild
-                breaking.publish_listeners(store, blocking=False)
+                # groups created inside the section (a trial's device mesh); never waits for a break or a rebuild.
+                # Not at the first beat: arm() publishes as it starts this thread.
+                if beat > 1:
+                    breaking.publish_listeners(store, blocking=False)
                 if stalled and STATE.tripped != generation:
                     seen = self._decide(store, generation, rank, world, count, in_torch, timeout, tick, what, seen)
             except Exception:  # noqa: BLE001  (the store is gone: the job is ending)

@@ -8,7 +8,11 @@ gloo's is a ring, ``2 (world - 1)`` hops one after the other, each waiting for t
 for this table at 64 ranks on 2 loaded cores, against 0.03 s for the gather and broadcast; ``docs/fence.md``).
 When a row announces a payload (``length > 0``) the ranks agree from the table on one source and broadcast its bytes.
 
-The group is gloo (CPU tensors, safe next to NCCL training), created once per (world group, timeout) and reused.
+The group is gloo (CPU tensors, safe next to NCCL training), created once per (world group, timeout) and reused. It
+is a gloo backend of its own, outside torch's group registry, used through its own methods: destroying every group
+(a rebuild after a fault) leaves it whole, so ``Channel.rebuild`` carries it into the new world instead of paying a
+second full-mesh rendezvous, and the old one's teardown, at every fault; a plain ``rebuild_world`` or the world's
+destruction at exit still frees it with its world.
 A dead peer makes gloo fail at once (closed connection); a stuck one trips the group timeout. Either way the
 surviving ranks check in through the rendezvous store for a few seconds, so the error names the ranks that never
 arrived (``PeerLostError``) and any error they recorded before going silent, instead of hanging.
@@ -62,6 +66,7 @@ _CHECK_IN_WAIT = 5.0  # seconds the survivors of a failed round wait for each ot
 # shardadopt.cleanexit at exit) frees the control groups with it.
 _GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _GROUPS_LOCK = threading.Lock()
+_CREATED = [0]  # control groups this process created: their rendezvous keys (creation is collective, in order)
 
 
 def control_timeout(timeout: float | None = None) -> float:
@@ -74,22 +79,29 @@ def control_timeout(timeout: float | None = None) -> float:
 
 def control_group(timeout: float) -> Any:
     """The gloo group for control messages over the whole world, created on first use (a collective: every rank
-    must reach it together, which ``optimize`` and ``DistributedTrial`` guarantee) and cached."""
+    must reach it together, which ``optimize`` and ``DistributedTrial`` guarantee) and cached.
+
+    A ``ProcessGroupGloo`` of its own, not registered with torch (no ``new_group``): destroying the process groups
+    does not shut it down, so a rebuild can keep it (``Channel.rebuild``). Group rank = global rank."""
     with _GROUPS_LOCK:
         groups = _GROUPS.setdefault(dist.group.WORLD, {})
         group = groups.get(timeout)
-        if group is None or not _alive(group):
+        if group is None:
+            _CREATED[0] += 1
+            store = dist.PrefixStore(f"shardadopt-hpo-control/{_CREATED[0]}/", upstream.default_store())
             with fence.protected():  # it must carry the ranks' agreement after a fault broke the training groups
-                group = groups[timeout] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+                group = groups[timeout] = dist.ProcessGroupGloo(store, dist.get_rank(), dist.get_world_size(),
+                                                                timedelta(seconds=timeout))
             fence.protect_group(group)
         return group
 
 
-def _alive(group: Any) -> bool:
-    try:
-        return group in upstream.registered_process_groups()
-    except AttributeError:  # private registry renamed: trust the cache
-        return True
+def _keep_control_group(group: Any, timeout: float) -> None:
+    """``group`` (this process's control group of the world just destroyed) serves the new world: same ranks, its
+    connections untouched by the break and the rebuild."""
+    with _GROUPS_LOCK:
+        _GROUPS.setdefault(dist.group.WORLD, {})[timeout] = group
+    fence.protect_group(group)
 
 
 class FenceOffWarning(RuntimeWarning):
@@ -136,15 +148,15 @@ class Channel:
         self.context = ""  # what the ranks are doing, for error messages (e.g. "trial 3")
 
     def _bind(self, group: Any) -> None:
+        # The group's own methods (a registered group's or the control backend's): ranks are the group's.
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        # Global rank of the group's rank 0: broadcast's src is global (optuna-integration mixes them up).
-        self._global = [dist.get_global_rank(group, r) for r in range(self.world)]
+        self.rank = group.rank()
+        self.world = group.size()
 
     def rebuild(self) -> None:
-        """After a fault broke the training process groups: re-initialise every group (``fence.rebuild_world``)
-        and a fresh control group. Collective; every rank calls it at the same point."""
+        """After a fault broke the training process groups: re-initialise every group (``fence.rebuild_world``),
+        keeping the control group (protected from the break, outside the registry the rebuild destroys, and the
+        round that decided the rebuild just ran on it). Collective; every rank calls it at the same point."""
         if self.local:
             return
         if not self.own_group:
@@ -153,8 +165,9 @@ class Channel:
                 "group, including the control group given as group=; pass group=None (the default) so shardadopt "
                 "owns the control group and the study can go on after a fault")
             raise self.broken
+        group = self.group
         fence.rebuild_world()
-        self._bind(control_group(self.timeout))
+        _keep_control_group(group, self.timeout)
 
     @property
     def is_root(self) -> bool:
@@ -174,8 +187,8 @@ class Channel:
 
     def _gather_table(self) -> None:
         """Every rank's row into the table on every rank: gathered on rank 0, broadcast back (two hops, not a ring)."""
-        dist.gather(self._row, self._gathered, dst=self._global[0], group=self.group)
-        dist.broadcast(self._table, src=self._global[0], group=self.group)
+        self.group.gather(self._gathered if self.rank == 0 else [], self._row, 0).wait()
+        self.group.broadcast(self._table, 0).wait()
 
     def broadcast_bytes(self, src: int, data: bytes | None, length: int, op: int) -> bytes:
         """The ``length`` bytes ``data`` of rank ``src``, on every rank."""
@@ -189,7 +202,7 @@ class Channel:
             buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         else:
             buffer = torch.empty(length, dtype=torch.uint8)
-        self._collective(lambda: dist.broadcast(buffer, src=self._global[src], group=self.group), op)
+        self._collective(lambda: self.group.broadcast(buffer, src).wait(), op)
         return data if self.rank == src else buffer.numpy().tobytes()
 
     def broadcast_object(self, src: int, obj: Any, op: int) -> Any:

@@ -63,7 +63,14 @@ def test_grad_norm_payload_device(backend, name, first, expected):
 
 
 class _StandInGroup:
-    """What the mocked ``new_group`` returns."""
+    """What the mocked ``ProcessGroupGloo`` constructor returns: weakly referable, as a backend is (the fence
+    protects it weakly)."""
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 2
 
 
 def test_hpo_control_group_is_gloo_on_cpu_beside_nccl(monkeypatch, backend):
@@ -71,14 +78,14 @@ def test_hpo_control_group_is_gloo_on_cpu_beside_nccl(monkeypatch, backend):
     backend("nccl")
     created = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    # a stand-in for the new group: weakly referable, as a ProcessGroup is (the fence protects it weakly)
-    monkeypatch.setattr(dist, "new_group", lambda **kwargs: created.append(kwargs) or _StandInGroup())
+    monkeypatch.setattr(dist, "ProcessGroupGloo", lambda *args: created.append(args) or _StandInGroup())
+    monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: store)
+    monkeypatch.setattr(channel.upstream, "default_store", lambda: None)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
     monkeypatch.setattr(channel, "_GROUPS", {})
     ctl = channel.Channel(timeout=30)
-    assert [kwargs["backend"] for kwargs in created] == ["gloo"]
+    assert [args[1:3] for args in created] == [(0, 2)]  # a gloo backend over the whole world
     assert ctl._table.device == CPU
     with pytest.raises(ValueError, match="must use gloo"):
         channel.Channel(group=object(), timeout=30)  # an NCCL group passed by hand
