@@ -186,7 +186,8 @@ def hpo_rank(device: str) -> dict[str, Any]:
 
     result = run(Context(models={}, nproc=dist.get_world_size(), device=device))
     return {"result": result, "default": dist.get_backend(),
-            "control": sorted({dist.get_backend(group) for per_world in channel._GROUPS.values()
+            # the control group is a gloo backend outside torch's registry (dist.get_backend does not know it)
+            "control": sorted({group.name() for per_world in channel._GROUPS.values()
                                for group in per_world.values()})}
 
 
