@@ -14,6 +14,7 @@ import fcntl
 import os
 import socket
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,10 +31,24 @@ _WILDCARD = {"00000000", "0" * 32}
 _IPV6_LOOPBACK = "0" * 24 + "01000000"  # ::1 as /proc/net/tcp6 writes it
 _HOST = socket.gethostname()
 
-# Groups that must survive a break (the HPO control plane) -> their gloo listener ports. Weak: a group's ports stop
-# being protected when it is freed, so a training group that reuses one of them later is broken as any other.
+
+
+class Protection(NamedTuple):
+    """What a protected group opened: its gloo listener ports and the inodes of all its sockets (its pairs too: a
+    peer's published listener that closed and whose port a control socket took since is still in the store's list)."""
+    ports: frozenset[int] = frozenset()
+    inodes: frozenset[int] = frozenset()
+
+    def __or__(self, other: Protection) -> Protection:
+        return Protection(self.ports | other.ports, self.inodes | other.inodes)
+
+
+# Groups that must survive a break (the HPO control plane) -> what they opened. Weak: a group's sockets stop being
+# protected when it is freed, so a training group that reuses one of its ports later is broken as any other.
 _PROTECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_UNCLAIMED_PORTS: set[int] = set()  # opened by the last protected() block, until protect_group names their group
+_UNCLAIMED = [Protection()]  # opened by the last protected() block, until protect_group names their group
+# Held to change or read the two above: the watcher publishes and breaks while the main thread creates a group.
+_PROTECTED_LOCK = threading.Lock()
 # (generation, store host, store port) -> this rank's training listeners published there
 _PUBLISHED: dict[tuple[int, Any, Any], set[tuple[str, int]]] = {}
 # generation -> inodes of the connections this rank shut down in it: a second break (the watcher's, then the main
@@ -58,14 +73,23 @@ class TcpSocket(NamedTuple):
 def _borrowed(fd: int) -> Iterator[socket.socket]:
     """A Python socket over a duplicate of ``fd``. The duplicate shares the open file's status flags, and a socket
     built while ``socket.setdefaulttimeout`` is set switches them to non-blocking: they are put back as they were,
-    so gloo's and the store's sockets keep their own mode."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    so gloo's and the store's sockets keep their own mode. Read and put back through the duplicate, never through
+    ``fd``: gloo's event loop closes a pair's descriptor as soon as the break shuts the connection down, and by the
+    time the flags were put back the number could name a socket another thread had just opened (a gloo pair made
+    blocking stalls its event loop, and every collective on it with it)."""
+    duplicate = os.dup(fd)
     try:
-        with socket.socket(fileno=os.dup(fd)) as sock:
+        flags = fcntl.fcntl(duplicate, fcntl.F_GETFL)
+        sock = socket.socket(fileno=duplicate)
+    except BaseException:
+        os.close(duplicate)
+        raise
+    with sock:
+        try:
             yield sock
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(duplicate, fcntl.F_SETFL, flags)
 
 
 def own_tcp_sockets() -> list[TcpSocket]:
@@ -118,19 +142,21 @@ def _proc_hex(family: int, address: str) -> str:
     return "".join(f"{int.from_bytes(packed[i:i + 4], sys.byteorder):08X}" for i in range(0, len(packed), 4))
 
 
-def _listen_ports() -> set[int]:
+def _opened() -> Protection:
+    """This process's listener ports and socket inodes, now."""
     try:
-        return {s.port for s in own_tcp_sockets() if s.state == LISTEN}
+        sockets = own_tcp_sockets()
     except OSError:
-        return set()
+        return Protection()
+    return Protection(frozenset(s.port for s in sockets if s.state == LISTEN), frozenset(s.inode for s in sockets))
 
 
 def training_listeners(sockets: list[TcpSocket], store_port: int | None) -> set[tuple[str, int]]:
     """(address hex, port) of this process's gloo listeners of training groups: bound to one address (not a
     wildcard server), neither the store's nor a protected group's."""
+    ports = protection().ports
     return {(s.address, s.port) for s in sockets
-            if s.state == LISTEN and s.address not in _WILDCARD and s.port != store_port
-            and s.port not in protected_ports()}
+            if s.state == LISTEN and s.address not in _WILDCARD and s.port != store_port and s.port not in ports}
 
 
 def _loopback(address: str) -> bool:
@@ -145,13 +171,15 @@ def protected() -> Iterator[None]:
     """Process groups created inside this block survive ``break_training_groups`` once ``protect_group`` names them
     (used for the control group, which must carry the ranks' agreement after the training groups were broken).
     Collective like ``new_group``."""
-    before = _listen_ports()
+    before = _opened()
     with BREAK_LOCK:  # a publication that read the sockets before this block began sees it and gives up
         STATE.protecting += 1
         STATE.protections += 1
     try:
         yield
-        _UNCLAIMED_PORTS.update(_listen_ports() - before)
+        after = _opened()
+        with _PROTECTED_LOCK:
+            _UNCLAIMED[0] |= Protection(after.ports - before.ports, after.inodes - before.inodes)
     finally:
         with BREAK_LOCK:
             STATE.protecting -= 1
@@ -161,20 +189,26 @@ def protected() -> Iterator[None]:
 def protect_group(group: Any) -> None:
     """``group`` (created inside ``protected()``) is not aborted by ``break_training_groups``. Held weakly: a
     destroyed group is freed as usual (``shardadopt.cleanexit`` relies on it at exit), and its ports with it."""
-    _PROTECTED[group] = frozenset(_PROTECTED.get(group, frozenset()) | _UNCLAIMED_PORTS)
-    _UNCLAIMED_PORTS.clear()
+    with _PROTECTED_LOCK:
+        _PROTECTED[group] = _PROTECTED.get(group, Protection()) | _UNCLAIMED[0]
+        _UNCLAIMED[0] = Protection()
 
 
-def protected_ports() -> set[int]:
-    """The gloo listener ports of the live protected groups."""
-    return set().union(*_PROTECTED.values(), _UNCLAIMED_PORTS)
+def protection() -> Protection:
+    """What the live protected groups opened (and a protected() block not yet claimed)."""
+    with _PROTECTED_LOCK:
+        found = _UNCLAIMED[0]
+        for opened in _PROTECTED.values():
+            found |= opened
+    return found
 
 
 def forget_protected_ports() -> None:
     """Every registered process group is about to be destroyed (``rebuild_world``): their listener ports may be
     reused by training groups. A protected group outside torch's registry (the HPO control group) survives the
     rebuild and stays protected while it lives."""
-    _UNCLAIMED_PORTS.clear()
+    with _PROTECTED_LOCK:
+        _UNCLAIMED[0] = Protection()
     registered = None
     for _ in range(10):  # another thread may be creating a group while the registry is read
         try:
@@ -184,9 +218,10 @@ def forget_protected_ports() -> None:
             continue
         except AttributeError:  # private registry renamed: forget them all (a group kept unprotected fails later)
             break
-    for group in list(_PROTECTED):
-        if registered is None or group in registered:
-            _PROTECTED.pop(group, None)
+    with _PROTECTED_LOCK:
+        for group in list(_PROTECTED):
+            if registered is None or group in registered:
+                _PROTECTED.pop(group, None)
 
 
 def _training_groups() -> list[Any]:
@@ -199,7 +234,8 @@ def _training_groups() -> list[Any]:
             continue
         except AttributeError:  # private registry renamed: the default group at least
             break
-    return [g for g in groups if g is not None and g not in _PROTECTED]
+    with _PROTECTED_LOCK:
+        return [g for g in groups if g is not None and g not in _PROTECTED]
 
 
 # -- the break --------------------------------------------------------------------------------------------------------
@@ -306,6 +342,7 @@ def _shutdown_gloo_connections(store: Any = None) -> int:
     except Exception:  # noqa: BLE001  (store gone: the accepted connections still go)
         pass
     own = {port for _, port in training_listeners(sockets, store_port)}
+    kept = protection().inodes
     generation = STATE.generation
     for old in [g for g in _SHUT if g != generation]:
         del _SHUT[old]
@@ -313,6 +350,8 @@ def _shutdown_gloo_connections(store: Any = None) -> int:
     count = 0
     for s in sockets:
         if s.state == LISTEN or s.inode in shut or not (s.port in own or (s.remote_address, s.remote_port) in peers):
+            continue
+        if s.inode in kept:  # a protected group's pair, whatever a stale entry of the peers' list says
             continue
         try:
             with _borrowed(s.fd) as connection:

@@ -10,8 +10,10 @@ one that publishes; and with the watchers' break of the groups late, so DCP gath
 ``CheckpointException``): the trial fails once as ``hang`` naming that rank, the search goes on, the checkpoint
 before resumes exactly; a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in
 the rebuild decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once
-its world is destroyed (``shardadopt.cleanexit`` at exit); the fence watcher survives a rebuild that it starts into
-(a late thread start while the default group is destroyed).
+its world is destroyed (``shardadopt.cleanexit`` at exit); a break leaves the control group whole even where the
+store's list of training listeners names its sockets' ports (a closed listener's port the kernel gave to a control
+socket); the fence watcher survives a rebuild that it starts into (a late thread start while the default group is
+destroyed).
 """
 
 from __future__ import annotations
@@ -623,6 +625,39 @@ def _control_group_freed() -> bool:
 
 def test_the_control_group_is_freed_with_its_world(pool2):
     assert pool2.run(_control_group_freed, timeout=120) == [True, True]
+
+
+def _stale_entries_name_the_control_sockets() -> dict:
+    """A training listener published earlier in a generation closes and the kernel gives its port to a control-group
+    socket: the store's list of training listeners still names that port, so a peer's break would take the control
+    connection for a training one. Made certain here: every rank publishes each of its control sockets' own ends as
+    training listeners. A break must leave the control group whole (the next control broadcast arrives); then a
+    fresh world for the pool's next case."""
+    import torch
+    import torch.distributed as dist
+
+    from shardadopt import fence
+    from shardadopt.fence import breaking, records
+    from shardadopt.hpo import channel
+
+    group = channel.control_group(channel.control_timeout())
+    kept = breaking.protection().inodes
+    control = [s for s in breaking.own_tcp_sockets() if s.inode in kept and s.state != breaking.LISTEN]
+    store = records.default_base_store()
+    store.append(breaking._listeners_key(fence.generation()),
+                 "".join(f"{breaking._HOST}/{s.address}:{s.port};" for s in control))
+    dist.barrier()  # every rank's entries are in before any rank breaks
+    shut = fence.break_training_groups()
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    group.broadcast(value, 1).wait()
+    fence.rebuild_world()
+    return {"control sockets": len(control), "shut": shut, "broadcast": value.item()}
+
+
+def test_stale_listener_entries_do_not_break_the_control_group(pool2):
+    for result in pool2.run(_stale_entries_name_the_control_sockets, timeout=120):
+        assert result["control sockets"] >= 1, result  # the pair (and nothing was mistaken for it)
+        assert result["broadcast"] == 2.0, result  # rank 1's value arrived over the control group
 
 
 def _meshes_freed() -> dict:

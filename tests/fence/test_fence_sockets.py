@@ -73,3 +73,37 @@ def test_a_socket_is_asked_about_once_and_a_new_or_closed_one_is_seen(asked):
                 (other_client.getsockname()[1], other_client.getpeername()[1]),
                 (other_server.getsockname()[1], other_server.getpeername()[1]),
             }
+
+
+def test_a_borrowed_socket_puts_its_flags_back_only_on_its_own_descriptor():
+    """While a socket is borrowed (the break shutting it down), its owner may close the descriptor (gloo's event loop
+    does, at the shutdown) and another thread may open a file that takes the number. The borrowed socket's flags
+    go back through its duplicate: the new file keeps its own (a gloo pair made blocking would stall its loop)."""
+    import fcntl
+    import os
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        client, server = _pair(listener)
+        with server:
+            client.setblocking(False)
+            number = client.fileno()
+            previous = socket.getdefaulttimeout()
+            socket.setdefaulttimeout(5.0)  # the borrowed socket changes the shared flags: to be put back
+            try:
+                with breaking._borrowed(number) as borrowed:
+                    client.close()  # the owner closes the number ...
+                    reader, writer = os.pipe()  # ... and another file takes it, blocking
+                    try:
+                        assert number in (reader, writer)
+                        taken = fcntl.fcntl(number, fcntl.F_GETFL)
+                        borrowed.shutdown(socket.SHUT_RDWR)
+                    except BaseException:
+                        os.close(reader), os.close(writer)
+                        raise
+                assert fcntl.fcntl(number, fcntl.F_GETFL) == taken, "the borrowed socket's flags landed on the pipe"
+                assert not taken & os.O_NONBLOCK
+            finally:
+                socket.setdefaulttimeout(previous)
+                os.close(reader), os.close(writer)
