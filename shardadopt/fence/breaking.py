@@ -32,7 +32,6 @@ _IPV6_LOOPBACK = "0" * 24 + "01000000"  # ::1 as /proc/net/tcp6 writes it
 _HOST = socket.gethostname()
 
 
-
 class Protection(NamedTuple):
     """What a protected group opened: its gloo listener ports and the inodes of all its sockets (its pairs too: a
     peer's published listener that closed and whose port a control socket took since is still in the store's list)."""
@@ -203,9 +202,9 @@ def protection() -> Protection:
     return found
 
 
-def forget_protected_ports() -> None:
-    """Every registered process group is about to be destroyed (``rebuild_world``): their listener ports may be
-    reused by training groups. A protected group outside torch's registry (the HPO control group) survives the
+def forget_destroyed_groups() -> None:
+    """Every registered process group is about to be destroyed (``rebuild_world``): what the protected ones opened
+    may be reused by training groups. A protected group outside torch's registry (the HPO control group) survives the
     rebuild and stays protected while it lives."""
     with _PROTECTED_LOCK:
         _UNCLAIMED[0] = Protection()

@@ -40,7 +40,7 @@ def rebuild_world() -> None:
         except Exception:  # noqa: BLE001
             pass
         STATE.generation += 1
-        breaking.forget_protected_ports()
+        breaking.forget_destroyed_groups()
         dist.destroy_process_group()
         loadtime.forget_device_meshes()  # their groups are gone: nothing may hand them out again, or keep them alive
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
