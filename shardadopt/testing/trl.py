@@ -64,15 +64,18 @@ def lora_config(model: str, experts: str | None = None):
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM", **EXPERTS.get(experts, targets))
 
 
-def _load(path: str, layout: str | None, world: int):
-    """The model (fp32), sharded per ``layout`` over ``world`` ranks or plain (DDP); and the data-parallel size."""
+def _load(path: str, layout: str | None, world: int, dtype: str = "float32"):
+    """The model in ``dtype``, sharded per ``layout`` over ``world`` ranks or plain (DDP); and the data-parallel
+    size. In float64 the experts run transformers' ``"eager"`` implementation: CPU ``grouped_mm`` has no float64."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from shardadopt import upstream
     from shardadopt.testing.layouts import distributed_sizes
 
-    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype)}
+    if dtype == "float64":
+        kwargs["experts_implementation"] = "eager"
     dp = world
     if layout is not None:
         from transformers.distributed import DistributedConfig
@@ -130,11 +133,12 @@ def logged_steps(trainer) -> list[dict[str, float]]:
 
 def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
             world: int = 2, bf16: bool = False, lora: str | None = None, experts: str | None = None,
-            accum: int = 1) -> dict[str, Any]:
+            accum: int = 1, dtype: str = "float32") -> dict[str, Any]:
     """``kind`` ("sft", "dpo" or "trainer": :func:`_trainer`) for STEPS steps on ``model`` sharded per ``layout``
     over ``world`` ranks, or (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added
     ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with ``experts``
-    (:func:`lora_config`), each step accumulating ``accum`` global batches. ``{"log": [{"loss", "grad_norm"} per
+    (:func:`lora_config`), each step accumulating ``accum`` global batches, the model loaded in ``dtype``
+    (:func:`_load`). ``{"log": [{"loss", "grad_norm"} per
     step], "adapter_grad_reductions": {LoRA factor: all_reduce calls on its gradient}, "dp": data-parallel size}`` or
     ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model).
     With ``experts`` also ``"adapter"`` (every factor's full tensor after training), ``"export"`` (global rank 0:
@@ -152,7 +156,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
 
     shardadopt.enable()
     try:
-        network, dp = _load(models[model], layout, world)
+        network, dp = _load(models[model], layout, world, dtype)
         result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network)}
         extra: dict[str, Any] = {}
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-") as out:
@@ -227,17 +231,17 @@ def refusal_problem(result: dict[str, Any], cause: str) -> str | None:
 
 
 def ddp_reference(pool, tiny_models: dict[str, str], tokenizer: str):
-    """``get(kind, model, bf16=False, lora=None, experts=None, part="log", accum=1)``: :func:`trl_log` on the plain
-    checkpoint under DDP on ``pool`` (its ranks must log the same values), computed once per argument set; its log,
-    or with ``part="adapter"`` (``experts`` runs) the adapter factors after training."""
+    """``get(kind, model, bf16=False, lora=None, experts=None, part="log", accum=1, dtype="float32")``:
+    :func:`trl_log` on the plain checkpoint under DDP on ``pool`` (its ranks must log the same values), computed once
+    per argument set; its log, or with ``part="adapter"`` (``experts`` runs) the adapter factors after training."""
     cache: dict[tuple, dict[str, Any]] = {}
 
     def get(kind: str, model: str, bf16: bool = False, lora: str | None = None, experts: str | None = None,
-            part: str = "log", accum: int = 1) -> Any:
-        key = (kind, model, bf16, lora, experts, accum)
+            part: str = "log", accum: int = 1, dtype: str = "float32") -> Any:
+        key = (kind, model, bf16, lora, experts, accum, dtype)
         if key not in cache:
             runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, bf16=bf16, lora=lora,
-                            experts=experts, accum=accum, timeout=300)
+                            experts=experts, accum=accum, dtype=dtype, timeout=300)
             assert "log" in runs[0], runs[0]
             assert runs[0]["log"] == runs[1]["log"], "DDP ranks log the same values"
             cache[key] = runs[0]
