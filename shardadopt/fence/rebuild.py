@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardadopt import loadtime, upstream
+from shardadopt import loadtime, upstream, worldbound
 from shardadopt.fence import breaking, records
 from shardadopt.fence.state import BREAK_LOCK, STATE
 from shardadopt.fence.watcher import WATCHER
@@ -22,7 +22,8 @@ def rebuild_world() -> None:
 
     Same backend, timeout and bound device. Groups created before (device meshes, ``new_group``) are gone:
     create them again (``transformers-reuse-device-mesh`` rebuilds a mesh whose groups were destroyed). DTensor's
-    sharding-propagation caches are emptied: their entries hold the old meshes."""
+    sharding-propagation caches are emptied: their entries hold the old meshes, and so are the caches of objects
+    bound to the old world (``shardadopt.worldbound``)."""
     default = upstream.default_group()
     backend = dist.get_backend()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -57,6 +58,7 @@ def rebuild_world() -> None:
         # DTensor imported there is no cache, and importing it costs seconds per rank (every rank at once).
         if "torch.distributed.tensor" in sys.modules:
             upstream.clear_sharding_propagation_caches()
+    worldbound.world_destroyed()  # outside the lock: the caches take their own locks
     with WATCHER.generation_changed:
         WATCHER.generation_changed.notify_all()
 

@@ -12,7 +12,8 @@ The group is gloo (CPU tensors, safe next to NCCL training), created once per (w
 is a gloo backend of its own, outside torch's group registry, used through its own methods: destroying every group
 (a rebuild after a fault) leaves it whole, so ``Channel.rebuild`` carries it into the new world instead of paying a
 second full-mesh rendezvous, and the old one's teardown, at every fault; a plain ``rebuild_world`` or the world's
-destruction at exit still frees it with its world.
+destruction at exit still frees it with its world (``shardadopt.worldbound``: torch may keep a destroyed world's
+Python object alive, so the cache does not count on that object being freed).
 A dead peer makes gloo fail at once (closed connection); a stuck one trips the group timeout. Either way the
 surviving ranks check in through the rendezvous store for a few seconds, so the error names the ranks that never
 arrived (``PeerLostError``) and any error they recorded before going silent, instead of hanging.
@@ -27,7 +28,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardadopt import fence, upstream
+from shardadopt import fence, upstream, worldbound
 from shardadopt.hpo.errors import PeerLostError
 
 # Ops: what a rank is doing in this round. Rows with different ops in one round mean the ranks diverged.
@@ -62,11 +63,29 @@ TIMEOUT_ENV = "SHARDADOPT_HPO_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0  # seconds: NCCL's default collective timeout; long evaluations on rank 0 fit in it
 _CHECK_IN_WAIT = 5.0  # seconds the survivors of a failed round wait for each other in the store
 
-# world group -> {timeout: control group}; weak on the world group, so destroying it (a rebuild, or
-# shardadopt.cleanexit at exit) frees the control groups with it.
-_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# [(weak reference to the world group, {timeout: control group})], the current world's only: destroying the world
+# (a rebuild, or shardadopt.cleanexit at exit) drops them, whatever still holds the world's object.
+_GROUPS: list[tuple[Callable[[], Any], dict[float, Any]]] = []
 _GROUPS_LOCK = threading.Lock()
 _CREATED = [0]  # control groups this process created: their rendezvous keys (creation is collective, in order)
+
+
+def _current_world_groups() -> dict[float, Any]:
+    """The current world's control groups (``_GROUPS_LOCK`` held); those of a world that is gone are dropped."""
+    world = dist.group.WORLD
+    if not _GROUPS or _GROUPS[0][0]() is not world:
+        _GROUPS[:] = [(weakref.ref(world) if world is not None else lambda: None, {})]
+    return _GROUPS[0][1]
+
+
+def _forget_destroyed_worlds() -> None:
+    with _GROUPS_LOCK:
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if _GROUPS and (world is None or _GROUPS[0][0]() is not world):
+            _GROUPS.clear()
+
+
+worldbound.on_world_destroyed(_forget_destroyed_worlds)
 
 
 def control_timeout(timeout: float | None = None) -> float:
@@ -84,7 +103,7 @@ def control_group(timeout: float) -> Any:
     A ``ProcessGroupGloo`` of its own, not registered with torch (no ``new_group``): destroying the process groups
     does not shut it down, so a rebuild can keep it (``Channel.rebuild``). Group rank = global rank."""
     with _GROUPS_LOCK:
-        groups = _GROUPS.setdefault(dist.group.WORLD, {})
+        groups = _current_world_groups()
         group = groups.get(timeout)
         if group is None:
             _CREATED[0] += 1
@@ -100,7 +119,7 @@ def _keep_control_group(group: Any, timeout: float) -> None:
     """``group`` (this process's control group of the world just destroyed) serves the new world: same ranks, its
     connections untouched by the break and the rebuild."""
     with _GROUPS_LOCK:
-        _GROUPS.setdefault(dist.group.WORLD, {})[timeout] = group
+        _current_world_groups()[timeout] = group
     fence.protect_group(group)
 
 

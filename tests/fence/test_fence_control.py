@@ -10,7 +10,8 @@ one that publishes; and with the watchers' break of the groups late, so DCP gath
 ``CheckpointException``): the trial fails once as ``hang`` naming that rank, the search goes on, the checkpoint
 before resumes exactly; a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in
 the rebuild decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once
-its world is destroyed (``shardadopt.cleanexit`` at exit); a break leaves the control group whole even where the
+its world is destroyed (``rebuild_world``, ``shardadopt.cleanexit`` at exit), even while torch holds that world's
+object; a break leaves the control group whole even where the
 store's list of training listeners names its sockets' ports (a closed listener's port the kernel gave to a control
 socket); the fence watcher survives a rebuild that it starts into (a late thread start while the default group is
 destroyed).
@@ -601,30 +602,42 @@ def test_a_given_control_group_warns_that_the_fence_is_off(pool2):
         assert len(messages) == 1 and "without the fault fence" in messages[0], messages
 
 
-def _control_group_freed() -> bool:
-    """After a search, the world destroyed and collected (what ``cleanexit`` does at exit): is the control group
-    object gone? Then the pool's world is initialised again for the next test."""
+def _control_group_freed(how: str) -> bool:
+    """A search whose objective trains DDP, then the world destroyed (``how``: "rebuild", ``fence.rebuild_world``;
+    "exit", ``cleanexit.release_process_groups``, what runs at a successful exit) and garbage collected: is the
+    control group object gone? The destroyed world's Python object is held throughout, as torch holds it:
+    ``torch.distributed.nn.functional``, which DDP imports, binds the world current at its import as default
+    arguments; the control group must not live as long as that object."""
     import gc
     import weakref
 
     import optuna
     import torch.distributed as dist
 
-    from shardadopt import fence
+    from shardadopt import cleanexit, fence
     from shardadopt.hpo import optimize
     from shardadopt.hpo.channel import control_group, control_timeout
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study() if dist.get_rank() == 0 else None
-    optimize(study, lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    optimize(study, lambda trial: fault_search.ddp_losses(fault_search.suggest_lr(trial))[-1], n_trials=1)
+    world = dist.group.WORLD  # noqa: F841  (held, as torch may hold it)
     group = weakref.ref(control_group(control_timeout()))
-    fence.rebuild_world()  # destroys every group, as cleanexit's release does, then a fresh world
+    if how == "rebuild":
+        fence.rebuild_world()  # destroys every group, then a fresh world for the pool's next case
+    else:
+        cleanexit.release_process_groups()
     gc.collect()
     return group() is None
 
 
 def test_the_control_group_is_freed_with_its_world(pool2):
-    assert pool2.run(_control_group_freed, timeout=120) == [True, True]
+    assert pool2.run(_control_group_freed, "rebuild", timeout=120) == [True, True]
+
+
+def test_the_control_group_is_freed_at_a_successful_exit(tmp_path):
+    ranks = launch(_control_group_freed, 2, tmp_path, timeout=120, how="exit")
+    assert [(r["returncode"], r["result"]) for r in ranks] == [(0, True)] * 2, [r["error"] for r in ranks]
 
 
 def _stale_entries_name_the_control_sockets() -> dict:

@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the core, from here up to hpo: it knows nothing about patching (no patch contract, patches or package API)
     ("mechanisms", ("shardadopt.topology", "shardadopt.gradnorm", "shardadopt.tp", "shardadopt.moe",
                     "shardadopt.optim", "shardadopt.optimizer_ready", "shardadopt.loadtime", "shardadopt.cleanexit",
-                    "shardadopt.torchprobe", "shardadopt.trainer_parallelism", "shardadopt.fence")),
+                    "shardadopt.torchprobe", "shardadopt.trainer_parallelism", "shardadopt.fence",
+                    "shardadopt.worldbound")),
     ("adoption", ("shardadopt.adapters", "shardadopt.adopt")),
     ("checkpoint", ("shardadopt.checkpoint",)),
     ("hpo", ("shardadopt.hpo",)),
