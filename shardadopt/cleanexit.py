@@ -18,9 +18,9 @@ reference goes, which for a model sharded at load time is during finalisation it
 
 1. destroys every registered process group served by gloo alone (the default group last, and only when every group
    is gloo): the registry entries go, and gloo's teardown is local;
-2. drops what shardadopt bound to the destroyed world (``shardadopt.worldbound``: the HPO control groups, gloo
-   backends outside torch's registry) and collects garbage, so groups that only reference cycles still hold are
-   destructed now, their workers joined while the interpreter is whole;
+2. drops what shardadopt bound to a world (``shardadopt.worldbound``: the HPO control groups, gloo backends
+   outside torch's registry, even beside an NCCL default group left alone) and collects garbage, so groups that
+   only reference cycles still hold are destructed now, their workers joined while the interpreter is whole;
 3. sleeps with the GIL released until no other thread of this process is running or waiting to run (read from
    ``/proc/self/task``; a fixed short sleep elsewhere), at most ``timeout`` seconds: every worker that still has a
    tensor to drop gets the GIL while Python is fully alive.
@@ -48,6 +48,8 @@ import sys
 import threading
 import time
 import warnings
+
+from shardadopt import worldbound
 
 __all__ = ["arm_at_exit", "armed", "exiting_successfully", "release_process_groups"]
 
@@ -147,10 +149,8 @@ def release_process_groups(timeout: float = DEFAULT_TIMEOUT) -> int:
     Returns:
         The number of process groups destroyed.
     """
-    from shardadopt import worldbound
-
     destroyed = _destroy_gloo_groups()
-    worldbound.world_destroyed()  # e.g. the HPO control groups: outside torch's registry, bound to the world
+    worldbound.world_destroyed(exiting=True)  # the HPO control groups: gloo, outside torch's registry
     gc.collect()  # groups only reference cycles hold are destructed (workers joined) while Python is whole
     _settle(timeout)
     return destroyed

@@ -58,9 +58,11 @@ def rebuild_world() -> None:
         # DTensor imported there is no cache, and importing it costs seconds per rank (every rank at once).
         if "torch.distributed.tensor" in sys.modules:
             upstream.clear_sharding_propagation_caches()
-    worldbound.world_destroyed()  # outside the lock: the caches take their own locks
-    with WATCHER.generation_changed:
-        WATCHER.generation_changed.notify_all()
+    try:
+        worldbound.world_destroyed()  # outside the lock: the caches take their own locks
+    finally:
+        with WATCHER.generation_changed:
+            WATCHER.generation_changed.notify_all()
 
 
 def _cpu() -> Any:

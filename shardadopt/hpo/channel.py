@@ -11,9 +11,10 @@ When a row announces a payload (``length > 0``) the ranks agree from the table o
 The group is gloo (CPU tensors, safe next to NCCL training), created once per (world group, timeout) and reused. It
 is a gloo backend of its own, outside torch's group registry, used through its own methods: destroying every group
 (a rebuild after a fault) leaves it whole, so ``Channel.rebuild`` carries it into the new world instead of paying a
-second full-mesh rendezvous, and the old one's teardown, at every fault; a plain ``rebuild_world`` or the world's
-destruction at exit still frees it with its world (``shardadopt.worldbound``: torch may keep a destroyed world's
-Python object alive, so the cache does not count on that object being freed).
+second full-mesh rendezvous, and the old one's teardown, at every fault. A plain ``rebuild_world`` or
+``shardadopt.cleanexit``'s release at a successful exit still frees it (``shardadopt.worldbound``: torch may keep a
+destroyed world's Python object alive, so the cache does not count on that object being freed); after a direct
+``dist.destroy_process_group()`` it goes when the world's object is freed or the next control group is created.
 A dead peer makes gloo fail at once (closed connection); a stuck one trips the group timeout. Either way the
 surviving ranks check in through the rendezvous store for a few seconds, so the error names the ranks that never
 arrived (``PeerLostError``) and any error they recorded before going silent, instead of hanging.
@@ -28,7 +29,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -63,26 +64,37 @@ TIMEOUT_ENV = "SHARDADOPT_HPO_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0  # seconds: NCCL's default collective timeout; long evaluations on rank 0 fit in it
 _CHECK_IN_WAIT = 5.0  # seconds the survivors of a failed round wait for each other in the store
 
-# [(weak reference to the world group, {timeout: control group})], the current world's only: destroying the world
-# (a rebuild, or shardadopt.cleanexit at exit) drops them, whatever still holds the world's object.
-_GROUPS: list[tuple[Callable[[], Any], dict[float, Any]]] = []
+# The current world's control groups: [weak reference to the world group, {timeout: control group}]. Dropped when
+# that object is freed, and when shardadopt destroys the world (a rebuild, the release at exit: worldbound) even
+# though torch may still hold the object.
+_GROUPS: list[Any] = [None, {}]
 _GROUPS_LOCK = threading.Lock()
 _CREATED = [0]  # control groups this process created: their rendezvous keys (creation is collective, in order)
+
+
+def _world_freed(ref: Any) -> None:
+    # No lock: garbage collection can run this inside control_group, which holds it. One assignment is atomic.
+    if _GROUPS[0] is ref:
+        _GROUPS[:] = [None, {}]
 
 
 def _current_world_groups() -> dict[float, Any]:
     """The current world's control groups (``_GROUPS_LOCK`` held); those of a world that is gone are dropped."""
     world = dist.group.WORLD
-    if not _GROUPS or _GROUPS[0][0]() is not world:
-        _GROUPS[:] = [(weakref.ref(world) if world is not None else lambda: None, {})]
-    return _GROUPS[0][1]
+    if world is None:  # no default group object (a stand-in world): nothing to keep them with
+        return {}
+    if _GROUPS[0] is None or _GROUPS[0]() is not world:
+        _GROUPS[:] = [weakref.ref(world, _world_freed), {}]
+    return _GROUPS[1]
 
 
-def _forget_destroyed_worlds() -> None:
+def _forget_destroyed_worlds(exiting: bool) -> None:
+    dropped = None
     with _GROUPS_LOCK:
         world = dist.group.WORLD if dist.is_initialized() else None
-        if _GROUPS and (world is None or _GROUPS[0][0]() is not world):
-            _GROUPS.clear()
+        if exiting or world is None or _GROUPS[0] is None or _GROUPS[0]() is not world:
+            dropped, _GROUPS[:] = _GROUPS[1], [None, {}]
+    del dropped  # the groups' teardown (a while at many ranks) runs here, outside the lock
 
 
 worldbound.on_world_destroyed(_forget_destroyed_worlds)

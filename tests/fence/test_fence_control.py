@@ -603,11 +603,12 @@ def test_a_given_control_group_warns_that_the_fence_is_off(pool2):
 
 
 def _control_group_freed(how: str) -> bool:
-    """A search whose objective trains DDP, then the world destroyed (``how``: "rebuild", ``fence.rebuild_world``;
-    "exit", ``cleanexit.release_process_groups``, what runs at a successful exit) and garbage collected: is the
-    control group object gone? The destroyed world's Python object is held throughout, as torch holds it:
-    ``torch.distributed.nn.functional``, which DDP imports, binds the world current at its import as default
-    arguments; the control group must not live as long as that object."""
+    """A search whose objective trains DDP, then the world destroyed and garbage collected: is the control group
+    object gone? ``how``: "rebuild", ``fence.rebuild_world``; "exit", ``cleanexit.release_process_groups`` (what
+    runs at a successful exit); "exit beside nccl", the same where the release leaves the default group alone, as it
+    leaves an NCCL one. The destroyed world's Python object is held throughout, as torch holds it:
+    ``torch.distributed.nn.functional``, imported when a DDP model is built, binds the world current at its import as
+    default arguments; the control group must not live as long as that object."""
     import gc
     import weakref
 
@@ -626,7 +627,10 @@ def _control_group_freed(how: str) -> bool:
     if how == "rebuild":
         fence.rebuild_world()  # destroys every group, then a fresh world for the pool's next case
     else:
+        if how == "exit beside nccl":  # test instrumentation: no NCCL on CPU; the default group reads as not gloo
+            cleanexit._gloo_only = lambda group: False
         cleanexit.release_process_groups()
+        assert dist.is_initialized() == (how == "exit beside nccl")
     gc.collect()
     return group() is None
 
@@ -635,8 +639,9 @@ def test_the_control_group_is_freed_with_its_world(pool2):
     assert pool2.run(_control_group_freed, "rebuild", timeout=120) == [True, True]
 
 
-def test_the_control_group_is_freed_at_a_successful_exit(tmp_path):
-    ranks = launch(_control_group_freed, 2, tmp_path, timeout=120, how="exit")
+@pytest.mark.parametrize("how", ["exit", "exit beside nccl"])
+def test_the_release_at_exit_frees_the_control_group(tmp_path, how):
+    ranks = launch(_control_group_freed, 2, tmp_path, timeout=120, how=how)
     assert [(r["returncode"], r["result"]) for r in ranks] == [(0, True)] * 2, [r["error"] for r in ranks]
 
 
