@@ -187,8 +187,7 @@ def hpo_rank(device: str) -> dict[str, Any]:
     result = run(Context(models={}, nproc=dist.get_world_size(), device=device))
     return {"result": result, "default": dist.get_backend(),
             # the control group is a gloo backend outside torch's registry (dist.get_backend does not know it)
-            "control": sorted({group.name() for per_world in channel._GROUPS.values()
-                               for group in per_world.values()})}
+            "control": sorted({group.name() for group in channel.control_groups()})}
 
 
 FENCE_HANG_TIMEOUT = 5.0  # seconds without progress that make a hang; the bound is 2 * this + 5 s

@@ -88,6 +88,19 @@ def _current_world_groups() -> dict[float, Any]:
     return _GROUPS[1]
 
 
+def control_groups() -> list[Any]:
+    """This process's control groups of the current world: those ``control_group`` created in it and those a
+    ``Channel.rebuild`` carried into it.
+
+    Returns:
+        The groups (``ProcessGroupGloo`` objects outside torch's registry; ``group.name()`` is their backend).
+    """
+    with _GROUPS_LOCK:
+        world = dist.group.WORLD if dist.is_initialized() else None
+        current = world is not None and _GROUPS[0] is not None and _GROUPS[0]() is world
+        return list(_GROUPS[1].values()) if current else []
+
+
 def _forget_destroyed_worlds(exiting: bool) -> None:
     dropped = None
     with _GROUPS_LOCK:

@@ -153,7 +153,11 @@ def load_study(storage: str, study_name: str) -> optuna.Study:
         The loaded study.
     """
     resolved = resolve_storage(storage, heartbeat_interval=None)
-    names = [s.study_name for s in optuna.get_all_study_summaries(resolved, include_best_trial=False)]
-    if study_name not in names:
-        raise ValueError(f"no study named {study_name!r} in {storage}; studies there: {names}")
-    return optuna.load_study(study_name=study_name, storage=resolved)
+    try:
+        return optuna.load_study(study_name=study_name, storage=resolved)
+    except KeyError:
+        # names only: summaries read every study's trials, and fail when another client deletes a study meanwhile
+        names = optuna.get_all_study_names(resolved)
+        if study_name in names:  # created meanwhile, or the KeyError was another record's
+            raise
+    raise ValueError(f"no study named {study_name!r} in {storage}; studies there: {names}")

@@ -617,13 +617,14 @@ def _control_group_freed(how: str) -> bool:
 
     from shardadopt import cleanexit, fence
     from shardadopt.hpo import optimize
-    from shardadopt.hpo.channel import control_group, control_timeout
+    from shardadopt.hpo.channel import control_group, control_groups, control_timeout
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study() if dist.get_rank() == 0 else None
     optimize(study, lambda trial: fault_search.ddp_losses(fault_search.suggest_lr(trial))[-1], n_trials=1)
     world = dist.group.WORLD  # noqa: F841  (held, as torch may hold it)
     group = weakref.ref(control_group(control_timeout()))
+    assert group() in control_groups()
     if how == "rebuild":
         fence.rebuild_world()  # destroys every group, then a fresh world for the pool's next case
     else:
@@ -632,6 +633,7 @@ def _control_group_freed(how: str) -> bool:
         cleanexit.release_process_groups()
         assert dist.is_initialized() == (how == "exit beside nccl")
     gc.collect()
+    assert control_groups() == []
     return group() is None
 
 

@@ -304,6 +304,33 @@ def test_hpo_cli_status_requeue_best_export(study, storage, capsys, tmp_path):
     assert len(json.loads(capsys.readouterr().out)) == 5
 
 
+def test_load_study_ignores_other_studies_deleted_meanwhile(monkeypatch):
+    """Another client of the same storage deletes its study while ``load_study`` opens one: the wanted study loads,
+    and a missing one is still named with the studies there (listing summaries read every study's trials, and an
+    RDB storage raised KeyError for the deleted one: CI's two sets share one PostgreSQL database)."""
+    from shardadopt.hpo import storage
+
+    deleted = set()
+
+    class DeletedMeanwhile(optuna.storages.InMemoryStorage):  # the storage a URL resolves to, as other clients see it
+        def get_all_trials(self, study_id, deepcopy=True, states=None):
+            if self.get_study_name_from_id(study_id) in deleted:  # listed, then deleted before its trials were read
+                raise KeyError("Record does not exist.")
+            return super().get_all_trials(study_id, deepcopy=deepcopy, states=states)
+
+    url = POSTGRES_URL
+    shared = DeletedMeanwhile()
+    for name in ("deleted-meanwhile", "kept"):
+        optuna.create_study(study_name=name, storage=shared).optimize(lambda t: t.suggest_float("x", 0, 1), 1)
+    deleted.add("deleted-meanwhile")
+    monkeypatch.setattr(storage, "resolve_storage", lambda url, heartbeat_interval=None: shared)
+    assert [t.value for t in storage.load_study(url, "kept").trials] == [t.value for t in
+                                                                        optuna.load_study(study_name="kept",
+                                                                                          storage=shared).trials]
+    with pytest.raises(ValueError, match=r"no study named 'nope' .*\['deleted-meanwhile', 'kept'\]"):
+        storage.load_study(url, "nope")
+
+
 def test_hpo_cli_unknown_study_and_bad_url(tmp_path, capsys):
     url = f"journal://{tmp_path}/empty.log"
     assert main(["hpo", "status", "--storage", url, "--study", "nope"]) == 2
