@@ -66,10 +66,10 @@ def load_companion(storage: BaseStorage, study_name: str) -> optuna.Study | None
     Returns:
         The companion study, or None.
     """
-    name = companion_name(study_name)
-    if name not in {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}:
+    try:  # not by listing summaries: they read every study's trials, and fail on one another client deletes meanwhile
+        return optuna.load_study(study_name=companion_name(study_name), storage=storage)
+    except KeyError:
         return None
-    return optuna.load_study(study_name=name, storage=storage)
 
 
 def fresh_seeds(config_hash: str, count: int) -> list[int]:

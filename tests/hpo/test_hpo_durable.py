@@ -305,10 +305,11 @@ def test_hpo_cli_status_requeue_best_export(study, storage, capsys, tmp_path):
 
 
 def test_load_study_ignores_other_studies_deleted_meanwhile(monkeypatch):
-    """Another client of the same storage deletes its study while ``load_study`` opens one: the wanted study loads,
-    and a missing one is still named with the studies there (listing summaries read every study's trials, and an
-    RDB storage raised KeyError for the deleted one: CI's two sets share one PostgreSQL database)."""
-    from shardadopt.hpo import storage
+    """Another client of the same storage deletes its study while ``load_study`` (or ``load_companion``) opens one:
+    the wanted study loads, and a missing one is still named with the studies there (listing summaries read every
+    study's trials, and an RDB storage raised KeyError for the deleted one: CI's two sets share one PostgreSQL
+    database)."""
+    from shardadopt.hpo import reseed, storage
 
     deleted = set()
 
@@ -329,6 +330,10 @@ def test_load_study_ignores_other_studies_deleted_meanwhile(monkeypatch):
                                                                                           storage=shared).trials]
     with pytest.raises(ValueError, match=r"no study named 'nope' .*\['deleted-meanwhile', 'kept'\]"):
         storage.load_study(url, "nope")
+    # the re-runs' companion study (shardadopt hpo reseed / report): none yet, then the one created
+    assert reseed.load_companion(shared, "kept") is None
+    optuna.create_study(study_name=reseed.companion_name("kept"), storage=shared)
+    assert reseed.load_companion(shared, "kept").study_name == reseed.companion_name("kept")
 
 
 def test_hpo_cli_unknown_study_and_bad_url(tmp_path, capsys):

@@ -90,9 +90,9 @@ def searched(request, tmp_path_factory):
     search(url, name)
     yield url, name
     storage = resolve_storage(url, heartbeat_interval=None)
-    for study in optuna.get_all_study_summaries(storage, include_best_trial=False):
-        if study.study_name.startswith(name):
-            optuna.delete_study(study_name=study.study_name, storage=storage)
+    for study_name in optuna.get_all_study_names(storage):
+        if study_name.startswith(name):
+            optuna.delete_study(study_name=study_name, storage=storage)
 
 
 def run_reruns(url, name):
@@ -157,8 +157,7 @@ def test_reseed_is_idempotent_reruns_follow_their_seed_and_best_ranks_by_the_mea
     history = len(optuna.load_study(study_name=name, storage=storage).trials)
     first = hpo(capsys, "reseed", "--storage", url, "--study", name, "--top", "3", "--seeds", "2")
     def ours() -> list[str]:  # the database is shared with other test runs (CI runs two sets side by side)
-        return sorted(s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)
-                      if s.study_name.startswith(name))
+        return sorted(study_name for study_name in optuna.get_all_study_names(storage) if study_name.startswith(name))
 
     already = ours()
     if first["enqueued"]:  # this storage's first reseed (the plot test may have run it already)
