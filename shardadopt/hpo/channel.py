@@ -78,12 +78,17 @@ def _world_freed(ref: Any) -> None:
         _GROUPS[:] = [None, {}]
 
 
+def _held_for(world: Any) -> bool:
+    """Whether the cached groups belong to ``world`` (None: no world, which holds none)."""
+    return world is not None and _GROUPS[0] is not None and _GROUPS[0]() is world
+
+
 def _current_world_groups() -> dict[float, Any]:
     """The current world's control groups (``_GROUPS_LOCK`` held); those of a world that is gone are dropped."""
     world = dist.group.WORLD
     if world is None:  # no default group object (a stand-in world): nothing to keep them with
         return {}
-    if _GROUPS[0] is None or _GROUPS[0]() is not world:
+    if not _held_for(world):
         _GROUPS[:] = [weakref.ref(world, _world_freed), {}]
     return _GROUPS[1]
 
@@ -96,16 +101,13 @@ def control_groups() -> list[Any]:
         The groups (``ProcessGroupGloo`` objects outside torch's registry; ``group.name()`` is their backend).
     """
     with _GROUPS_LOCK:
-        world = dist.group.WORLD if dist.is_initialized() else None
-        current = world is not None and _GROUPS[0] is not None and _GROUPS[0]() is world
-        return list(_GROUPS[1].values()) if current else []
+        return list(_GROUPS[1].values()) if _held_for(dist.group.WORLD if dist.is_initialized() else None) else []
 
 
 def _forget_destroyed_worlds(exiting: bool) -> None:
     dropped = None
     with _GROUPS_LOCK:
-        world = dist.group.WORLD if dist.is_initialized() else None
-        if exiting or world is None or _GROUPS[0] is None or _GROUPS[0]() is not world:
+        if exiting or not _held_for(dist.group.WORLD if dist.is_initialized() else None):
             dropped, _GROUPS[:] = _GROUPS[1], [None, {}]
     del dropped  # the groups' teardown (a while at many ranks) runs here, outside the lock
 

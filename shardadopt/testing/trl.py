@@ -138,8 +138,8 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
     over ``world`` ranks, or (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added
     ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with ``experts``
     (:func:`lora_config`), each step accumulating ``accum`` global batches, the model loaded in ``dtype``
-    (:func:`_load`). ``{"log": [{"loss", "grad_norm"} per
-    step], "adapter_grad_reductions": {LoRA factor: all_reduce calls on its gradient}, "dp": data-parallel size}`` or
+    (:func:`_load`). ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor:
+    all_reduce calls on its gradient}, "dp": data-parallel size}`` or
     ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model).
     With ``experts`` also ``"adapter"`` (every factor's full tensor after training), ``"export"`` (global rank 0:
     what ``trainer.model.save_pretrained`` wrote, as ``safetensors`` loads it) and ``"expert_replicas"`` ({expert

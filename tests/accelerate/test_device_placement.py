@@ -83,7 +83,7 @@ def test_hpo_control_group_is_gloo_on_cpu_beside_nccl(monkeypatch, backend):
     monkeypatch.setattr(channel.upstream, "default_store", lambda: None)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(channel, "_GROUPS", [])
+    monkeypatch.setattr(channel, "_GROUPS", [None, {}])
     ctl = channel.Channel(timeout=30)
     assert [args[1:3] for args in created] == [(0, 2)]  # a gloo backend over the whole world
     assert ctl._table.device == CPU

@@ -11,10 +11,9 @@ one that publishes; and with the watchers' break of the groups late, so DCP gath
 before resumes exactly; a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in
 the rebuild decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once
 its world is destroyed (``rebuild_world``, ``shardadopt.cleanexit`` at exit), even while torch holds that world's
-object; a break leaves the control group whole even where the
-store's list of training listeners names its sockets' ports (a closed listener's port the kernel gave to a control
-socket); the fence watcher survives a rebuild that it starts into (a late thread start while the default group is
-destroyed).
+object; a break leaves the control group whole even where the store's list of training listeners names its sockets'
+ports (a closed listener's port the kernel gave to a control socket); the fence watcher survives a rebuild that it
+starts into (a late thread start while the default group is destroyed).
 """
 
 from __future__ import annotations
