@@ -22,8 +22,11 @@ from shardadopt.adopt.frozen_units import frozen_units, keep_frozen_units_gather
 from shardadopt.adopt.metrics import gather_for_metrics
 from shardadopt.adopt.model import adopt_model, is_sharded_model
 from shardadopt.adopt.record import AdoptionError, AdoptionKwargs, adopted, adoption_kwargs
-from shardadopt.adopt.refusals import (refuse_fused_lm_head_on_plain_shards, refuse_unsupported_distributed_features,
-                                       refuse_whole_model_for_dp_shard)
+from shardadopt.adopt.refusals import (
+                                       refuse_fused_lm_head_on_plain_shards,
+                                       refuse_unsupported_distributed_features,
+                                       refuse_whole_model_for_dp_shard,
+)
 from shardadopt.adopt.training import clip_grad_norm_, no_sync
 
 __all__ = ["AdoptionKwargs", "AdoptionError", "DataParallelSource", "adopt_model", "adopted", "adoption_kwargs",
