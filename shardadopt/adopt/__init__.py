@@ -23,9 +23,9 @@ from shardadopt.adopt.metrics import gather_for_metrics
 from shardadopt.adopt.model import adopt_model, is_sharded_model
 from shardadopt.adopt.record import AdoptionError, AdoptionKwargs, adopted, adoption_kwargs
 from shardadopt.adopt.refusals import (
-                                       refuse_fused_lm_head_on_plain_shards,
-                                       refuse_unsupported_distributed_features,
-                                       refuse_whole_model_for_dp_shard,
+    refuse_fused_lm_head_on_plain_shards,
+    refuse_unsupported_distributed_features,
+    refuse_whole_model_for_dp_shard,
 )
 from shardadopt.adopt.training import clip_grad_norm_, no_sync
 
