@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     from shardadopt.testing import RankPool
 
     env = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "SHARDADOPT_THREADS_PER_RANK": str(args.threads), **dict(item.split("=", 1) for item in args.env)}
+           "SHARDADOPT_THREADS_PER_RANK": str(args.threads)}
+    os.environ.update(item.split("=", 1) for item in args.env)  # before the ranks start: glibc reads MALLOC_* then
     try:
         load = os.getloadavg()
     except OSError:
