@@ -244,8 +244,8 @@ def rank_run(path_kind: str, model_path: str, size: dict[str, int], options: dic
         del model, optimizer
         accelerator.free_memory()
         return {"rank": dist.get_rank(), "phases": phases, "steps": steps, "losses": losses, "load_s": load_s,
-                "prepare_s": prepare_s, "step_s": statistics.median(step_s), "shard": shard, "largest": largest,
-                "wrapper": wrapper}
+                "prepare_s": prepare_s, "step_s": statistics.median(step_s) if step_s else float("nan"),
+                "shard": shard, "largest": largest, "wrapper": wrapper}
     finally:
         sampler.close()
         shardadopt.disable()
@@ -261,8 +261,8 @@ def summarize(path_kind: str, results: list[dict[str, Any]]) -> dict[str, Any]:
     rows = []
     for r in results:
         base = r["phases"]["base"]["anon"]
-        step_peak = max(max(s["peak_anon"] for s in step.values()) for step in r["steps"])
-        step_peak_rss = max(max(s["peak_rss"] for s in step.values()) for step in r["steps"])
+        step_peak = max((s["peak_anon"] for step in r["steps"] for s in step.values()), default=base)
+        step_peak_rss = max((s["peak_rss"] for step in r["steps"] for s in step.values()), default=0)
         rows.append({
             "rank": r["rank"], "base_anon": base, "shard": r["shard"], "largest": r["largest"],
             "load_rss": r["phases"]["load"]["rss"], "load_anon": r["phases"]["load"]["anon"],
@@ -317,7 +317,7 @@ def report(runs: list[dict[str, Any]]) -> None:
               f"{run['prepare_s']:7.2f} {run['step_s']:7.2f}")
     print("last step, rank 0, anonymous memory above base (GiB): peak during / left after each part")
     for run in runs:
-        parts = run["ranks"][0]["step_parts"][-1]
+        parts = (run["ranks"][0]["step_parts"] or [{}])[-1]
         print(f"  {run['path']:18} " + "  ".join(f"{name} {gib(p['peak'])}/{gib(p['after'])}"
                                                   for name, p in parts.items()))
     print("losses per step:")
