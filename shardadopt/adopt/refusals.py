@@ -121,11 +121,11 @@ def refuse_whole_model_for_dp_shard(accelerator: Any, model: Any, override: Mapp
     """
     from accelerate.utils.dataclasses import DistributedType
 
-    from shardadopt.adopt.model import is_sharded_model
+    from shardadopt.topology import topology
 
     config = accelerator.parallelism_config
     if (accelerator.distributed_type != DistributedType.MULTI_CPU or config is None or not config.dp_shard_enabled
-            or config.tp_enabled or is_sharded_model(model, override)):
+            or config.tp_enabled or not isinstance(model, nn.Module) or topology(model, override).is_sharded):
         return
     size = config.dp_shard_size
     raise AdoptionError(
