@@ -46,6 +46,19 @@ if __name__ == "__main__":
     dist.all_gather_object(everyone, batches)
     assert everyone[0] == everyone[1], f"tensor parallel ranks got different batches: {everyone}"
     assert sum(everyone[0], []) == torch.arange(12.0).tolist(), everyone[0]
+
+    # dp_shard_size asks for FSDP, which CPU processes cannot get from prepare: a whole model must not be DDP-wrapped
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2))
+    try:
+        accelerator.prepare(torch.nn.Linear(4, 4))
+    except ValueError as exc:
+        assert "dp_shard_size=2" in str(exc), exc
+    else:
+        raise AssertionError("a whole model was prepared for dp_shard_size=2 on CPU processes")
     accelerator.end_training()  # destroys the process group
 '''
 
@@ -63,8 +76,12 @@ FIX = Fix(
         its TP branch on parallelism_config.tp_enabled.
 
         Accept MULTI_CPU in this one check. multi_device keeps its meaning for its other readers (the DDP device_ids,
-        join_uneven_inputs, load_state's map_location), which are device specific. The test runs a tp_size=2
-        ParallelismConfig on two CPU processes and checks that both ranks of the TP group get the same batches.
+        join_uneven_inputs, load_state's map_location), which are device specific. What the check kept out must
+        not pass silently now: prepare_model's MULTI_CPU branch DDP-wraps every model, so a ParallelismConfig with
+        dp_shard_size > 1 (FSDP, which prepare gives only through the FSDP plugin, not on CPU processes) would train
+        full replicas on every rank. It is refused there, naming the fix (shard the model while loading it). The
+        test runs a tp_size=2 ParallelismConfig on two CPU processes and checks that both ranks of the TP group get
+        the same batches, then that a whole model is refused under dp_shard_size=2.
     """,
     edits=(
         Edit("src/accelerate/parallelism_config.py",
@@ -72,6 +89,19 @@ FIX = Fix(
              "        ):\n",
              "            or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MULTI_CPU)\n"
              "        ):\n"),
+        Edit("src/accelerate/accelerator.py",
+             "            elif self.distributed_type == DistributedType.MULTI_CPU:\n"
+             "                kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler else {}\n",
+             "            elif self.distributed_type == DistributedType.MULTI_CPU:\n"
+             "                if self.parallelism_config is not None and self.parallelism_config.dp_shard_enabled:\n"
+             "                    size = self.parallelism_config.dp_shard_size\n"
+             "                    raise ValueError(\n"
+             "                        f\"ParallelismConfig(dp_shard_size={size}) asks for a model sharded over {size} \"\n"
+             "                        \"processes, but on CPU processes `prepare` can only wrap it in DDP (a full replica \"\n"
+             "                        \"on every process). Shard the model while loading it instead, e.g. transformers' \"\n"
+             "                        f\"`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size={size}))`.\"\n"
+             "                    )\n"
+             "                kwargs = self.ddp_handler.to_kwargs() if self.ddp_handler else {}\n"),
     ),
     new_files=(NewFile("tests/test_parallelism_config_cpu.py", TEST),),
 )

@@ -2,13 +2,16 @@
 
 ``DistributedConfig`` options whose parameters adoption cannot keep (CPU offload, FSDP2's bf16 parameter policy) or
 that cannot train (DeepGEMM Mega MoE experts), and TRL's fused LM head on a plain local TP shard of the vocabulary
-(transformers 5.15/5.16), which would score every token against one rank's slice without an error.
+(transformers 5.15/5.16), which would score every token against one rank's slice without an error. And the other
+way round: a whole (unsharded) model that a CPU ``Accelerator`` would DDP-wrap although its ``ParallelismConfig`` asks
+for sharding (``dp_shard_size > 1``), which would train full replicas on every rank without a word.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -101,3 +104,33 @@ def refuse_fused_lm_head_on_plain_shards(model: nn.Module) -> None:
             f"of the vocabulary and train silently wrong. Upgrade transformers to 5.17 or newer (TP shards are "
             f"DTensors there, which TRL gathers), or load the model with DistributedConfig(fsdp_size=...) instead "
             f"of tp_size. TRL has no option to turn its fused LM head off.")
+
+
+def refuse_whole_model_for_dp_shard(accelerator: Any, model: Any, override: Mapping[str, int] | None = None) -> None:
+    """Refuse (:class:`AdoptionError`) to prepare a whole model for training on CPU processes when the accelerator's
+    ``ParallelismConfig`` asks for FSDP sharding (``dp_shard_size > 1``) and nothing else decides.
+
+    accelerate shards a whole model in ``prepare`` only through its FSDP plugin, which CPU processes never get
+    (``DistributedType.MULTI_CPU``); ``prepare_model`` would DDP-wrap it: a full replica of the parameters, gradients
+    and optimizer states on every rank, where the user asked for one shard each. Local: no collective.
+
+    Args:
+        accelerator: the ``Accelerator`` preparing ``model`` for training.
+        model: what ``prepare_model`` was given; a load-time-sharded model (``shardadopt.topology``) passes.
+        override: explicit topology sizes (:class:`AdoptionKwargs` ``topology``).
+    """
+    from accelerate.utils.dataclasses import DistributedType
+
+    from shardadopt.topology import topology
+
+    config = accelerator.parallelism_config
+    if (accelerator.distributed_type != DistributedType.MULTI_CPU or config is None or not config.dp_shard_enabled
+            or config.tp_enabled or not isinstance(model, nn.Module) or topology(model, override).is_sharded):
+        return
+    size = config.dp_shard_size
+    raise AdoptionError(
+        f"ParallelismConfig(dp_shard_size={size}) asks for a model sharded over {size} ranks, but this model was "
+        f"loaded whole, and accelerate on CPU processes (DistributedType.MULTI_CPU; its FSDP plugin is GPU-only) "
+        f"can only DDP-wrap it: every rank would hold a full replica. Shard it while loading instead: "
+        f"from_pretrained(..., distributed_config=DistributedConfig(fsdp_size={size})) (transformers.distributed), "
+        f"with shardadopt.enable(); the ParallelismConfig may stay or go.")

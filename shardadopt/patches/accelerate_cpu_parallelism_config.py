@@ -19,14 +19,19 @@ other readers (``prepare_model``'s DDP branch passes ``device_ids=[local_process
 ``load_state``'s ``map_location``) are device-specific.
 
 The fix accepts ``MULTI_CPU`` in this one check (validation runs against a view of the accelerator whose
-``multi_device`` is true); every other check of ``_validate_accelerator`` runs unchanged.
+``multi_device`` is true); every other check of ``_validate_accelerator`` runs unchanged. What the check kept out
+must not go through silently instead: ``prepare_model``'s ``MULTI_CPU`` branch DDP-wraps a whole model, so a
+``ParallelismConfig(dp_shard_size=N)`` (FSDP, which accelerate shards only through its GPU-only FSDP plugin) would
+train full replicas. Such a model is refused for training, naming the fix (shard it while loading,
+``DistributedConfig(fsdp_size=N)``; ``shardadopt.adopt.refuse_whole_model_for_dp_shard``); a load-time-sharded model
+passes on to adoption.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.registry import Patch, Probe
+from shardadopt.registry import Patch, Probe, Target
 from shardadopt.upstream import PARALLELISM_CONFIG_VALIDATE_ACCELERATOR, validate_parallelism_config
 from shardadopt.versions import supported
 
@@ -47,6 +52,16 @@ class _MultiDeviceView:
 
     def __setattr__(self, name: str, value: Any) -> None:
         setattr(self._accelerator, name, value)
+
+
+def _prepare_model(wrapped, instance, args, kwargs):
+    from shardadopt.adopt import adoption_kwargs, refuse_whole_model_for_dp_shard
+
+    evaluation_mode = kwargs.get("evaluation_mode", args[2] if len(args) > 2 else False)
+    if not evaluation_mode:  # evaluation never wraps
+        model = args[0] if args else kwargs.get("model")
+        refuse_whole_model_for_dp_shard(instance, model, adoption_kwargs(instance).topology)
+    return wrapped(*args, **kwargs)
 
 
 def _is_multi_cpu(accelerator: Any) -> bool:
@@ -93,6 +108,7 @@ PATCH = Patch(
     summary="ParallelismConfig (TP, HSDP, 2-D) accepted for CPU processes (gloo)",
     upstream="anticipates huggingface/accelerate: count MULTI_CPU as multi-device in ParallelismConfig validation",
     requires=supported("accelerate", "transformers"),
-    wrappers={PARALLELISM_CONFIG_VALIDATE_ACCELERATOR: _validate_accelerator},
+    wrappers={PARALLELISM_CONFIG_VALIDATE_ACCELERATOR: _validate_accelerator,
+              Target("accelerate.accelerator", "Accelerator.prepare_model"): _prepare_model},
     probe=probe,
 )

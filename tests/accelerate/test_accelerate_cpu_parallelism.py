@@ -68,3 +68,45 @@ def test_single_process_is_untouched(patched):
         assert accelerator.num_processes == 1
     finally:
         shardadopt.disable()
+
+
+def prepare_with_dp_shard(path: str, sharded_load: bool) -> dict:
+    """The user's script with shardadopt enabled: load the model (whole, or sharded with DistributedConfig), build an
+    Accelerator with ParallelismConfig(dp_shard_size=2) on CPU and prepare model and optimizer."""
+    import torch
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM
+
+    import shardadopt
+
+    shardadopt.enable()
+    try:
+        kwargs = {}
+        if sharded_load:
+            from transformers.distributed import DistributedConfig
+
+            kwargs["distributed_config"] = DistributedConfig(fsdp_size=2)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+        accelerator = fresh_accelerator(cpu=True, parallelism_config=ParallelismConfig(dp_shard_size=2))
+        try:
+            prepared, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        except ValueError as exc:
+            return {"error": str(exc)}
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in prepared.parameters())
+        return {"wrapper": type(prepared).__name__, "local": local,
+                "whole": sum(p.numel() for p in prepared.parameters())}
+    finally:
+        shardadopt.disable()
+
+
+def test_dp_shard_config_refuses_a_whole_model(pool2, tiny_models):
+    """A plain load under ParallelismConfig(dp_shard_size=2) would be DDP-wrapped (full replicas): refused, naming the
+    load-time fix; the same config with the model sharded at load is adopted, one shard per rank."""
+    refused = pool2.run(prepare_with_dp_shard, tiny_models["llama"], False)
+    for result in refused:
+        error = result.get("error", "")
+        assert "dp_shard_size=2" in error and "DistributedConfig(fsdp_size=2)" in error, result
+    adopted = pool2.run(prepare_with_dp_shard, tiny_models["llama"], True)
+    for result in adopted:
+        assert "error" not in result and result["wrapper"] != "DistributedDataParallel", result
+        assert result["local"] < result["whole"], result
