@@ -186,7 +186,7 @@ def test_doctor_model_without_a_recorded_cell_says_why(capsys, monkeypatch):
     import shardadopt.coverage as coverage
 
     # a recorded release line with no cell for the type: each layout's line says why
-    monkeypatch.setattr(coverage, "matrices", lambda: {"5.0": {"transformers": "5.0.0", "cells": {}}})
+    monkeypatch.setattr(coverage, "matrices", lambda task="causal-lm": {"5.0": {"transformers": "5.0.0", "cells": {}}})
     code, out = _doctor(capsys, "--model", "llama")
     assert code == 0, out
     lines = out.splitlines()
