@@ -246,24 +246,27 @@ def _short(text: str, limit: int = 220) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def coverage_block(text: str) -> str | None:
-    if BEGIN not in text or END not in text:
+def coverage_block(text: str, task: str = CAUSAL_LM) -> str | None:
+    begin, end = MARKERS[task]
+    if begin not in text or end not in text:
         return None
-    return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
 
 
 def write_coverage_page() -> None:
     sys.path.insert(0, str(REPO))
     text = COVERAGE_PAGE.read_text()
-    if coverage_block(text) is None:
-        raise SystemExit(f"docs/architectures.md has no {BEGIN} ... {END} block to rewrite")
-    for path in DATA.glob("transformers-*.json"):  # explanations added since a matrix was recorded
-        matrix = json.loads(path.read_text())
-        annotate(matrix)
-        path.write_text(json.dumps(matrix, indent=1) + "\n")
-    before, rest = text.split(BEGIN, 1)
-    after = rest.split(END, 1)[1]
-    COVERAGE_PAGE.write_text(f"{before}{BEGIN}\n{coverage_section(load_matrices())}\n{END}{after}")
+    for task, (begin, end) in MARKERS.items():
+        if coverage_block(text, task) is None:
+            raise SystemExit(f"docs/architectures.md has no {begin} ... {end} block to rewrite")
+        for path in DATA.glob(f"{_prefix(task)}transformers-*.json"):  # explanations added since recorded
+            matrix = json.loads(path.read_text())
+            annotate(matrix)
+            path.write_text(json.dumps(matrix, indent=1) + "\n")
+        before, rest = text.split(begin, 1)
+        after = rest.split(end, 1)[1]
+        text = f"{before}{begin}\n{coverage_section(load_matrices(task))}\n{end}{after}"
+    COVERAGE_PAGE.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -228,7 +228,7 @@ def tiny_config(model_type: str, values: dict[str, Any] | None = None, task: str
         values = vlm.shrink_vision(vlm.special_ids(values, VOCAB), HIDDEN)
     config = config_class.from_dict(shrink(values))
     if task == IMAGE_TEXT:
-        vlm.fit_rotary_sections(config)
+        vlm.fit_rotary_sections(config, HEAD_DIM)
     config.use_cache = False  # training: no KV cache
     return config
 

@@ -95,34 +95,37 @@ def special_ids(values: dict[str, Any], vocab: int) -> dict[str, Any]:
 
 
 def _is_special(key: Any, value: Any) -> bool:
-    return (isinstance(key, str) and key.endswith(("_token_id", "_token_index")) and isinstance(value, int)
-            and not isinstance(value, bool))
+    return (isinstance(key, str) and (key.endswith("_token_id") or key.endswith("_token_index"))
+            and isinstance(value, int) and not isinstance(value, bool))
 
 
-def fit_rotary_sections(config: Any) -> None:
+def fit_rotary_sections(config: Any, head_dim: int) -> None:
     """Multimodal rotary sections (Qwen's ``mrope_section``, which its modeling code defaults to ``[16, 24, 24]``
-    when the config leaves it out) set to the tiny heads' rotary half, in the same proportions."""
-    from shardadopt.testing.archs import HEAD_DIM
-
+    when the config leaves it out) set to the tiny heads' rotary half (of the rotated part of a head, with a
+    partial rotary factor; ``head_dim`` where the text config has none), in the same proportions."""
     text = config.get_text_config()
     rope = getattr(text, "rope_parameters", None)
     if isinstance(rope, dict) and "mrope_section" in getattr(type(text), "ignore_keys_at_rope_validation", ()):
         section = rope.get("mrope_section") or [16, 24, 24]
-        scaled = [max(1, round(s * (HEAD_DIM // 2) / sum(section))) for s in section]
-        scaled[0] += HEAD_DIM // 2 - sum(scaled)
+        factor = rope.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None)) or 1.0
+        half = int((getattr(text, "head_dim", None) or head_dim) * factor) // 2
+        scaled = [max(1, round(s * half / sum(section))) for s in section]
+        scaled[0] += half - sum(scaled)
         rope["mrope_section"] = scaled
 
 
 def image_processor(model_type: str, config: Any) -> tuple[Any, dict[str, Any]]:
-    """The type's own image processor (its defaults; the PIL one where transformers names one: it needs no
-    torchvision) and the call's keyword arguments that set it to the tiny vision tower's image, patch and merge
-    sizes, one tile per image."""
+    """The type's own image processor (its defaults, or its dense sibling's for an MoE variant; the PIL one where
+    transformers names one: it needs no torchvision) and the call's keyword arguments that set it to the tiny
+    vision tower's image, patch and merge sizes, one tile per image."""
     from transformers.models.auto.image_processing_auto import (
         IMAGE_PROCESSOR_MAPPING_NAMES,
         get_image_processor_class_from_name,
     )
 
-    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type)
+    # an MoE variant without its own entry (qwen3_vl_moe, glm4v_moe) has its dense sibling's vision tower
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type) or IMAGE_PROCESSOR_MAPPING_NAMES.get(
+        model_type.removesuffix("_moe"))
     if not names:
         raise LookupError(f"transformers names no image processor for {model_type!r}")
     names = names if isinstance(names, dict) else {"slow": names}
@@ -215,8 +218,7 @@ def samples(model_type: str, model: Any, count: int, seed: int) -> list[dict[str
     start, end = token_id(config, _START_KEYS), token_id(config, _END_KEYS)
     vocab = config.get_text_config().vocab_size
     specials = {v for values in (config.to_dict(), config.get_text_config().to_dict()) for k, v in values.items()
-                if (k.endswith("_token_id") or k.endswith("_token_index"))
-                and isinstance(v, int) and not isinstance(v, bool)}
+                if _is_special(k, v)}
     ordinary = torch.tensor([t for t in range(min(vocab, 512)) if t not in specials])
     accepted = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(seed)
