@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from shardadopt.testing.releases import newer_than_recorded
 from shardadopt.testing.scripts import load_tool
@@ -38,9 +39,12 @@ def _installed_matrix(task: str = "causal-lm") -> dict:
 
     tool = load_tool("arch_sweep")
     path = tool.release_file(transformers.__version__, task)
-    newer = newer_than_recorded("transformers", [m["transformers"] for m in tool.load_matrices(task)])
+    lines = [m["transformers"] for m in tool.load_matrices(task)]
+    newer = newer_than_recorded("transformers", lines)
     if not path.exists() and newer:
         pytest.skip(newer)
+    if not path.exists() and task != "causal-lm" and Version(transformers.__version__) < Version(lines[0]):
+        pytest.skip(f"the {task} matrix is recorded from transformers {lines[0]} on")
     assert path.exists(), (f"no recorded {task} matrix for transformers {transformers.__version__}: run "
                            f"tools/arch_sweep.py --task {task}")
     return json.loads(path.read_text())
@@ -178,15 +182,21 @@ LAYOUT_FLAGS = {"fsdp": "fsdp=2", "tp": "tp=2", "ep": "ep=2,fsdp=2", "hsdp": "dp
 def test_doctor_model_gives_the_image_text_verdicts_of_a_vision_language_model(capsys, model_type):
     """A VLM type's fsdp and tp cells come from the image-text-to-text matrix (trained with images), recorded for
     the installed release line."""
+    from shardadopt.testing.sweep import candidates
+
     cells = _installed_matrix("image-text-to-text")["cells"]
     for layout, flags in (("fsdp", "fsdp=2"), ("tp", "tp=2")):
         cell = cells.get(model_type, {}).get(layout)
-        assert cell is not None, (f"{model_type} {layout}: not recorded; run tools/arch_sweep.py --task "
-                                  "image-text-to-text")
         code, out = _doctor(capsys, "--model", model_type, "--layout", flags)
-        lines = out.splitlines()
-        row = lines[lines.index(f"layout {layout}, image-text-to-text (with images):") + 1]
-        assert row.startswith(f"  transformers {_line()} (installed): {cell['verdict']}"), out
+        header = f"layout {layout}, image-text-to-text (with images):\n"
+        assert header in out, out
+        rows = out.split(header, 1)[1].split("\npatches on", 1)[0].splitlines()
+        if cell is None:  # Qwen3-VL's text model has no TP plan on transformers 5.15
+            assert model_type not in candidates(layout, "image-text-to-text"), (
+                f"{model_type} {layout}: not recorded; run tools/arch_sweep.py --task image-text-to-text")
+            assert f"  transformers {_line()} (installed): not in the matrix (no tp plan, or not swept)" in rows, out
+            continue
+        assert any(row.startswith(f"  transformers {_line()} (installed): {cell['verdict']}") for row in rows), out
         assert code == (1 if cell["verdict"] in ("fails", "refused upstream", "refused by shardadopt") else 0), out
 
 
