@@ -1,10 +1,12 @@
 """``shardadopt doctor --model``: what the recorded architecture matrix knows about one model and layout.
 
 The matrix (``shardadopt/data/arch_matrix/transformers-<minor>.json``, written by ``tools/arch_sweep.py``) holds one
-verdict per model type and layout for each recorded transformers release line. :func:`report` reads a model's
-config (a checkpoint directory or a model type), prints the cells for the installed release line (and the other
-recorded lines), the patches that act on that layout with their state on this installation, and with
-``check=True`` runs the sweep's check for that type and layout here, on a tiny model shrunk from the same config.
+verdict per model type and layout for each recorded transformers release line; the image-text-to-text matrix
+(``image-text-to-text-transformers-<minor>.json``) the same for vision-language models trained with images.
+:func:`report` reads a model's config (a checkpoint directory or a model type), prints the cells for the installed
+release line (and the other recorded lines), the patches that act on that layout with their state on this
+installation, and with ``check=True`` runs the sweep's check for that type and layout here, on a tiny model shrunk
+from the same config.
 :func:`expert_lora_support` says whether LoRA on the experts (``shardadopt.adapters.experts``) can be laid out for
 the type, from what that layout needs: fused 3-D expert tensors (seen on the type's tiny model, built on the meta
 device) and a recorded expert-parallel cell on the installed release line.
@@ -47,12 +49,14 @@ def parse_layout(text: str) -> str:
     return layouts[used]
 
 
-def matrices() -> dict[str, dict[str, Any]]:
-    """Release line (``5.24``) -> its recorded matrix; empty when this installation has none."""
+def matrices(task: str = "causal-lm") -> dict[str, dict[str, Any]]:
+    """Release line (``5.24``) -> its recorded matrix for ``task`` (``causal-lm``, ``image-text-to-text``); empty
+    when this installation has none."""
     if not MATRIX_DIR.is_dir():
         return {}
     found = {}
-    for path in MATRIX_DIR.glob("transformers-*.json"):
+    prefix = "" if task == "causal-lm" else f"{task}-"
+    for path in MATRIX_DIR.glob(f"{prefix}transformers-*.json"):
         data = json.loads(path.read_text())
         found[".".join(data["transformers"].split(".")[:2])] = data
     return found
@@ -152,7 +156,7 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     import shardadopt
-    from shardadopt.testing import sweep
+    from shardadopt.testing import archs, sweep
 
     model_type, values = model_type_of(model)
     line = ".".join(transformers.__version__.split(".")[:2])
@@ -169,22 +173,26 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
               f"is missing; reinstall shardadopt)")
     layouts = [layout] if layout else list(sweep.LAYOUTS)
     bad = False
-    for name in layouts:
-        cells = {release: data["cells"].get(model_type, {}).get(name) for release, data in sorted(recorded.items())}
-        print(f"layout {name}:")
-        for release, cell in cells.items():
-            marker = "installed" if release == line else "recorded"
-            if cell is None:
-                plan = sweep.LAYOUTS[name][1]  # fsdp and hsdp need no per-architecture plan
-                why = f"no {plan} plan, or not swept" if plan else "not swept"
-                print(f"  transformers {release} ({marker}): not in the matrix ({why})")
-                continue
-            print(f"  transformers {release} ({marker}): {cell['verdict']}"
-                  + (f": {cell['detail']}" if cell["detail"] else "")
-                  + (f" ({cell['note']})" if cell.get("note") else ""))
-            bad |= release == line and cell["verdict"] in _BAD
-        if line not in cells:
-            print(f"  transformers {line} (installed): no recorded matrix for this release line")
+    tasks = _tasks(model_type)
+    for task in tasks:
+        recorded = matrices(task)
+        for name in layouts:
+            cells = {release: data["cells"].get(model_type, {}).get(name)
+                     for release, data in sorted(recorded.items())}
+            print(f"layout {name}:" if task == archs.CAUSAL_LM else f"layout {name}, {task} (with images):")
+            for release, cell in cells.items():
+                marker = "installed" if release == line else "recorded"
+                if cell is None:
+                    plan = sweep.LAYOUTS[name][1]  # fsdp and hsdp need no per-architecture plan
+                    why = f"no {plan} plan, or not swept" if plan else "not swept"
+                    print(f"  transformers {release} ({marker}): not in the matrix ({why})")
+                    continue
+                print(f"  transformers {release} ({marker}): {cell['verdict']}"
+                      + (f": {cell['detail']}" if cell["detail"] else "")
+                      + (f" ({cell['note']})" if cell.get("note") else ""))
+                bad |= release == line and cell["verdict"] in _BAD
+            if line not in cells:
+                print(f"  transformers {line} (installed): no recorded matrix for this release line")
     if layout in (None, "ep"):
         print(f"expert LoRA (LoRA on the experts under ep, docs/expert-lora.md): "
               f"{expert_lora_support(model_type, values)}")
@@ -201,20 +209,34 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
     finally:
         shardadopt.disable()
     if check:
-        for name in layouts:
-            cell = check_here(model_type, name, values, timeout)
-            print(f"check {name} here: {cell.verdict}" + (f": {cell.detail}" if cell.detail else ""))
-            bad |= cell.verdict in _BAD
+        for task in tasks:
+            for name in layouts:
+                cell = check_here(model_type, name, values, timeout, task)
+                what = name if task == archs.CAUSAL_LM else f"{name}, {task} (with images),"
+                print(f"check {what} here: {cell.verdict}" + (f": {cell.detail}" if cell.detail else ""))
+                bad |= cell.verdict in _BAD
     return 1 if bad else 0
 
 
-def check_here(model_type: str, layout: str, values: dict[str, Any] | None, timeout: float):
-    """The sweep's check of ``model_type`` on ``layout`` on this machine (its own ranks), on a tiny model shrunk
-    from ``values`` (a checkpoint's config) or from the type's default config."""
+def _tasks(model_type: str) -> list[str]:
+    """The matrices that speak of ``model_type``: the causal-LM one (for every type, as before image-text models
+    had their own), and the image-text-to-text one where that Auto mapping has the type."""
+    from shardadopt.testing import archs
+
+    in_mapping = {task: model_type in archs.auto_mapping(task) for task in archs.TASKS}
+    if in_mapping[archs.IMAGE_TEXT] and not in_mapping[archs.CAUSAL_LM]:
+        return [archs.IMAGE_TEXT]
+    return [archs.CAUSAL_LM] + [archs.IMAGE_TEXT] * in_mapping[archs.IMAGE_TEXT]
+
+
+def check_here(model_type: str, layout: str, values: dict[str, Any] | None, timeout: float,
+               task: str = "causal-lm"):
+    """The sweep's check of ``model_type`` on ``layout`` for ``task`` on this machine (its own ranks), on a tiny
+    model shrunk from ``values`` (a checkpoint's config) or from the type's default config."""
     from shardadopt.testing import sweep
 
     cells = []
     with tempfile.TemporaryDirectory(prefix="shardadopt-check-") as root:
         sweep.sweep_layout([model_type], layout, root, lambda _, cell: cells.append(cell), timeout=timeout,
-                           log=os.path.join(root, "ranks.log"), config_values=values)
+                           log=os.path.join(root, "ranks.log"), config_values=values, task=task)
     return cells[0]

@@ -1,5 +1,6 @@
-"""Tiny random configs for every causal-LM model type of the installed transformers, derived from each type's own
-default config (used by ``tools/arch_sweep.py``, its CI sample and ``shardadopt doctor --model ... --check``).
+"""Tiny random configs for every causal-LM (and image-text-to-text) model type of the installed transformers, derived
+from each type's own default config (used by ``tools/arch_sweep.py``, its CI sample and ``shardadopt doctor --model
+... --check``; the vision part of an image-text-to-text config: ``shardadopt/testing/vlm.py``).
 
 The shrink is generic: layer counts and per-layer lists keep one layer of each kind, widths, heads, MoE and MLA
 sizes become small, special token ids move inside the small vocabulary. Every other field keeps its default, so
@@ -56,30 +57,53 @@ _RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter", "drop_rate", "drop_path")
 _NONE_MEANS = {"head_dim": HEAD_DIM, "num_key_value_heads": HEADS}
 
 
-def causal_lm_types(plan: str | None = None) -> list[str]:
-    """Model types with a causal-LM class in the installed transformers; ``plan="tp"``/``"ep"``: only those whose
-    config class declares a base-model tensor-/expert-parallel plan."""
+CAUSAL_LM = "causal-lm"
+IMAGE_TEXT = "image-text-to-text"
+# task -> the Auto mapping of transformers' modeling_auto whose classes it trains
+TASKS = {CAUSAL_LM: "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", IMAGE_TEXT: "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES"}
+
+
+def auto_mapping(task: str) -> dict[str, str]:
+    """Model type -> class name, from the installed transformers' Auto mapping for ``task``."""
+    from transformers.models.auto import modeling_auto
+
+    return getattr(modeling_auto, TASKS[task])
+
+
+def causal_lm_types(plan: str | None = None, task: str = CAUSAL_LM) -> list[str]:
+    """Model types with a class for ``task`` (causal LM, image-text-to-text) in the installed transformers;
+    ``plan="tp"``/``"ep"``: only those whose config class (or its text sub-config's class, for a composite config)
+    declares a base-model tensor-/expert-parallel plan."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     attribute = {None: None, "tp": "base_model_tp_plan", "ep": "base_model_ep_plan"}[plan]
     types = []
-    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    for model_type in auto_mapping(task):
         try:
             config_class = CONFIG_MAPPING[model_type]
         except (KeyError, ImportError):
             continue
-        if attribute is None or getattr(config_class, attribute, None):
+        if attribute is None or getattr(config_class, attribute, None) or (
+                task != CAUSAL_LM and _text_plan(config_class, attribute)):
             types.append(model_type)
     return sorted(types)
 
 
-def model_class(model_type: str):
-    """The causal-LM class transformers' Auto mapping gives ``model_type``."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def _text_plan(config_class: type, attribute: str) -> bool:
+    """Whether a composite config's default text config declares the plan (``LlavaConfig``: its Llama text
+    model's plan is what a sharded load applies to the language model)."""
+    try:
+        text = config_class().get_text_config()
+    except Exception:  # a default that does not build: no plan to read (the sweep reports the build itself)
+        return False
+    return bool(getattr(text, attribute, None))
 
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+def model_class(model_type: str, task: str = CAUSAL_LM):
+    """The class transformers' Auto mapping for ``task`` gives ``model_type``."""
+    import transformers
+
+    return getattr(transformers, auto_mapping(task)[model_type])
 
 
 def _is_layer_dict(value: Any, layers: int) -> bool:
@@ -190,27 +214,34 @@ def _within_vocabulary(value: Any) -> Any:
     return value
 
 
-def tiny_config(model_type: str, values: dict[str, Any] | None = None):
+def tiny_config(model_type: str, values: dict[str, Any] | None = None, task: str = CAUSAL_LM):
     """The tiny config of ``model_type``, shrunk from ``values`` (a checkpoint's ``config.json``) or the type's
-    default config (raises what transformers raises when the shrunk values are inconsistent)."""
-    config_class = model_class(model_type).config_class
+    default config (raises what transformers raises when the shrunk values are inconsistent); for an
+    image-text-to-text type the vision tower shrinks too (``shardadopt.testing.vlm.shrink_vision``)."""
+    config_class = model_class(model_type, task).config_class
     values = dict(values) if values is not None else config_class().to_dict()
     for key in ("transformers_version", "architectures", "model_type"):
         values.pop(key, None)
+    if task == IMAGE_TEXT:
+        from shardadopt.testing import vlm
+
+        values = vlm.shrink_vision(vlm.special_ids(values, VOCAB), HIDDEN)
     config = config_class.from_dict(shrink(values))
+    if task == IMAGE_TEXT:
+        vlm.fit_rotary_sections(config, HEAD_DIM)
     config.use_cache = False  # training: no KV cache
     return config
 
 
-def build_tiny(model_type: str, seed: int = 0, values: dict[str, Any] | None = None):
+def build_tiny(model_type: str, seed: int = 0, values: dict[str, Any] | None = None, task: str = CAUSAL_LM):
     """A tiny random fp32 model of ``model_type`` (deterministic for ``seed``; config as :func:`tiny_config`);
     raises ``ValueError`` when the tiny config still has more than ``MAX_PARAMS`` parameters."""
     import torch
 
-    config = tiny_config(model_type, values)
+    config = tiny_config(model_type, values, task)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = model_class(model_type)(config).float()
+        model = model_class(model_type, task)(config).float()
     count = sum(p.numel() for p in model.parameters())
     if count > MAX_PARAMS:
         big = max(model.named_parameters(), key=lambda item: item[1].numel())
@@ -219,16 +250,17 @@ def build_tiny(model_type: str, seed: int = 0, values: dict[str, Any] | None = N
     return model
 
 
-def write_tiny(model_type: str, root: str | os.PathLike, seed: int = 0, values: dict[str, Any] | None = None) -> str:
-    """Write the tiny checkpoint of ``model_type`` (:func:`build_tiny`) under ``root`` once (atomically); its
-    directory."""
+def write_tiny(model_type: str, root: str | os.PathLike, seed: int = 0, values: dict[str, Any] | None = None,
+               task: str = CAUSAL_LM) -> str:
+    """Write the tiny checkpoint of ``model_type`` for ``task`` (:func:`build_tiny`) under ``root`` once
+    (atomically); its directory."""
     import shutil
     import tempfile
 
-    path = os.path.join(os.fspath(root), f"tiny-{model_type}")
+    path = os.path.join(os.fspath(root), f"tiny-{model_type}" if task == CAUSAL_LM else f"tiny-{task}-{model_type}")
     if not os.path.exists(os.path.join(path, "config.json")):
         os.makedirs(root, exist_ok=True)
-        model = build_tiny(model_type, seed, values)
+        model = build_tiny(model_type, seed, values, task)
         staging = tempfile.mkdtemp(prefix=f".tiny-{model_type}-", dir=root)
         model.save_pretrained(staging)
         try:

@@ -1,5 +1,6 @@
 """The architecture sweep's check: the ordinary accelerate loop on a tiny model of one type, sharded at load time
-with one layout, against one process on the same global batches.
+with one layout, against one process on the same global batches. Two tasks: causal LMs train on token rows;
+image-text-to-text models on samples of one real image and text each (``shardadopt/testing/vlm.py`` builds them).
 
 Used by ``tools/arch_sweep.py`` (every type, every layout, recorded per transformers release), its CI sample
 (``tests/project/test_arch_sweep.py``) and ``shardadopt doctor --model ... --check``. All types of one layout run in one
@@ -33,6 +34,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardadopt.testing.archs import CAUSAL_LM, IMAGE_TEXT
 
 VERIFIED = "verified"
 REFUSED_UPSTREAM = "refused upstream"
@@ -84,41 +87,62 @@ def layout_sizes(layout: str) -> tuple[dict[str, Any], int] | str:
     return unloadable_reason(sizes) or (sizes, dp)
 
 
-def candidates(layout: str) -> list[str]:
-    """The model types the sweep checks on ``layout``: every causal LM (FSDP, HSDP) or those with the plan the
-    layout shards by."""
+def candidates(layout: str, task: str = CAUSAL_LM) -> list[str]:
+    """The model types the sweep checks on ``layout`` for ``task``: every type (FSDP, HSDP) or those with the
+    plan the layout shards by."""
     from shardadopt.testing.archs import causal_lm_types
 
-    return causal_lm_types(LAYOUTS[layout][1])
+    return causal_lm_types(LAYOUTS[layout][1], task)
+
+
+def _sample_count(dp: int) -> int:
+    return STEPS * ACCUM * dp * PER_DP_BATCH
 
 
 def _rows(dp: int):
     import torch
 
-    count = STEPS * ACCUM * dp * PER_DP_BATCH
-    return torch.randint(0, 512, (count, SEQ_LEN), generator=torch.Generator().manual_seed(SEED))
+    return torch.randint(0, 512, (_sample_count(dp), SEQ_LEN), generator=torch.Generator().manual_seed(SEED))
+
+
+def _samples(path: str, dp: int, task: str) -> list[dict[str, Any]]:
+    """The run's samples in order: token rows (causal LM), or the image-text samples written next to the tiny
+    checkpoint (:func:`shardadopt.testing.vlm.write_batches`)."""
+    import torch
+
+    if task == CAUSAL_LM:
+        return [{"input_ids": row, "labels": row} for row in _rows(dp)]
+    return torch.load(os.path.join(path, f"samples-{_sample_count(dp)}.pt"))
+
+
+def _auto_class(task: str):
+    import transformers
+
+    return {CAUSAL_LM: transformers.AutoModelForCausalLM,
+            IMAGE_TEXT: transformers.AutoModelForImageTextToText}[task]
 
 
 class RandomForward(RuntimeError):
     """The model's training forward draws random numbers: one process and the sharded run cannot agree."""
 
 
-def reference(path: str, dp: int, split: int = 1) -> dict[str, Any]:
+def reference(path: str, dp: int, split: int = 1, task: str = CAUSAL_LM) -> dict[str, Any]:
     """One process: the same optimizer steps on the same global batches (``dp * PER_DP_BATCH`` rows a
     micro-step). ``split``: each micro-batch's backward runs on that many equal chunks, the same sum in another
     floating-point order (what a sharded run changes too), which measures how far fp32 noise alone moves later
     steps of this model. Raises :class:`RandomForward` when two forwards of one batch differ."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    from shardadopt.testing.vlm import collate
+
+    model = _auto_class(task).from_pretrained(path, dtype=torch.float32)
     model.train()
-    rows, micro_rows = _rows(dp), dp * PER_DP_BATCH
+    rows, micro_rows = _samples(path, dp, task), dp * PER_DP_BATCH
     with torch.no_grad(), torch.random.fork_rng():
         torch.manual_seed(1)
-        first = model(input_ids=rows[:micro_rows], labels=rows[:micro_rows]).loss
+        first = model(**collate(rows[:micro_rows])).loss
         torch.manual_seed(2)
-        if not torch.equal(first, model(input_ids=rows[:micro_rows], labels=rows[:micro_rows]).loss):
+        if not torch.equal(first, model(**collate(rows[:micro_rows])).loss):
             raise RandomForward("its training forward draws random numbers (two forwards of one batch differ), "
                                 "so one process and the sharded run cannot agree")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
@@ -128,8 +152,9 @@ def reference(path: str, dp: int, split: int = 1) -> dict[str, Any]:
         for m in range(ACCUM):
             batch = rows[(step * ACCUM + m) * micro_rows:(step * ACCUM + m + 1) * micro_rows]
             chunk_losses = []
-            for chunk in batch.chunk(split):
-                loss = model(input_ids=chunk, labels=chunk).loss
+            for c in range(split):
+                chunk = batch[c * len(batch) // split:(c + 1) * len(batch) // split]
+                loss = model(**collate(chunk)).loss
                 (loss / (ACCUM * split)).backward()
                 chunk_losses.append(loss.detach())
             micro.append(torch.stack(chunk_losses).mean())
@@ -143,43 +168,44 @@ def reference(path: str, dp: int, split: int = 1) -> dict[str, Any]:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def reorder_noise(path: str, dp: int, expected: dict[str, Any]) -> dict[str, Any] | None:
+def reorder_noise(path: str, dp: int, expected: dict[str, Any], task: str = CAUSAL_LM) -> dict[str, Any] | None:
     """:func:`reference` with each micro-batch in two chunks when that is only a reordering (its first-step
     gradients within the gradient tolerance of ``expected``), else None (batch-dependent math, e.g.
     capacity-limited routing)."""
-    reordered = reference(path, dp, split=2)
+    reordered = reference(path, dp, split=2, task=task)
     return reordered if _grad_ratio([reordered["grads"]], expected["grads"])[0] <= 1 else None
 
 
-def check_rank(path: str, sizes: dict[str, Any], dp: int) -> dict[str, Any]:
+def check_rank(path: str, sizes: dict[str, Any], dp: int, task: str = CAUSAL_LM) -> dict[str, Any]:
     """On every rank of a pool: the accelerate loop users write, after ``shardadopt.enable()``, on ``path`` loaded
     with ``DistributedConfig(**sizes)``. Returns this rank's losses, norms, first-step gradients and final
     parameters (DTensors whole, plain tensors as this rank holds them), or the stage that raised."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     import shardadopt
     from shardadopt.testing import full
     from shardadopt.testing.accelerator import fresh_accelerator
+    from shardadopt.testing.vlm import collate
 
     shardadopt.enable()
     try:
         accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                         distributed_config=DistributedConfig(**sizes))
+            model = _auto_class(task).from_pretrained(path, dtype=torch.float32,
+                                                      distributed_config=DistributedConfig(**sizes))
         except Exception as exc:
             return {"stage": "load", "error": _error(exc), "shardadopt": _raised_by_shardadopt(exc)}
         try:
             model.train()
             optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-            loader = torch.utils.data.DataLoader(list(_rows(dp)), batch_size=PER_DP_BATCH)
+            loader = torch.utils.data.DataLoader(_samples(path, dp, task), batch_size=PER_DP_BATCH,
+                                                 collate_fn=collate)
             model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
             losses, norms, micro, grads = [], [], [], None
             for batch in loader:
                 with accelerator.accumulate(model):
-                    loss = model(input_ids=batch, labels=batch).loss
+                    loss = model(**batch).loss
                     micro.append(loss.detach())
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
@@ -328,16 +354,18 @@ def _cached(file: str, compute: Callable[..., Any], *args: Any) -> Any:
 
 def sweep_layout(types: Iterable[str], layout: str, root: str | os.PathLike,
                  on_cell: Callable[[str, Cell], None], timeout: float = 300.0, log: str | None = None,
-                 config_values: dict[str, Any] | None = None, pool: Any = None) -> None:
+                 config_values: dict[str, Any] | None = None, pool: Any = None, task: str = CAUSAL_LM) -> None:
     """Check every type of ``types`` on ``layout`` in one process group; ``on_cell(type, cell)`` after each.
 
-    Tiny checkpoints (shrunk from ``config_values``, a checkpoint's config, or each type's default config) and
-    one-process references are made in this process and cached under ``root``. ``pool``: a
+    Tiny checkpoints of ``task``'s class (shrunk from ``config_values``, a checkpoint's config, or each type's
+    default config), their image-text samples and one-process references are made in this process and cached
+    under ``root``. ``pool``: a
     :class:`~shardadopt.testing.pool.RankPool` of the layout's size to run on (default: one started here, and
     started again after a type whose ranks raised apart or hung).
     """
     from shardadopt.testing.archs import write_tiny
     from shardadopt.testing.pool import RankError, RankPool, RankTimeout
+    from shardadopt.testing.vlm import write_batches
 
     types = list(types)
     sizes = layout_sizes(layout)
@@ -352,13 +380,20 @@ def sweep_layout(types: Iterable[str], layout: str, root: str | os.PathLike,
         for model_type in types:
             started = time.monotonic()
             try:
-                path = write_tiny(model_type, root, values=config_values)
+                path = write_tiny(model_type, root, values=config_values, task=task)
             except Exception as exc:
                 on_cell(model_type, Cell(NOT_TESTABLE, f"no tiny config derives from the default config: "
                                                        f"{_error(exc)}"))
                 continue
+            if task != CAUSAL_LM:
+                try:
+                    write_batches(path, model_type, _sample_count(dp), SEED)
+                except Exception as exc:
+                    on_cell(model_type, Cell(NOT_TESTABLE, f"no image-text batch builds for the tiny model (its "
+                                                           f"image processor and placeholder tokens): {_error(exc)}"))
+                    continue
             try:
-                expected = _cached(os.path.join(path, f"reference-dp{dp}.pt"), reference, path, dp)
+                expected = _cached(os.path.join(path, f"reference-dp{dp}.pt"), reference, path, dp, 1, task)
             except RandomForward as exc:
                 on_cell(model_type, Cell(NOT_TESTABLE, str(exc)))
                 continue
@@ -369,11 +404,12 @@ def sweep_layout(types: Iterable[str], layout: str, root: str | os.PathLike,
             if pool is None:
                 pool = RankPool(nproc, log=log)
             try:
-                results = pool.run(check_rank, path, sizes, dp, timeout=timeout)
+                results = pool.run(check_rank, path, sizes, dp, task, timeout=timeout)
                 cell = compare(results, expected)
                 if cell.verdict == FAILS and cell.worst.get("grads", float("inf")) <= 1:
                     # only later steps differ: is that more than fp32 reordering moves this model?
-                    noise = _cached(os.path.join(path, f"reorder-noise-dp{dp}.pt"), reorder_noise, path, dp, expected)
+                    noise = _cached(os.path.join(path, f"reorder-noise-dp{dp}.pt"), reorder_noise, path, dp, expected,
+                                    task)
                     cell = compare(results, expected, noise)
             except (RankError, RankTimeout) as exc:  # ranks raised apart or hung: that pool is gone
                 if not owned:

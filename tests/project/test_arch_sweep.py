@@ -4,7 +4,8 @@ sweep still holds on the installed release, and ``shardadopt doctor --model`` re
 ``tools/arch_sweep.py`` records one verdict per model type and layout for each release line
 (``shardadopt/data/arch_matrix/transformers-<minor>.json``). Re-running the whole sweep takes far longer than CI has;
 the sample below (a few types per 2-rank layout, chosen for what they exercise) must give its recorded verdict on
-the installed release, so a recorded ``verified`` cell that stops holding fails CI.
+the installed release, so a recorded ``verified`` cell that stops holding fails CI. The image-text-to-text matrix
+(vision-language models trained with images, ``--task image-text-to-text``) has its own sample.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from shardadopt.testing.releases import newer_than_recorded
 from shardadopt.testing.scripts import load_tool
@@ -25,33 +27,47 @@ SAMPLE = {
     "tp": ["apertus", "phi3", "llama4_text"],  # xIELU scalars (transformers-tp-partial-grad); fused qkv; fails
     "ep": ["mixtral", "deepseek_v3"],  # plain top-k router; MLA attention with grouped routing and shared experts
 }
+# image-text-to-text: patch-flattened images with a grid and rotary sections per axis (Qwen2.5-VL: window attention
+# in the tower, a merger); fixed-size images pooled to fewer tokens, image tokens attending both ways (Gemma 3)
+VLM_SAMPLE = {"fsdp": ["qwen2_5_vl"], "tp": ["gemma3"]}
+# the types whose verdicts ``doctor --model`` must give on fsdp and tp (issue 41)
+VLM_NAMED = ("qwen2_5_vl", "qwen3_vl", "gemma3", "llava")
 
 
-def _installed_matrix() -> dict:
+def _installed_matrix(task: str = "causal-lm") -> dict:
     import transformers
 
     tool = load_tool("arch_sweep")
-    path = tool.release_file(transformers.__version__)
-    newer = newer_than_recorded("transformers", [m["transformers"] for m in tool.load_matrices()])
+    path = tool.release_file(transformers.__version__, task)
+    lines = [m["transformers"] for m in tool.load_matrices(task)]
+    newer = newer_than_recorded("transformers", lines)
     if not path.exists() and newer:
         pytest.skip(newer)
-    assert path.exists(), f"no recorded matrix for transformers {transformers.__version__}: run tools/arch_sweep.py"
+    if not path.exists() and task != "causal-lm" and Version(transformers.__version__) < Version(lines[0]):
+        pytest.skip(f"the {task} matrix is recorded from transformers {lines[0]} on")
+    assert path.exists(), (f"no recorded {task} matrix for transformers {transformers.__version__}: run "
+                           f"tools/arch_sweep.py --task {task}")
     return json.loads(path.read_text())
 
 
-def test_docs_coverage_section_is_what_the_matrices_derive():
+@pytest.mark.parametrize("task", ["causal-lm", "image-text-to-text"])
+def test_docs_coverage_section_is_what_the_matrices_derive(task):
     tool = load_tool("arch_sweep")
-    block = tool.coverage_block((REPO / "docs" / "architectures.md").read_text())
-    assert block is not None, f"docs/architectures.md lacks the {tool.BEGIN} ... {tool.END} block"
-    assert block == tool.coverage_section(tool.load_matrices()), (
-        "docs/architectures.md's coverage differs from shardadopt/data/arch_matrix; run "
+    begin, end = tool.MARKERS[task]
+    block = tool.coverage_block((REPO / "docs" / "architectures.md").read_text(), task)
+    assert block is not None, f"docs/architectures.md lacks the {begin} ... {end} block"
+    assert block == tool.coverage_section(tool.load_matrices(task)), (
+        f"docs/architectures.md's {task} coverage differs from shardadopt/data/arch_matrix; run "
         "`python tools/arch_sweep.py --docs`")
 
 
-def test_every_recorded_cell_has_a_known_verdict_and_a_reason():
+@pytest.mark.parametrize("task", ["causal-lm", "image-text-to-text"])
+def test_every_recorded_cell_has_a_known_verdict_and_a_reason(task):
     from shardadopt.testing.sweep import VERDICTS, VERIFIED
 
-    for matrix in load_tool("arch_sweep").load_matrices():
+    matrices = load_tool("arch_sweep").load_matrices(task)
+    assert matrices, f"no recorded {task} matrix"
+    for matrix in matrices:
         for model_type, cells in matrix["cells"].items():
             for layout, cell in cells.items():
                 assert cell["verdict"] in VERDICTS, (matrix["transformers"], model_type, layout, cell)
@@ -70,15 +86,17 @@ def test_the_matrix_covers_every_type_with_a_tp_or_ep_plan():
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", sorted(SAMPLE))
-def test_sample_of_the_sweep_gives_its_recorded_verdicts(pool2, tmp_path_factory, layout):
+@pytest.mark.parametrize(("task", "layout"), [("causal-lm", layout) for layout in sorted(SAMPLE)]
+                         + [("image-text-to-text", layout) for layout in sorted(VLM_SAMPLE)])
+def test_sample_of_the_sweep_gives_its_recorded_verdicts(pool2, tmp_path_factory, task, layout):
     from shardadopt.testing.sweep import VERIFIED, sweep_layout
 
-    recorded = _installed_matrix()["cells"]
+    sample = (SAMPLE if task == "causal-lm" else VLM_SAMPLE)[layout]
+    recorded = _installed_matrix(task)["cells"]
     live = {}
-    sweep_layout(SAMPLE[layout], layout, tmp_path_factory.mktemp(f"sweep-{layout}"),
-                 lambda model_type, cell: live.__setitem__(model_type, cell), pool=pool2)
-    for model_type in SAMPLE[layout]:
+    sweep_layout(sample, layout, tmp_path_factory.mktemp(f"sweep-{task}-{layout}"),
+                 lambda model_type, cell: live.__setitem__(model_type, cell), pool=pool2, task=task)
+    for model_type in sample:
         cell = recorded.get(model_type, {}).get(layout)
         assert cell is not None, f"{model_type} {layout}: not recorded; run tools/arch_sweep.py"
         got = live[model_type]
@@ -160,6 +178,34 @@ LAYOUT_FLAGS = {"fsdp": "fsdp=2", "tp": "tp=2", "ep": "ep=2,fsdp=2", "hsdp": "dp
                 "2d": "fsdp=2,tp=2"}
 
 
+@pytest.mark.parametrize("model_type", VLM_NAMED)
+def test_doctor_model_gives_the_image_text_verdicts_of_a_vision_language_model(capsys, model_type):
+    """A VLM type's fsdp and tp cells come from the image-text-to-text matrix (trained with images), recorded for
+    the installed release line."""
+    from shardadopt.testing.sweep import candidates
+
+    cells = _installed_matrix("image-text-to-text")["cells"]
+    for layout, flags in (("fsdp", "fsdp=2"), ("tp", "tp=2")):
+        cell = cells.get(model_type, {}).get(layout)
+        code, out = _doctor(capsys, "--model", model_type, "--layout", flags)
+        header = f"layout {layout}, image-text-to-text (with images):\n"
+        assert header in out, out
+        rows = out.split(header, 1)[1].split("\npatches on", 1)[0].splitlines()
+        if cell is None:  # Qwen3-VL's text model has no TP plan on transformers 5.15
+            assert model_type not in candidates(layout, "image-text-to-text"), (
+                f"{model_type} {layout}: not recorded; run tools/arch_sweep.py --task image-text-to-text")
+            assert f"  transformers {_line()} (installed): not in the matrix (no tp plan, or not swept)" in rows, out
+            continue
+        assert any(row.startswith(f"  transformers {_line()} (installed): {cell['verdict']}") for row in rows), out
+        assert code == (1 if cell["verdict"] in ("fails", "refused upstream", "refused by shardadopt") else 0), out
+
+
+def _line() -> str:
+    import transformers
+
+    return ".".join(transformers.__version__.split(".")[:2])
+
+
 def test_doctor_model_on_a_failing_architecture_exits_1(capsys, tmp_path):
     from shardadopt.coverage import parse_layout
     from shardadopt.testing.archs import tiny_config
@@ -186,7 +232,7 @@ def test_doctor_model_without_a_recorded_cell_says_why(capsys, monkeypatch):
     import shardadopt.coverage as coverage
 
     # a recorded release line with no cell for the type: each layout's line says why
-    monkeypatch.setattr(coverage, "matrices", lambda: {"5.0": {"transformers": "5.0.0", "cells": {}}})
+    monkeypatch.setattr(coverage, "matrices", lambda task="causal-lm": {"5.0": {"transformers": "5.0.0", "cells": {}}})
     code, out = _doctor(capsys, "--model", "llama")
     assert code == 0, out
     lines = out.splitlines()
