@@ -70,6 +70,19 @@ def test_tp_ranks_sample_alike_and_track_one_process(pool2, tiny_models, trl_tok
         assert problem is None, f"{kind} tp rank {rank}: {problem}"
 
 
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+@pytest.mark.parametrize("layout", ["fsdp", "ep"])
+def test_data_parallel_layouts_track_ddp(pool2, tiny_models, trl_tokenizer, kind, layout):
+    """fsdp_size=2 and ep_size=2 (Qwen3-MoE): every rank is its own data-parallel rank with TRL's own per-process
+    stream, as under DDP: the reference is the same trainer on the plain checkpoint under DDP over 2 ranks."""
+    reference = pool2.run(online_log, tiny_models, trl_tokenizer, kind, None, MODELS[layout], timeout=400)
+    results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], timeout=400)
+    for rank, (result, expected) in enumerate(zip(results, reference)):
+        assert result.get("completions") == expected["completions"], f"{kind} {layout} rank {rank}: other samples"
+        problem = tracks(result, expected, RTOL[kind])
+        assert problem is None, f"{kind} {layout} rank {rank}: {problem}"
+
+
 def test_without_the_patch_tp_ranks_sample_apart(pool2, tiny_models, trl_tokenizer, one_process):
     """The check above catches the bug: with the patch excluded, GRPO's two TP ranks score different completions
     and the first step's grad norm is not one process's."""
