@@ -11,6 +11,8 @@ The wrapper calls :func:`shardadopt.sampling.agree_sampling_rng` on the model be
 runs: every rank of the TP group takes the random state of the group's first rank, and data-parallel ranks keep
 their own streams. The probe reads ``GenerationMixin.generate`` and ``_sample``: ``multinomial`` sampling with no
 random state shared (``set_rng_state`` / a broadcast) means ``needed``; generate sharing it means ``not-needed``.
+No ``needed_by``: a TP model that never samples trains right without it, so an ``unsupported`` probe refuses
+nothing (it warns, as every unsupported patch does).
 """
 
 from __future__ import annotations
@@ -49,11 +51,6 @@ def _generate(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _tensor_parallel(model, layout) -> bool:
-    """A tensor-parallel model that samples needs its TP ranks to draw the same tokens."""
-    return layout.tp_size > 1
-
-
 PATCH = Patch(
     id=ID,
     summary="TP: generate() gives every rank of a tensor-parallel group its first rank's random state, so "
@@ -61,6 +58,5 @@ PATCH = Patch(
     upstream="proposal for transformers main (not reported yet); patches/transformers-tp-sampling-agreement.diff",
     requires=supported("transformers"),
     wrappers={GENERATE: _generate},
-    needed_by=_tensor_parallel,
     probe=probe,
 )
