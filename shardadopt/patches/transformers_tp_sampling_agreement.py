@@ -46,8 +46,12 @@ def probe() -> Probe:
 
 def _generate(wrapped, instance, args, kwargs):
     from shardadopt.sampling import agree_sampling_rng
+    from shardadopt.topology import TopologyError
 
-    agree_sampling_rng(instance)
+    try:
+        agree_sampling_rng(instance)
+    except TopologyError:  # a layout shardadopt cannot read has no TP group it knows: generate as upstream does
+        pass
     return wrapped(*args, **kwargs)
 
 
