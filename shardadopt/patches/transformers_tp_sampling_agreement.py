@@ -40,8 +40,8 @@ def probe() -> Probe:
         return Probe(True, "generate samples with this process's generator (torch.multinomial in _sample) and "
                            "never makes a tensor-parallel group's random state agree: per-process seeds give the "
                            "TP ranks different tokens")
-    raise undecided("GenerationMixin._sample", "torch.multinomial sampling (the gap) nor a shared random state "
-                                               "(the fix)")
+    raise undecided(upstream.GENERATION_SAMPLE.qualname,
+                    "torch.multinomial sampling (the gap) nor a shared random state (the fix)")
 
 
 def _generate(wrapped, instance, args, kwargs):
