@@ -29,7 +29,7 @@ __all__ = ["enable", "disable", "status", "PatchStatus", "UntestedUpstreamWarnin
            "clip_grad_norm_", "total_norm",
            "topology", "Topology", "TopologyError",
            "split_param_groups", "split_param_groups_by_mesh", "AdoptionKwargs", "adopt_model",
-           "fix_tp_grad_accumulation"]
+           "fix_tp_grad_accumulation", "agree_sampling_rng"]
 
 _WARNED: set[str] = set()  # the untested-release lines already shown in this process
 
@@ -45,6 +45,7 @@ _LAZY = {
     "AdoptionKwargs": "shardadopt.adopt",
     "adopt_model": "shardadopt.adopt",
     "fix_tp_grad_accumulation": "shardadopt.tp",
+    "agree_sampling_rng": "shardadopt.sampling",
 }
 
 

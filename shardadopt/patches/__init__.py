@@ -27,6 +27,7 @@ from shardadopt.patches import (
                                 transformers_tp_legacy_layers,
                                 transformers_tp_partial_grad,
                                 transformers_tp_replicated_grad_accumulation,
+                                transformers_tp_sampling_agreement,
 )
 from shardadopt.registry import Patch
 
@@ -51,4 +52,5 @@ ALL_PATCHES: list[Patch] = [
     transformers_reuse_device_mesh.PATCH,
     transformers_sharded_clean_exit.PATCH,
     peft_sharded_adapters.PATCH,
+    transformers_tp_sampling_agreement.PATCH,
 ]

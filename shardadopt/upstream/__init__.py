@@ -85,6 +85,7 @@ from shardadopt.upstream.torch import (
 )
 from shardadopt.upstream.transformers import (
     EMBEDDING_PARALLEL_PREPARE_INPUT,
+    GENERATION_SAMPLE,
     MODEL_DEVICE_MESH_ATTRIBUTE,
     MODEL_SHARDING_SIZE_ATTRIBUTES,
     MOE_GROUPED_LINEAR,

@@ -145,6 +145,10 @@ def module_hf_device_mesh(module: torch.nn.Module) -> Any:
 # 5.15-5.25.
 TRAINER_REPORT_TO_HP_SEARCH = Target(TRAINER_MODULE, "Trainer._report_to_hp_search")
 
+# ``GenerationMixin._sample``, the decoding loop whose ``torch.multinomial`` draws the sampled tokens, which the
+# ``transformers-tp-sampling-agreement`` probe reads. Checked on transformers 5.15-5.25.
+GENERATION_SAMPLE = Target("transformers.generation.utils", "GenerationMixin._sample")
+
 # transformers 5.15's local-tensor tensor-parallel layers and their forward hooks, which
 # ``transformers-ep-router-grad`` and ``transformers-tp-legacy-layers`` wrap; 5.16 replaced them with DTensor layers
 # without these hooks (the targets are missing there). Checked on transformers 5.15-5.25.

@@ -41,9 +41,12 @@ BLOCK_TIMEOUT = 900  # seconds: a hang fails the test instead of stalling CI
 #   resume_checkpoint).
 # - lora_sft tp (LoRA on TP needs transformers 5.17+, so newest only): test_trl_lora (SFTTrainer with LoRA on fsdp
 #   against DDP) and test_adapters (save_pretrained, reload in one process) on the oldest set.
+# - grpo tp (TRL's fused LM head needs DTensor TP shards, transformers 5.17+, so newest only): test_online (GRPO and
+#   RLOO on fsdp and ep against DDP, TP refused by name) on the oldest set.
 # The ep and 2d blocks are on neither list: the oldest transformers cannot load those layouts (skip_reason).
 ONE_SET_BLOCKS = {"accelerate_loop-fsdp": "oldest", "accelerate_loop-tp": "oldest", "trainer_finetune": "oldest",
-                  "custom_loop_hpo": "oldest", "hpo_search": "newest", "lora_sft-tp": "newest"}
+                  "custom_loop_hpo": "oldest", "hpo_search": "newest", "lora_sft-tp": "newest",
+                  "grpo-tp": "newest"}
 
 
 def page() -> str:
@@ -311,6 +314,12 @@ def check_lora_sft(block: str, work: Path, out: str, tiny_models: dict[str, str]
     assert "outputs equal the sharded model's" in out, out[-3000:]
 
 
+def check_grpo(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    rewards = re.search(r"rewards per step: \[(.*)\]", out)
+    assert rewards and len(rewards.group(1).split(",")) == 4, out[-3000:]
+    assert "the 2 tensor-parallel ranks sampled the same completions" in out, out[-3000:]
+
+
 CHECKS = {"accelerate_loop.py": check_accelerate_loop, "trainer_finetune.py": check_trainer_finetune,
           "hpo_search.py": check_hpo_search, "custom_loop_hpo.py": check_custom_loop_hpo,
-          "lora_sft.py": check_lora_sft}
+          "lora_sft.py": check_lora_sft, "grpo.py": check_grpo}

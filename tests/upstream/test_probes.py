@@ -87,6 +87,9 @@ RENAMES = [
      {"_device_mesh": "_mesh"}),
     ("transformers-reuse-device-mesh", "transformers.distributed.mixin:DistributedMixin", "prepare_distribute_model",
      {"initialize_distributed_mesh": "build_meshes", "initialize_fully_sharded_data_parallelism": "init_fsdp"}),
+    # upstream-private: as above
+    ("transformers-tp-sampling-agreement", "transformers.generation.utils:GenerationMixin", "_sample",
+     {"multinomial": "categorical"}),
 ]
 
 
@@ -99,6 +102,19 @@ def test_a_renamed_upstream_name_is_unsupported_not_not_needed(pid, owner, name,
     state, reason = state_of(pid)
     assert state == UNSUPPORTED, f"{pid} said {state} ({reason}) on a renamed {name}"
     assert "probe could not decide" in reason and "found neither" in reason, reason
+
+
+def test_sampling_probe_finds_a_generate_that_shares_the_random_state(tmp_path, monkeypatch):
+    """The fix's shape (patches/transformers-tp-sampling-agreement.diff sets the group's random state in generate)
+    reads as not-needed."""
+    from transformers.generation.utils import GenerationMixin
+
+    call = "self._validate_model_kwargs(model_kwargs.copy())"
+    shared = renamed(GenerationMixin, "generate", {call: f"{call}\n    torch.set_rng_state(torch.get_rng_state())"},
+                     tmp_path)
+    monkeypatch.setattr(GenerationMixin, "generate", shared)
+    state, reason = state_of("transformers-tp-sampling-agreement")
+    assert state == NOT_NEEDED and "set_rng_state" in reason, reason
 
 
 def test_the_expert_grad_scale_probe_reads_the_function_the_mixin_calls(tmp_path, monkeypatch):

@@ -715,7 +715,8 @@ def test_every_accessor_is_tested():
 # -- patch targets and the private hooks their probes read ----------------------------------------------------------
 
 @pytest.mark.parametrize("target", [upstream.PARALLELISM_CONFIG_VALIDATE_ACCELERATOR,
-                                    upstream.TRAINER_REPORT_TO_HP_SEARCH], ids=lambda t: t.qualname)
+                                    upstream.TRAINER_REPORT_TO_HP_SEARCH, upstream.GENERATION_SAMPLE],
+                         ids=lambda t: t.qualname)
 def test_patch_targets(target):
     method = upstream.upstream_method(target, "test")
     assert callable(method) and method.__qualname__ == target.qualname
