@@ -5,7 +5,7 @@ sequence classification pools before a row's end): per-step loss, every first-st
 clipped norm and the final parameters; how the head is laid out (FSDP: sharded in the root unit; TP: a full copy on
 each rank, the copies identical after training). Then accelerate's ``save_state``/``load_state`` resumes exactly,
 and ``shardadopt.checkpoint.save_full`` writes what a one-process ``from_pretrained`` of the same Auto class loads,
-with equal outputs. Workers: ``shardadopt.testing.heads``.
+with equal outputs. Workers: ``shardadopt.selftest.heads``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardadopt.selftest.accelerate import compare_training
-from shardadopt.testing.heads import (
+from shardadopt.selftest.heads import (
                                       SAVE_AFTER,
                                       auto_class,
                                       checkpoint_resume,

@@ -1,4 +1,5 @@
-"""Classification heads on load-time-sharded models: the accelerate loop's workers and their one-process reference.
+"""Classification heads on load-time-sharded models: the test suite's accelerate-loop workers and their one-process
+reference (next to ``accelerate``, whose loop settings and comparison they share; not a selftest scenario).
 
 ``AutoModelForSequenceClassification`` and ``AutoModelForTokenClassification`` put a ``score`` linear on the base
 model, outside the LM's TP plan. :func:`train_rank` runs the accelerate loop users write (``prepare``,
