@@ -92,7 +92,8 @@ def _gathered(tensors: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 def train_rank(path: str, head: str, sizes: dict[str, Any], dp_size: int, patched: bool = True) -> dict[str, Any]:
     """The accelerate loop on ``head`` loaded sharded per ``sizes``: per-step loss and clipped norm, the first step's
-    gradients and the final parameters (every rank's copy, on global rank 0), and the score head's layout."""
+    gradients and the final parameters (every rank's copy, on global rank 0), the score head's layout, and whether
+    ``prepare`` left every local parameter as loaded."""
     import torch
 
     import shardadopt
@@ -101,6 +102,7 @@ def train_rank(path: str, head: str, sizes: dict[str, Any], dp_size: int, patche
     try:
         accelerator = fresh_accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
         model = load(path, head, sizes)
+        before = {n: local_copy(p) for n, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
         loader = torch.utils.data.DataLoader(rows(head, dp_size), batch_size=PER_DP_BATCH)
         try:
@@ -108,6 +110,7 @@ def train_rank(path: str, head: str, sizes: dict[str, Any], dp_size: int, patche
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         network = accelerator.unwrap_model(model)
+        unchanged = all(torch.equal(local_copy(p), before[n]) for n, p in network.named_parameters())
         losses, norms, micro, grads = [], [], [], []
         try:
             for batch in loader:
@@ -126,7 +129,7 @@ def train_rank(path: str, head: str, sizes: dict[str, Any], dp_size: int, patche
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"losses": losses, "norms": norms, "grads": grads, "score": score_layout(network),
-                "params": _gathered(dict(network.named_parameters())), "unchanged": True}
+                "params": _gathered(dict(network.named_parameters())), "unchanged": unchanged}
     finally:
         shardadopt.disable()
 
