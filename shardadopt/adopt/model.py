@@ -3,7 +3,8 @@ topology.
 
 ``Accelerator.prepare`` knows how to shard a plain model (DDP, its FSDP plugin, its TP path); a model that arrives
 sharded needs the opposite: no DDP wrap, no re-sharding, no ``.to()``; each rank's parameters (EP experts included)
-keep their loaded values (strided plain TP shards get contiguous storage: fused AdamW mis-updates views). Mixed
+keep their loaded values (strided plain TP shards get contiguous storage: fused AdamW mis-updates views), except
+whole plain copies on a TP load that differ from rank 0's (``replicas``: DDP's broadcast). Mixed
 precision and ``torch.compile`` still apply (upstream's ``evaluation_mode`` path does exactly that).
 """
 
@@ -20,6 +21,7 @@ from shardadopt.adopt.data import dp_owners, shard_dataloader, world_dp_ranks
 from shardadopt.adopt.frozen_units import keep_frozen_units_gathered
 from shardadopt.adopt.record import AdoptionError, adoption_kwargs, adoption_record
 from shardadopt.adopt.refusals import refuse_fused_lm_head_on_plain_shards, refuse_unsupported_distributed_features
+from shardadopt.adopt.replicas import broadcast_plain_replicas
 from shardadopt.optimizer_ready import make_shards_contiguous
 from shardadopt.topology import topology
 
@@ -84,6 +86,8 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     # (shardadopt.torchprobe): own contiguous storage, same Parameter objects, so an optimizer built before
     # prepare() keeps stepping them.
     make_shards_contiguous(model)
+    # what DDP's wrap does: a TP group's whole plain copies (a fresh classification head) are rank 0's
+    broadcast_plain_replicas(model, topo)
     if kwargs.keep_frozen_units_gathered or kwargs.keep_frozen_units_gathered_across_steps:
         keep_frozen_units_gathered(model, across_steps=kwargs.keep_frozen_units_gathered_across_steps)
     if prepare is not None:

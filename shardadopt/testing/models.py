@@ -31,12 +31,34 @@ def _llama():
     return LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=True))
 
 
+# Classification heads (score on top of the base model). Sequence classification pools the last non-pad token,
+# so pad_token_id is set; token classification's dropout is off (a one-process reference cannot draw the masks
+# the ranks draw).
+SEQUENCE_LABELS, TOKEN_LABELS, PAD_ID = 3, 5, 0
+
+
+def _qwen3_seqcls():
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    return Qwen3ForSequenceClassification(Qwen3Config(**_COMMON, num_labels=SEQUENCE_LABELS, pad_token_id=PAD_ID))
+
+
+def _llama_tokcls():
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    return LlamaForTokenClassification(LlamaConfig(**_COMMON, num_labels=TOKEN_LABELS, pad_token_id=PAD_ID,
+                                                   classifier_dropout=0.0))
+
+
 BUILDERS: dict[str, Callable] = {"qwen3": _qwen3, "qwen3moe": _qwen3moe, "llama": _llama}
+# written only when named (the test session's causal-LM set stays as it was)
+HEAD_BUILDERS: dict[str, Callable] = {"qwen3-seqcls": _qwen3_seqcls, "llama-tokcls": _llama_tokcls}
 MOE_MODELS = frozenset({"qwen3moe"})
 
 
 def tiny_checkpoints(root: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, str]:
-    """Write (once) tiny random checkpoints under ``root``; name -> checkpoint directory.
+    """Write (once) tiny random checkpoints under ``root``; name -> checkpoint directory. ``names`` default to the
+    causal LMs (:data:`BUILDERS`); the classification heads (:data:`HEAD_BUILDERS`) are written when named.
 
     Each is written to a temporary directory and renamed into place, so concurrent callers and interrupted runs
     never see a half-written checkpoint.
@@ -46,14 +68,15 @@ def tiny_checkpoints(root: str | os.PathLike, names: Iterable[str] | None = None
     root = os.fspath(root)
     os.makedirs(root, exist_ok=True)
     paths = {}
+    builders = {**BUILDERS, **HEAD_BUILDERS}
     for name in names or BUILDERS:
-        if name not in BUILDERS:
-            raise ValueError(f"unknown tiny model {name!r}; known: {sorted(BUILDERS)}")
+        if name not in builders:
+            raise ValueError(f"unknown tiny model {name!r}; known: {sorted(builders)}")
         path = os.path.join(root, f"tiny-{name}")
         if not os.path.exists(os.path.join(path, "config.json")):
             with torch.random.fork_rng():
                 torch.manual_seed(0)
-                model = BUILDERS[name]()
+                model = builders[name]()
             staging = tempfile.mkdtemp(prefix=f".tiny-{name}-", dir=root)
             model.save_pretrained(staging)
             if not os.path.exists(os.path.join(staging, "config.json")):

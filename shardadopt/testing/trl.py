@@ -3,7 +3,9 @@
 
 :func:`trl_log` is what a TRL user writes: load (sharded per ``layout``, or plain under DDP), optionally add LoRA
 (TRL's ``peft_config=`` or ``get_peft_model`` first), ``SFTConfig``/``SFTTrainer`` on a ``datasets`` text dataset or
-``DPOConfig``/``DPOTrainer`` on prompt/chosen/rejected with TRL's default reference model, a local tokenizer as
+``DPOConfig``/``DPOTrainer`` on prompt/chosen/rejected with TRL's default reference model, or
+``RewardConfig``/``RewardTrainer`` on chosen/rejected with ``AutoModelForSequenceClassification(num_labels=1)`` loaded
+from the causal-LM checkpoint (its score head initialised after ``set_seed``, as TRL's docs do), a local tokenizer as
 ``processing_class`` (no downloads), ``train()``; or, as transformers' docs show the plain ``Trainer``, the same text
 tokenized with ``DataCollatorForLanguageModeling``. The same global batch on every layout: a run with ``dp``
 data-parallel ranks takes ``GLOBAL_BATCH // dp`` per device. TRL's configs default to ``bf16=True``, on CPU too: the
@@ -42,13 +44,16 @@ REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"
 
 
 def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
-    """``n`` samples: a "text" column for SFT, "prompt"/"chosen"/"rejected" for DPO."""
+    """``n`` samples: a "text" column for SFT, "prompt"/"chosen"/"rejected" for DPO, "chosen"/"rejected" (TRL's
+    implicit-prompt preference form) for the reward model."""
     from datasets import Dataset
 
     from shardadopt.testing.text import sentences
 
     if kind == "sft":
         return Dataset.from_dict({"text": sentences(n, seed=1)})
+    if kind == "reward":
+        return Dataset.from_dict({"chosen": sentences(n, seed=5), "rejected": sentences(n, seed=6)})
     return Dataset.from_dict({"prompt": sentences(n, seed=2, max_words=6), "chosen": sentences(n, seed=3, max_words=6),
                               "rejected": sentences(n, seed=4, max_words=6)})
 
@@ -64,11 +69,13 @@ def lora_config(model: str, experts: str | None = None):
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM", **EXPERTS.get(experts, targets))
 
 
-def _load(path: str, layout: str | None, world: int, dtype: str = "float32"):
+def _load(path: str, layout: str | None, world: int, dtype: str = "float32", reward: bool = False):
     """The model in ``dtype``, sharded per ``layout`` over ``world`` ranks or plain (DDP); and the data-parallel
-    size. In float64 the experts run transformers' ``"eager"`` implementation: CPU ``grouped_mm`` has no float64."""
+    size. In float64 the experts run transformers' ``"eager"`` implementation: CPU ``grouped_mm`` has no float64.
+    ``reward``: ``AutoModelForSequenceClassification`` with one label (a reward model) from the causal-LM checkpoint,
+    after ``set_seed(0)`` (its new score head is drawn from the RNG, the same on every rank and run)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
     from shardadopt import upstream
     from shardadopt.testing.layouts import distributed_sizes
@@ -82,7 +89,11 @@ def _load(path: str, layout: str | None, world: int, dtype: str = "float32"):
 
         sizes, dp = distributed_sizes(layout, world)
         kwargs["distributed_config"] = DistributedConfig(**sizes)
-    network = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if reward:
+        set_seed(0)
+        network = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, **kwargs)
+    else:
+        network = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     upstream.reset_accelerate_state()  # pooled ranks run several trainers in one process
     return network, dp
 
@@ -91,14 +102,17 @@ def plain_head_shard(network) -> bool:
     """Whether the LM head is a plain tensor holding part of the vocabulary (TP on transformers 5.15/5.16)."""
     from torch.distributed.tensor import DTensor
 
-    head = network.get_output_embeddings().weight
-    return not isinstance(head, DTensor) and head.shape[0] < network.config.vocab_size
+    head = network.get_output_embeddings()
+    if head is None:  # a classification head (whole on every rank)
+        return False
+    return not isinstance(head.weight, DTensor) and head.weight.shape[0] < network.config.vocab_size
 
 
 def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra):
-    """``kind``: "sft" / "dpo" (TRL's trainer and config) or "trainer" (``Trainer`` and ``TrainingArguments`` on the
-    SFT text tokenized, ``DataCollatorForLanguageModeling``), sequences cut at :data:`MAX_LENGTH` either way; the
-    dataset holds ``STEPS`` global batches of each of ``common``'s gradient accumulation steps."""
+    """``kind``: "sft" / "dpo" / "reward" (TRL's trainer and config) or "trainer" (``Trainer`` and
+    ``TrainingArguments`` on the SFT text tokenized, ``DataCollatorForLanguageModeling``), sequences cut at
+    :data:`MAX_LENGTH` either way; the dataset holds ``STEPS`` global batches of each of ``common``'s gradient
+    accumulation steps."""
     from transformers import AutoTokenizer, PrinterCallback
 
     processing_class = AutoTokenizer.from_pretrained(tokenizer)
@@ -116,6 +130,11 @@ def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra
 
         trainer = SFTTrainer(model=network, args=SFTConfig(**common, max_length=MAX_LENGTH),
                              train_dataset=dataset("sft", samples), processing_class=processing_class, **extra)
+    elif kind == "reward":
+        from trl import RewardConfig, RewardTrainer
+
+        trainer = RewardTrainer(model=network, args=RewardConfig(**common, max_length=MAX_LENGTH),
+                                train_dataset=dataset("reward", samples), processing_class=processing_class, **extra)
     else:
         from trl import DPOConfig, DPOTrainer
 
@@ -134,10 +153,10 @@ def logged_steps(trainer) -> list[dict[str, float]]:
 def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
             world: int = 2, bf16: bool = False, lora: str | None = None, experts: str | None = None,
             accum: int = 1, dtype: str = "float32") -> dict[str, Any]:
-    """``kind`` ("sft", "dpo" or "trainer": :func:`_trainer`) for STEPS steps on ``model`` sharded per ``layout``
-    over ``world`` ranks, or (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or LoRA added
-    ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with ``experts``
-    (:func:`lora_config`), each step accumulating ``accum`` global batches, the model loaded in ``dtype``
+    """``kind`` ("sft", "dpo", "reward" or "trainer": :func:`_trainer`) for STEPS steps on ``model`` sharded per
+    ``layout`` over ``world`` ranks, or (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or
+    LoRA added ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with
+    ``experts`` (:func:`lora_config`), each step accumulating ``accum`` global batches, the model loaded in ``dtype``
     (:func:`_load`). ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor:
     all_reduce calls on its gradient}, "dp": data-parallel size}`` or
     ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model).
@@ -156,7 +175,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
 
     shardadopt.enable()
     try:
-        network, dp = _load(models[model], layout, world, dtype)
+        network, dp = _load(models[model], layout, world, dtype, reward=kind == "reward")
         result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network)}
         extra: dict[str, Any] = {}
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-") as out:

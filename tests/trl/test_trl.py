@@ -62,3 +62,13 @@ def test_2d_tracks_ddp(request, tiny_models, trl_tokenizer, trl_ddp, kind):
     pool = request.getfixturevalue("pool4")
     results = pool.run(trl_log, tiny_models, trl_tokenizer, kind, "2d", MODELS["2d"], world=4, timeout=400)
     check_run(results, lambda: trl_ddp(kind, MODELS["2d"]), FP32_RTOL, f"{kind} 2d")
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_reward_trainer_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp, layout):
+    """RewardTrainer on ``AutoModelForSequenceClassification(num_labels=1)`` loaded sharded from the causal-LM
+    checkpoint (a score head outside the TP plan, new at load), chosen/rejected pairs, fp32."""
+    results = pool2.run(trl_log, tiny_models, trl_tokenizer, "reward", layout, MODELS[layout], timeout=300)
+    for rank, result in enumerate(results):
+        problem = compare(result, trl_ddp("reward", MODELS[layout]), FP32_RTOL)
+        assert problem is None, f"reward {layout} rank {rank}: {problem}"
