@@ -320,8 +320,8 @@ def test_attempt_store_probe_reads_the_agent_store_branch(replacement, expected,
     factory = upstream.c10d_store_factory()
     module = inspect.getmodule(factory)
     # upstream-private: the store factory the probe reads, replaced by the fixed (or half-fixed) shape
-    monkeypatch.setattr(module, "_create_c10d_store",
-                        renamed(module, "_create_c10d_store", {AGENT_STORE_RETURN: replacement}, tmp_path))
+    name = "_create_c10d_store"
+    monkeypatch.setattr(module, name, renamed(module, name, {AGENT_STORE_RETURN: replacement}, tmp_path))
     state, reason = state_of("torch-elastic-attempt-store")
     assert state == expected, reason
 
@@ -330,8 +330,10 @@ def test_attempt_store_probe_refuses_a_branch_it_does_not_know(tmp_path, monkeyp
     from shardadopt import upstream
 
     module = inspect.getmodule(upstream.c10d_store_factory())
-    checks = {name: "_agent_store_wanted" for name in upstream.AGENT_STORE_CHECKS}
-    # upstream-private: as above, the agent-store check renamed
-    monkeypatch.setattr(module, "_create_c10d_store", renamed(module, "_create_c10d_store", checks, tmp_path))
+    # upstream-private: the agent-store check renamed to a name torch does not define
+    checks = {check: "_agent_store_wanted" for check in upstream.AGENT_STORE_CHECKS}
+    # upstream-private: as above, the store factory the probe reads
+    name = "_create_c10d_store"
+    monkeypatch.setattr(module, name, renamed(module, name, checks, tmp_path))
     state, reason = state_of("torch-elastic-attempt-store")
     assert state == UNSUPPORTED and "found neither" in reason, reason
