@@ -82,6 +82,47 @@ def test_a_killed_rank_restarts_and_ends_as_the_uninterrupted_run(tiny_models, t
     assert not differ, f"final parameters differ from the uninterrupted run: {differ}"
 
 
+TWO_NODE_WORKER = """
+import json, os, signal, sys
+import shardadopt
+shardadopt.enable()
+import torch, torch.distributed as dist
+from shardadopt import restarts
+
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+marker = os.path.join(sys.argv[1], "killed")
+if dist.get_rank() == 1 and not os.path.exists(marker):
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as out:
+    json.dump({"restart_count": os.environ["TORCHELASTIC_RESTART_COUNT"], "attempt": restarts.attempt_tag(),
+               "total": total.item()}, out)
+dist.destroy_process_group()
+"""
+
+
+def test_two_nodes_agree_on_the_attempt_their_restart_counts_disagree_on(tmp_path):
+    """Two torchrun agents (``--nnodes 2 --rdzv-backend c10d``, one rank each), the rank of node 1 killed: node 1's
+    agent counts a restart, node 0's may only follow the new round; both ranks must take the same attempt's keys."""
+    script = tmp_path / "worker.py"
+    script.write_text(TWO_NODE_WORKER)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+                                "--max-restarts", "1", str(script), str(tmp_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=TIMEOUT)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(out[-4000:] for out in outputs)
+    assert (tmp_path / "killed").exists()
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    # the agents' restart counts may differ (node 0's agent may only follow the new round): the attempt may not
+    assert ranks[0]["attempt"] == ranks[1]["attempt"] and ranks[0]["total"] == ranks[1]["total"] == 3.0, ranks
+
+
 def _attempt(store: dist.Store, world: int) -> list[int]:
     """Every rank of one attempt agreeing on its number, each rank a thread with its own view of ``store``."""
     agreed = [0] * world
