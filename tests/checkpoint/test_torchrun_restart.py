@@ -104,7 +104,7 @@ dist.destroy_process_group()
 """
 
 
-def test_two_nodes_agree_on_the_attempt_their_restart_counts_disagree_on(tmp_path):
+def test_two_nodes_agree_on_the_attempt_their_restart_counts_may_disagree_on(tmp_path):
     """Two torchrun agents (``--nnodes 2 --rdzv-backend c10d``, one rank each), the rank of node 1 killed: node 1's
     agent counts a restart, node 0's may only follow the new round; both ranks must take the same attempt's keys."""
     script = tmp_path / "worker.py"
