@@ -33,8 +33,20 @@ __all__ = ["enable", "disable", "status", "PatchStatus", "UntestedUpstreamWarnin
 
 _WARNED: set[str] = set()  # the untested-release lines already shown in this process
 
-# Public functions that live in modules importing torch: loaded on first use so `import shardadopt` stays cheap.
+# Public names that live in modules importing torch: loaded on first use so `import shardadopt` stays cheap. A name
+# mapped to its own submodule (the documented subpackages: `shardadopt.checkpoint.latest(...)` after a plain
+# `import shardadopt`) is that module.
 _LAZY = {
+    "adapters": "shardadopt.adapters",
+    "adopt": "shardadopt.adopt",
+    "checkpoint": "shardadopt.checkpoint",
+    "cleanexit": "shardadopt.cleanexit",
+    "fence": "shardadopt.fence",
+    "hpo": "shardadopt.hpo",
+    "loadtime": "shardadopt.loadtime",
+    "refusal": "shardadopt.refusal",
+    "upstream": "shardadopt.upstream",
+    "versions": "shardadopt.versions",
     "clip_grad_norm_": "shardadopt.gradnorm",
     "total_norm": "shardadopt.gradnorm",
     "topology": "shardadopt.topology",
@@ -108,5 +120,6 @@ def status() -> list[PatchStatus]:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module = importlib.import_module(_LAZY[name])
+        return module if module.__name__ == f"{__name__}.{name}" else getattr(module, name)
     raise AttributeError(f"module 'shardadopt' has no attribute {name!r}")

@@ -125,7 +125,8 @@ def version_gate(requires: dict[str, str]) -> str | None:
 def _rank() -> int:
     """This process's rank, without importing torch (patches apply while upstream is imported)."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    # a patch of torch.distributed's own modules applies while torch.distributed is half imported
+    if dist is not None and hasattr(dist, "is_initialized") and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     try:
         return int(os.environ.get("RANK", "0"))

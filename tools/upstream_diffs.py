@@ -41,7 +41,7 @@ PATCHES = REPO / "patches"
 FIXES = PATCHES / "fixes"
 MATRIX = REPO / "tests" / "data" / "release_matrix.json"
 CACHE = Path(os.environ.get("SHARDADOPT_UPSTREAM_CACHE", Path.home() / ".cache" / "shardadopt-upstream"))
-PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "peft": "peft"}
+PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "peft": "peft", "torch": "torch"}
 KINDS = ("backport", "proposal")
 # The header upstream's source and test files open with (transformers and accelerate alike).
 LICENSE_HEADER = """\
@@ -193,10 +193,12 @@ def fetch(distribution: str, version: str) -> Path:
         return root
     wheels = CACHE / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    name = f"{distribution}-{version}-py3-none-any.whl"
-    if not (wheels / name).exists():
+    found = sorted(wheels.glob(f"{distribution}-{version}-*.whl"))  # torch's wheels are per platform
+    if not found:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
                         "-d", str(wheels), f"{distribution}=={version}"], check=True)
+        found = sorted(wheels.glob(f"{distribution}-{version}-*.whl"))
+    name = found[0].name
     staging = Path(tempfile.mkdtemp(dir=CACHE))
     with zipfile.ZipFile(wheels / name) as wheel:
         members = [m for m in wheel.namelist() if m.startswith(PACKAGES[distribution] + "/")]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardadopt import loadtime, upstream, worldbound
+from shardadopt import loadtime, restarts, upstream, worldbound
 from shardadopt.fence import breaking, records
 from shardadopt.fence.state import BREAK_LOCK, STATE
 from shardadopt.fence.watcher import WATCHER
@@ -47,8 +47,8 @@ def rebuild_world() -> None:
         kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
         if device_id is not None:
             kwargs["device_id"] = device_id
-        dist.init_process_group(backend, store=dist.PrefixStore(f"shardadopt-rebuild/{STATE.generation}/", base),
-                                rank=rank, world_size=world, **kwargs)
+        prefix = f"shardadopt-rebuild/{restarts.attempt_tag()}/{STATE.generation}/"  # unique per torchrun attempt too
+        dist.init_process_group(backend, store=dist.PrefixStore(prefix, base), rank=rank, world_size=world, **kwargs)
         # torch names groups from 0 again after destroying the default one: a group (a mesh) kept from the old
         # world would resolve, by its name, to a new and unrelated group. Numbering on makes it fail to resolve.
         upstream.set_process_group_counter(max(counter, upstream.process_group_counter()))

@@ -8,14 +8,13 @@ every rank's watcher is woken by its own wake key.
 
 from __future__ import annotations
 
-import os
 import time
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from shardadopt import upstream
+from shardadopt import restarts, upstream
 
 POLL_INTERVAL = 0.05  # seconds between a watcher's checks on a store it cannot wait on (not a TCPStore)
 CONNECT_TIMEOUT = timedelta(seconds=60)  # a side-channel connection to the store, and how long a fence waits for it
@@ -35,8 +34,7 @@ class Trip(NamedTuple):
 
 def key(generation: int, *parts: object) -> str:
     """A fence key on the base store, per torchrun restart (an agent's store outlives the workers' attempts)."""
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return "/".join(("shardadopt-fence", attempt, str(generation), *map(str, parts)))
+    return "/".join(("shardadopt-fence", restarts.attempt_tag(), str(generation), *map(str, parts)))
 
 
 def trip_key(generation: int) -> str:

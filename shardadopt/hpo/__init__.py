@@ -13,13 +13,14 @@ a dead or stuck peer raises ``PeerLostError`` naming it instead of hanging. A ra
 (even while its peers wait in a training collective) trips the trial's fault fence (``shardadopt.fence``): every
 rank leaves the trial at once and the process groups are rebuilt before the next one; a rank that stops making
 progress for ``hang_timeout`` seconds fails the trial as ``hang`` the same way (or, not interruptible, every rank
-exits so the job is restarted). Names load lazily, so the storage
+exits so the job is restarted). Names and submodules load lazily, so the storage
 and CLI helpers in this package do not import torch.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 _LAZY = {
@@ -59,4 +60,6 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # `shardadopt.hpo.plot.figures(...)`, as in docs/hpo.md
     raise AttributeError(f"module 'shardadopt.hpo' has no attribute {name!r}")

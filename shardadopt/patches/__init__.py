@@ -11,6 +11,7 @@ from shardadopt.patches import (
                                 accelerate_cpu_parallelism_config,
                                 accelerate_sharded_checkpoint,
                                 peft_sharded_adapters,
+                                torch_elastic_attempt_store,
                                 trainer_adopt_sharded_model,
                                 trainer_hpo_optuna,
                                 trainer_model_init_parallelism,
@@ -53,4 +54,5 @@ ALL_PATCHES: list[Patch] = [
     transformers_sharded_clean_exit.PATCH,
     peft_sharded_adapters.PATCH,
     transformers_tp_sampling_agreement.PATCH,
+    torch_elastic_attempt_store.PATCH,
 ]

@@ -52,9 +52,11 @@ from shardadopt.upstream.python import (
     thread_frame,
 )
 from shardadopt.upstream.torch import (
+    AGENT_STORE_CHECKS,
     COLLECTIVE_OP_NAMESPACES,
     accelerator_type,
     backend_device_types,
+    c10d_store_factory,
     clear_sharding_propagation_caches,
     compiled_original,
     compute_local_shape_and_global_offset,

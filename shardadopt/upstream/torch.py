@@ -22,6 +22,18 @@ def default_store() -> dist.Store:
     return _attribute(dist.distributed_c10d, "_get_default_store", "default_store", "torch")()
 
 
+def c10d_store_factory() -> Callable[..., dist.Store]:
+    """``torch.distributed.rendezvous._create_c10d_store``: the store the ``env://`` and ``tcp://`` rendezvous hand
+    ``init_process_group``; under torchrun a client of the agent's store. Checked on torch 2.13-2.15."""
+    return _module_attribute("torch.distributed.rendezvous", "_create_c10d_store", "c10d_store_factory", "torch")
+
+
+# The functions ``_create_c10d_store`` calls to choose the torchrun agent's store (2.13:
+# ``_torchelastic_use_agent_store``; 2.15: ``_agent_store_serves``, which also checks the address). Checked on torch
+# 2.13-2.15.
+AGENT_STORE_CHECKS = frozenset({"_torchelastic_use_agent_store", "_agent_store_serves"})
+
+
 def default_group() -> dist.ProcessGroup:
     """``torch.distributed.distributed_c10d._get_default_group()``: the default (world) process group object.
     Checked on torch 2.13-2.15."""

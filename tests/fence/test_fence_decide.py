@@ -5,6 +5,7 @@ The decision is made by a stalled rank from every rank's published beat; these t
 
 from __future__ import annotations
 
+from shardadopt import restarts
 from shardadopt.errors import HANG_KIND
 from shardadopt.fence import records
 from shardadopt.fence.hang_decision import Beat, Verdict, decide, format_beat, parse_beat
@@ -117,3 +118,6 @@ def test_fence_keys_are_per_torchrun_attempt_and_generation(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert records.trip_key(3) == "shardadopt-fence/job7/2/3/trip"
     assert records.wake_key(3, 5) == "shardadopt-fence/job7/2/3/wake/5"
+    # where the torch-elastic-attempt-store patch agreed on a job-wide attempt (restart counts are per agent)
+    monkeypatch.setattr(restarts, "_AGREED", [4])
+    assert records.trip_key(3) == "shardadopt-fence/shardadopt-attempt-4/3/trip"

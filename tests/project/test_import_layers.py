@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("mechanisms", ("shardadopt.topology", "shardadopt.gradnorm", "shardadopt.tp", "shardadopt.moe",
                     "shardadopt.optim", "shardadopt.optimizer_ready", "shardadopt.loadtime", "shardadopt.cleanexit",
                     "shardadopt.torchprobe", "shardadopt.trainer_parallelism", "shardadopt.fence",
-                    "shardadopt.worldbound", "shardadopt.sampling")),
+                    "shardadopt.worldbound", "shardadopt.sampling", "shardadopt.restarts")),
     ("adoption", ("shardadopt.adapters", "shardadopt.adopt")),
     ("checkpoint", ("shardadopt.checkpoint",)),
     ("hpo", ("shardadopt.hpo",)),

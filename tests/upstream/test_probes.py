@@ -317,3 +317,39 @@ def test_fsdp_tp_probe_refuses_fsdp_or_tp_without_2d_loading(monkeypatch):
     monkeypatch.setattr(mixin.DistributedMixin, "maybe_distribute_model", classmethod(maybe_distribute_model))
     state, reason = state_of("transformers-fsdp-tp-refused")
     assert state == UNSUPPORTED and "TP then FSDP in separate ifs" in reason, reason
+
+
+AGENT_STORE_RETURN = ("return TCPStore(host_name=hostname, port=port, world_size=world_size, is_master=False, "
+                      "timeout=timeout)")
+
+
+@pytest.mark.parametrize("replacement,expected", [
+    # the fix (patches/fixes/torch_elastic_attempt_store.py): a prefix every rank agreed on
+    ("return PrefixStore(f'/worker/attempt_{agree(rank)}/', TCPStore(host_name=hostname, port=port))", NOT_NEEDED),
+    # the shape pytorch#135712 reverted: a prefix from the agent's own restart count, which nodes disagree on
+    ("return PrefixStore(f\"/worker/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}\", TCPStore(hostname, port))",
+     APPLIED),
+], ids=["job-wide-prefix", "per-agent-prefix"])
+def test_attempt_store_probe_reads_the_agent_store_branch(replacement, expected, tmp_path, monkeypatch):
+    from shardadopt import upstream
+
+    factory = upstream.c10d_store_factory()
+    module = inspect.getmodule(factory)
+    # upstream-private: the store factory the probe reads, replaced by the fixed (or half-fixed) shape
+    name = "_create_c10d_store"
+    monkeypatch.setattr(module, name, renamed(module, name, {AGENT_STORE_RETURN: replacement}, tmp_path))
+    state, reason = state_of("torch-elastic-attempt-store")
+    assert state == expected, reason
+
+
+def test_attempt_store_probe_refuses_a_branch_it_does_not_know(tmp_path, monkeypatch):
+    from shardadopt import upstream
+
+    module = inspect.getmodule(upstream.c10d_store_factory())
+    # upstream-private: the agent-store check renamed to a name torch does not define
+    checks = {check: "_agent_store_wanted" for check in upstream.AGENT_STORE_CHECKS}
+    # upstream-private: as above, the store factory the probe reads
+    name = "_create_c10d_store"
+    monkeypatch.setattr(module, name, renamed(module, name, checks, tmp_path))
+    state, reason = state_of("torch-elastic-attempt-store")
+    assert state == UNSUPPORTED and "found neither" in reason, reason

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -376,3 +378,23 @@ def test_keeps_patch_state_restores_what_the_helper_changed():
         assert helper(True) and enabled_patches()  # the caller's enable() stays on
     finally:
         shardadopt.disable()
+
+
+def test_documented_subpackages_work_after_a_plain_import():
+    """``shardadopt.checkpoint.latest(...)`` and every other dotted name the docs give users, after ``import
+    shardadopt`` only (a fresh process, so nothing imported them before), and the import itself still loads no torch."""
+    documented = sorted({name for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+                         for name in re.findall(r"\bshardadopt\.((?:[a-z_]+\.)+[A-Za-z_]+)", page.read_text())
+                         if name.split(".")[0] != "testing"})  # the test harness (docs/development.md) is no user API
+    assert "checkpoint.latest" in documented
+    code = ("import functools, json, sys, shardadopt; shardadopt.enable(); heavy = 'torch' in sys.modules; "
+            f"names = {documented!r}; missing = []\n"
+            "for name in names:\n"
+            "    try: functools.reduce(getattr, name.split('.'), shardadopt)\n"
+            "    except AttributeError as error: missing.append(f'{name}: {error}')\n"
+            "print(json.dumps([heavy, missing]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    heavy, missing = json.loads(out.stdout)
+    assert not heavy, "import shardadopt + enable() imported torch"
+    assert missing == []
+

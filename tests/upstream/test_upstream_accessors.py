@@ -22,6 +22,7 @@ import textwrap
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -418,6 +419,25 @@ def test_compute_local_shape_and_global_offset():
                                                                          [Shard(0), Replicate()])
         piece = full.chunk(2, dim=0)[coordinate[0]]  # torch's Shard layout: chunk
         assert tuple(shape) == tuple(piece.shape) and tuple(offset) == (int(piece[0, 0]) // 4, 0)
+
+
+def test_c10d_store_factory(monkeypatch):
+    """What init_process_group's env:// rendezvous gets: rank 0 hosts a TCPStore that a plain client reaches."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    store = upstream.c10d_store_factory()("127.0.0.1", 0, 0, 1, timedelta(seconds=30))
+    assert isinstance(store, torch.distributed.TCPStore)
+    torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False).set("k", "v")
+    assert store.get("k") == b"v"
+
+
+def test_agent_store_checks():
+    """The factory chooses the agent's store by calling one of them (the torchrun-restart patch's probe reads it)."""
+    import torch.distributed.rendezvous  # noqa: F401  (the module, not torch.distributed's function of that name)
+
+    module = sys.modules["torch.distributed.rendezvous"]
+    source = inspect.getsource(upstream.c10d_store_factory())
+    assert [name for name in upstream.AGENT_STORE_CHECKS if f"{name}(" in source]
+    assert all(callable(getattr(module, name)) for name in upstream.AGENT_STORE_CHECKS if hasattr(module, name))
 
 
 def test_accelerator_type():

@@ -1,0 +1,194 @@
+"""A training loop as users run it under ``torchrun --max-restarts``; rank 1 SIGKILLs itself once (in the first
+attempt) at ``--kill``. ``--loop accelerate``: save_state every step, resume from ``shardadopt.checkpoint.latest``;
+``--loop trainer``: ``Trainer`` saving every step, ``train(resume_from_checkpoint=True)`` when a checkpoint exists
+(``--kill backward`` only).
+
+    torchrun --nproc-per-node 2 --max-restarts 1 shardadopt/testing/torchrun_worker.py --model M --layout fsdp \
+        --work W --kill backward
+
+``--kill``: ``none``; ``backward`` (inside step ``--kill-step``'s backward, from a gradient hook on the first
+decoder layer's output); ``save`` (inside step ``--kill-step``'s checkpoint save, at DCP's first ``os.fsync``).
+Rank 0 appends one JSON line per step to ``W/steps.jsonl`` (the attempt's resume step, the loss, the time, whether
+the default group's store held a key an earlier attempt wrote) and saves the final full parameters to
+``W/final.pt``; rank 1 writes ``W/killed`` (the time) right before it kills itself. Run by
+``tests/checkpoint/test_torchrun_restart.py`` and ``benchmarks/torchrun_restart.py``; only as a script (it enables
+shardadopt at import, as a user's script does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import time
+from unittest import mock
+
+import shardadopt
+
+shardadopt.enable()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+from transformers.distributed import DistributedConfig  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+from shardadopt import upstream  # noqa: E402
+from shardadopt.testing import full  # noqa: E402
+from shardadopt.testing.models import token_dataset  # noqa: E402
+
+STALE_KEY = "torchrun-worker/written-by-an-attempt"
+
+
+class Progress:
+    """Optimizer steps done; registered for checkpointing, so save_state/load_state carry it."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+def die(work: str) -> None:
+    with open(os.path.join(work, "killed"), "w") as file:
+        file.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Run:
+    """What both loops share: the arguments, the kill, the step records, the final parameters."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.armed = args.kill != "none" and not os.path.exists(os.path.join(args.work, "killed"))
+        self.stale = False
+        self.resumed_at = 0
+
+    def load(self):
+        """The model sharded while loading; then whether this attempt's store holds a key an earlier one wrote."""
+        world = int(os.environ["WORLD_SIZE"])
+        sizes = {"fsdp_size": world} if self.args.layout == "fsdp" else {"tp_size": world}
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(self.args.model, dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(**sizes))
+        if dist.get_rank() == 0:
+            store = upstream.default_store()
+            self.stale = store.check([STALE_KEY])
+            store.set(STALE_KEY, "1")
+        return model
+
+    def killing(self, step: int) -> bool:
+        return self.armed and dist.get_rank() == 1 and step == self.args.kill_step
+
+    def kill_in_backward(self, model, current_step) -> None:
+        """Rank 1 dies inside the backward of step ``--kill-step`` (``current_step()``: the steps done so far)."""
+        if self.args.kill != "backward":
+            return
+
+        def hook(module, inputs, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if self.killing(current_step() + 1) and hidden.requires_grad:
+                hidden.register_hook(lambda grad: die(self.args.work))
+
+        model.model.layers[0].register_forward_hook(hook)
+
+    def saving(self, step: int):
+        """The context a save of ``step`` runs in: rank 1 dies at its first fsync when the kill is there."""
+        if self.args.kill == "save" and self.killing(step):
+            return mock.patch("os.fsync", side_effect=lambda fd: die(self.args.work))
+        return contextlib.nullcontext()
+
+    def record(self, step: int, loss: float, stepped: float) -> None:
+        if dist.get_rank() == 0:
+            with open(os.path.join(self.args.work, "steps.jsonl"), "a") as file:
+                file.write(json.dumps({"resumed_at": self.resumed_at, "step": step, "loss": loss, "time": stepped,
+                                       "stale_key": self.stale}) + "\n")
+
+    def finish(self, model) -> None:
+        params = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+        if dist.get_rank() == 0:
+            torch.save(params, os.path.join(self.args.work, "final.pt"))
+
+
+def accelerate_loop(run: Run) -> None:
+    args = run.args
+    checkpoints = os.path.join(args.work, "checkpoints")
+    accelerator = Accelerator(cpu=True)
+    model = run.load()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, model.config.vocab_size, (16,), generator=generator) for _ in range(64)]
+    loader = torch.utils.data.DataLoader(samples, batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+
+    latest = shardadopt.checkpoint.latest(checkpoints)
+    if latest is not None:
+        accelerator.load_state(latest)
+        loader = accelerator.skip_first_batches(loader, progress.step)
+    run.resumed_at = progress.step
+    run.kill_in_backward(accelerator.unwrap_model(model), lambda: progress.step)
+
+    for batch in loader:
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        progress.step += 1
+        mean, stepped = accelerator.reduce(loss.detach(), "mean").item(), time.time()
+        with run.saving(progress.step):
+            accelerator.save_state(os.path.join(checkpoints, f"step-{progress.step}"))
+        run.record(progress.step, mean, stepped)
+        if progress.step == args.steps:
+            break
+    run.finish(accelerator.unwrap_model(model))
+    accelerator.end_training()
+
+
+def trainer_loop(run: Run) -> None:
+    args = run.args
+    output_dir = os.path.join(args.work, "trainer")
+    model = run.load()
+    training = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=2, max_steps=args.steps,
+                                 save_strategy="steps", save_steps=1, logging_steps=1, use_cpu=True, report_to=[],
+                                 learning_rate=1e-2, seed=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=training, train_dataset=token_dataset(64))
+
+    class Record(TrainerCallback):
+        def on_log(self, arguments, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                run.record(state.global_step, logs["loss"], time.time())
+
+    trainer.add_callback(Record())
+    last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    run.resumed_at = int(last.rsplit("-", 1)[1]) if last else 0
+    run.kill_in_backward(model, lambda: trainer.state.global_step)
+    trainer.train(resume_from_checkpoint=True if last else None)
+    run.finish(trainer.model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--layout", choices=["fsdp", "tp"], required=True)
+    parser.add_argument("--loop", choices=["accelerate", "trainer"], default="accelerate")
+    parser.add_argument("--work", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--kill", choices=["none", "backward", "save"], default="none")
+    parser.add_argument("--kill-step", type=int, default=3)
+    args = parser.parse_args()
+    if args.loop == "trainer" and args.kill == "save":
+        parser.error("--loop trainer kills in backward only")
+    (trainer_loop if args.loop == "trainer" else accelerate_loop)(Run(args))
+
+
+if __name__ == "__main__":
+    main()
