@@ -149,11 +149,14 @@ def applied_releases(fix: Fix) -> list[str]:
 
 
 def coverage(fix: Fix) -> list[tuple[Variant, list[str]]]:
-    """Each variant with the applied releases it covers; every applied release is covered by exactly one."""
-    variants = sorted(fix.all_variants(), key=lambda v: Version(v.since))
+    """Each variant with the applied releases it covers; every applied release is covered by exactly one. A variant
+    for releases newer than every recorded one (torch: the matrix records one torch release) has nothing to diff
+    against yet and is left out."""
     releases = applied_releases(fix)
     if not releases:
         raise FixError(f"{fix.id}: its probe applies it on no recorded release; nothing to diff against")
+    variants = sorted((v for v in fix.all_variants() if Version(v.since) <= Version(releases[-1])),
+                      key=lambda v: Version(v.since))
     covered = []
     for index, variant in enumerate(variants):
         upper = variants[index + 1].since if index + 1 < len(variants) else None
