@@ -54,7 +54,9 @@ class Plan:
             scale.setdefault((local.device, local.dtype), []).append(i)
             if local.numel():  # what buckets() leaves out, in its order
                 positions.setdefault((local.device, local.dtype), []).append(i)
-        self.buckets = [(_all_or(positions[(bucket.device, bucket.dtype)], len(pieces)), bucket)
+        # Without the first call's tensors: a cached plan must not keep a step's gradients alive (one gradient
+        # shard per plan, still held after zero_grad); payload() puts each call's own tensors in.
+        self.buckets = [(_all_or(positions[(bucket.device, bucket.dtype)], len(pieces)), bucket._replace(tensors=[]))
                         for bucket in buckets(pieces, payload_device, foreach)]
         # (device, indices or None, how to scale: "foreach", "loop" or an error message), decided once: the
         # local tensors' types, devices and dtypes are part of the plan's key.

@@ -314,3 +314,24 @@ def test_plain_replication_is_validated():
     assert pieces[0].replicas == 4 and not errors
     pieces, errors = to_pieces([torch.ones(2)], group, {}.__getitem__)
     assert not pieces and "plain_replication raised KeyError" in str(errors[0])
+
+
+def test_cached_plans_keep_no_gradient_alive():
+    """A plan is cached per layout and reused every step; it must not hold the gradients of the call that built it
+    (a 245M model's step held one gradient shard too many after ``zero_grad``: docs/benchmarks.md)."""
+    import gc
+    import weakref
+
+    from shardadopt.gradnorm import clip_grad_norm_
+
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(5, 3), (7,)]]
+    for step in range(2):
+        for param in params:
+            param.grad = torch.full_like(param, 1.0 + step)
+        grads = [weakref.ref(param.grad) for param in params]
+        expected = torch.nn.utils.get_total_norm([param.grad for param in params])
+        torch.testing.assert_close(clip_grad_norm_(params, 0.5), expected)
+        for param in params:
+            param.grad = None  # what optimizer.zero_grad() does
+        gc.collect()
+        assert [ref() for ref in grads] == [None, None], f"step {step}: a gradient outlived zero_grad"
