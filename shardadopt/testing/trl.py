@@ -5,7 +5,8 @@
 (TRL's ``peft_config=`` or ``get_peft_model`` first), ``SFTConfig``/``SFTTrainer`` on a ``datasets`` text dataset or
 ``DPOConfig``/``DPOTrainer`` on prompt/chosen/rejected with TRL's default reference model, or
 ``RewardConfig``/``RewardTrainer`` on chosen/rejected with ``AutoModelForSequenceClassification(num_labels=1)`` loaded
-from the causal-LM checkpoint (its score head initialised after ``set_seed``, as TRL's docs do), a local tokenizer as
+from the causal-LM checkpoint (its score head initialised after ``set_seed``, as TRL's docs do), or
+``KTOConfig``/``KTOTrainer`` on prompt/completion/label with TRL's default reference model, a local tokenizer as
 ``processing_class`` (no downloads), ``train()``; or, as transformers' docs show the plain ``Trainer``, the same text
 tokenized with ``DataCollatorForLanguageModeling``. The same global batch on every layout: a run with ``dp``
 data-parallel ranks takes ``GLOBAL_BATCH // dp`` per device. TRL's configs default to ``bf16=True``, on CPU too: the
@@ -45,7 +46,7 @@ REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"
 
 def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
     """``n`` samples: a "text" column for SFT, "prompt"/"chosen"/"rejected" for DPO, "chosen"/"rejected" (TRL's
-    implicit-prompt preference form) for the reward model."""
+    implicit-prompt preference form) for the reward model, "prompt"/"completion"/"label" for KTO."""
     from datasets import Dataset
 
     from shardadopt.testing.text import sentences
@@ -54,6 +55,10 @@ def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):
         return Dataset.from_dict({"text": sentences(n, seed=1)})
     if kind == "reward":
         return Dataset.from_dict({"chosen": sentences(n, seed=5), "rejected": sentences(n, seed=6)})
+    if kind == "kto":  # TRL's unpaired preference form: a completion and whether it is desirable
+        return Dataset.from_dict({"prompt": sentences(n, seed=7, max_words=6),
+                                  "completion": sentences(n, seed=8, max_words=6),
+                                  "label": [i % 2 == 0 for i in range(n)]})
     return Dataset.from_dict({"prompt": sentences(n, seed=2, max_words=6), "chosen": sentences(n, seed=3, max_words=6),
                               "rejected": sentences(n, seed=4, max_words=6)})
 
@@ -109,7 +114,7 @@ def plain_head_shard(network) -> bool:
 
 
 def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra):
-    """``kind``: "sft" / "dpo" / "reward" (TRL's trainer and config) or "trainer" (``Trainer`` and
+    """``kind``: "sft" / "dpo" / "reward" / "kto" (TRL's trainer and config) or "trainer" (``Trainer`` and
     ``TrainingArguments`` on the SFT text tokenized, ``DataCollatorForLanguageModeling``), sequences cut at
     :data:`MAX_LENGTH` either way; the dataset holds ``STEPS`` global batches of each of ``common``'s gradient
     accumulation steps."""
@@ -135,6 +140,11 @@ def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra
 
         trainer = RewardTrainer(model=network, args=RewardConfig(**common, max_length=MAX_LENGTH),
                                 train_dataset=dataset("reward", samples), processing_class=processing_class, **extra)
+    elif kind == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        trainer = KTOTrainer(model=network, args=KTOConfig(**common, max_length=MAX_LENGTH),
+                             train_dataset=dataset("kto", samples), processing_class=processing_class, **extra)
     else:
         from trl import DPOConfig, DPOTrainer
 

@@ -1,10 +1,12 @@
-"""TRL's SFTTrainer (full fine-tuning) and DPOTrainer on load-time-sharded models track the DDP run.
+"""TRL's SFTTrainer (full fine-tuning), DPOTrainer, RewardTrainer and KTOTrainer on load-time-sharded models track
+the DDP run.
 
 The reference is the same trainer on the plain checkpoint under DDP over 2 ranks (upstream's own multi-process
 answer: TRL SFT under DDP itself differs from one process by ~1e-5, from per-rank padding), with the same global
 batch; the workers are ``shardadopt.testing.trl`` (TRL called as its docs show). Where transformers keeps TP shards
 as plain tensors (5.15, 5.16), TRL's fused LM head would read this rank's slice of ``lm_head.weight`` and train
-silently wrong: those runs must be refused at ``train()``, naming the combination and the fix.
+silently wrong: those runs must be refused at ``train()``, naming the combination and the fix. KTO's KL term pairs
+completions within each per-device batch, so its tp run (one data-parallel rank) is compared with one process.
 """
 
 from __future__ import annotations
@@ -72,3 +74,17 @@ def test_reward_trainer_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp, l
     for rank, result in enumerate(results):
         problem = compare(result, trl_ddp("reward", MODELS[layout]), FP32_RTOL)
         assert problem is None, f"reward {layout} rank {rank}: {problem}"
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_kto_trainer_tracks_reference(pool2, tiny_models, trl_tokenizer, trl_ddp, layout):
+    """KTOTrainer (TRL's default reference model, the KL term from completions rotated within each per-device
+    batch) against its own multi-process answer for the layout's data parallelism: DDP over 2 ranks for fsdp (2
+    data-parallel ranks, 2 rows each), one process (this test process) for tp (1 data-parallel rank, all 4 rows in
+    one batch: the KL pairs of one process)."""
+    results = pool2.run(trl_log, tiny_models, trl_tokenizer, "kto", layout, MODELS[layout], timeout=300)
+    if layout == "fsdp":
+        check_run(results, lambda: trl_ddp("kto", MODELS[layout]), FP32_RTOL, "kto fsdp")
+    else:
+        check_run(results, lambda: trl_log(tiny_models, trl_tokenizer, "kto", None, MODELS[layout], world=1)["log"],
+                  FP32_RTOL, "kto tp")
