@@ -12,8 +12,9 @@ any other), so a load is never refused for it.
 The wrapper runs :func:`shardadopt.fsdpunits.complete_fsdp_plan` on the model ``maybe_distribute_model`` is about to
 shard with FSDP: where rules match nothing and the model has uncovered lists of the blocks its ``_no_split_modules``
 name, each list becomes ``"<list>.*": "free_full_weight"`` and the rules that match nothing are dropped. A plan
-whose rules all match is left alone. The probe builds a small Qwen2.5-VL vision tower on the meta device with
-upstream's own code: a plan that misses its ``blocks`` means ``needed``, one that covers them ``not-needed``.
+whose rules all match is left alone. The probe builds a vision-tower-shaped model (a config without a plan, blocks
+named ``blocks``) on the meta device with upstream's own code: a plan that misses its blocks means ``needed``; one
+that covers them, or a Qwen2.5-VL vision config that declares ``blocks.*``, ``not-needed``.
 """
 
 from __future__ import annotations
@@ -25,34 +26,61 @@ from shardadopt.versions import supported
 
 ID = "transformers-fsdp-plan-unmatched-units"
 MODULE = "transformers.distributed.mixin"
-PROBE_TYPE = "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl"
+QWEN_CONFIG = "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl"
 _LOG = logging.getLogger("shardadopt")
+
+
+def _probe_tower() -> object:
+    """A vision-tower-shaped transformers model built with upstream's own code on the meta device: a config that
+    declares no FSDP plan (as Qwen2.5-VL's, SigLIP's and CLIP's vision configs) and two blocks named ``blocks``.
+    Defined here, not imported from a model type: the probe runs while transformers imports the modeling module
+    of whichever model is being loaded, which may be half-initialised then."""
+    import torch
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    class ProbeTowerConfig(PreTrainedConfig):
+        model_type = "shardadopt_probe_tower"
+
+    class ProbeBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+
+    class ProbeTower(PreTrainedModel):
+        config_class = ProbeTowerConfig
+        _no_split_modules = ["ProbeBlock"]
+
+        def __init__(self, config: ProbeTowerConfig) -> None:
+            super().__init__(config)
+            self.blocks = torch.nn.ModuleList([ProbeBlock(), ProbeBlock()])
+            self.post_init()
+
+    with torch.device("meta"):
+        return ProbeTower(ProbeTowerConfig())
 
 
 def probe() -> Probe:
     import importlib
 
-    import torch
-
     from shardadopt.fsdpunits import block_units, unmatched_rules
     from shardadopt.probing import undecided, upstream_function
 
-    where = f"{PROBE_TYPE}.Qwen2_5_VisionTransformerPretrainedModel.fsdp_plan"
-    modeling = importlib.import_module(PROBE_TYPE)
-    tower = upstream_function(modeling, "Qwen2_5_VisionTransformerPretrainedModel", where)
-    config = upstream_function(importlib.import_module(PROBE_TYPE.replace("modeling_", "configuration_")),
-                               "Qwen2_5_VLVisionConfig", where)
-    with torch.device("meta"):
-        model = tower(config(depth=2, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=16))
+    where = "PreTrainedModel.fsdp_plan of a vision tower whose config declares no FSDP plan"
+    model = _probe_tower()
     plan = dict(getattr(model, "fsdp_plan", None) or {})
+    if plan and not unmatched_rules(model, plan) and "blocks.*" in plan:
+        return Probe(False, "the FSDP plan of a sub-model whose config declares none names its blocks")
+    # upstream may instead declare the plan in the vision configs: the one the sweep's sample checks (Qwen2.5-VL)
+    qwen = upstream_function(importlib.import_module(QWEN_CONFIG), "Qwen2_5_VLVisionConfig", QWEN_CONFIG)
+    qwen_plan = getattr(qwen, "base_model_fsdp_plan", None) or {}
+    if "blocks.*" in qwen_plan:
+        return Probe(False, f"Qwen2.5-VL's vision config names its blocks in its FSDP plan ({sorted(qwen_plan)})")
     change = block_units(model, plan)
     if change is not None and change[0]:
-        return Probe(True, f"the FSDP plan of a vision tower ({sorted(plan)}) matches none of its modules: its "
-                           f"blocks ({', '.join(change[0])}) stay in the root unit, gathered whole at every forward")
-    if plan and not unmatched_rules(model, plan):
-        return Probe(False, f"the FSDP plan of a vision tower names its blocks ({sorted(plan)})")
-    raise undecided(where, "a plan that names the vision blocks (the fix) nor one whose rules match nothing while "
-                           "the tower has a list of blocks (the gap)")
+        return Probe(True, f"a sub-model whose config declares no FSDP plan gets the default rules {sorted(plan)}, "
+                           "which match none of its modules in a vision tower (Qwen2.5-VL visual.blocks, SigLIP "
+                           "encoder.layers): its blocks stay in the root unit, gathered whole at every forward")
+    raise undecided(where, "a plan that names the blocks (the fix) nor default rules that match nothing (the gap)")
 
 
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
