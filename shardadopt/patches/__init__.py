@@ -20,6 +20,7 @@ from shardadopt.patches import (
                                 transformers_ep_grouped_mm_sentinel,
                                 transformers_ep_router_grad,
                                 transformers_ep_router_grad_post_forward,
+                                transformers_fsdp_plan_unmatched_units,
                                 transformers_fsdp_tp_refused,
                                 transformers_fused_weight_sharding,
                                 transformers_reuse_device_mesh,
@@ -55,4 +56,5 @@ ALL_PATCHES: list[Patch] = [
     peft_sharded_adapters.PATCH,
     transformers_tp_sampling_agreement.PATCH,
     torch_elastic_attempt_store.PATCH,
+    transformers_fsdp_plan_unmatched_units.PATCH,
 ]

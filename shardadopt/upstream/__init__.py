@@ -115,6 +115,7 @@ from shardadopt.upstream.transformers import (
     mesh_manager_meshes,
     model_device_mesh,
     model_mesh_manager,
+    model_no_split_modules,
     module_hf_device_mesh,
     moe_can_use_grouped_mm,
     moe_grouped_linear,

@@ -204,3 +204,10 @@ def experts_implementation(config: Any) -> str | None:
     ``from_pretrained``: "grouped_mm", "deepgemm_megamoe", ...), None when unset or absent. Checked on transformers
     5.15-5.25."""
     return getattr(config, "_experts_implementation", None)
+
+
+def model_no_split_modules(model: Any) -> list[str] | None:
+    """``PreTrainedModel._no_split_modules``: the class names of a model's blocks that must stay whole (what
+    accelerate's FSDP auto-wrap and ``device_map`` keep together); None for a module that is not a transformers
+    model or declares none. Checked on transformers 5.15-5.25."""
+    return getattr(model, "_no_split_modules", None)

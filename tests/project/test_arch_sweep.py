@@ -295,3 +295,41 @@ def test_layout_flags_name_the_sweep_layouts():
     assert parse_layout("ep=2") == "ep" and parse_layout("fsdp=4") == "fsdp"
     with pytest.raises(LayoutError, match="the sweep records"):
         parse_layout("ep=2,tp=2")
+
+
+def fsdp_units_rank(path: str, exclude: list[str]) -> list[str]:
+    """On each rank: the tiny VLM at ``path`` loaded with ``fsdp_size=2`` after ``shardadopt.enable(exclude=...)``;
+    the names of its modules that are FSDP units (``fully_shard`` applied), the root aside."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForImageTextToText
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+
+    shardadopt.enable(exclude=exclude)
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
+                                                            distributed_config=DistributedConfig(fsdp_size=2))
+        return sorted(name for name, module in model.named_modules() if name and isinstance(module, FSDPModule))
+    finally:
+        shardadopt.disable()
+
+
+@pytest.mark.multiproc
+def test_fsdp_load_makes_the_vision_blocks_units_of_their_own(pool2, tmp_path_factory):
+    """transformers-fsdp-plan-unmatched-units: a Qwen2.5-VL loaded with ``fsdp_size=2`` has each vision block and
+    each decoder layer as an FSDP unit; without the patch the vision blocks sit in the root unit (upstream's rule
+    ``model.visual.layers.*`` matches nothing). That this load trains like one process is the fsdp cell of
+    ``VLM_SAMPLE`` above (``test_sample_of_the_sweep_gives_its_recorded_verdicts``)."""
+    from shardadopt.testing.archs import IMAGE_TEXT, write_tiny
+
+    patch = "transformers-fsdp-plan-unmatched-units"
+    path = write_tiny("qwen2_5_vl", tmp_path_factory.mktemp("vlm-units"), task=IMAGE_TEXT)
+    patched, upstream_units = (pool2.run(fsdp_units_rank, path, exclude, timeout=300)
+                               for exclude in ([], [patch]))
+    assert patched[0] == patched[1] and upstream_units[0] == upstream_units[1]
+    blocks = ["model.visual.blocks.0", "model.visual.blocks.1"]
+    layers = ["model.language_model.layers.0", "model.language_model.layers.1"]
+    assert set(blocks + layers) <= set(patched[0]), patched[0]
+    assert set(layers) <= set(upstream_units[0]) and not set(blocks) & set(upstream_units[0]), upstream_units[0]

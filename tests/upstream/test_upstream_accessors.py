@@ -1091,3 +1091,17 @@ def test_experts_implementation(tiny_models):
     assert upstream.experts_implementation(object()) is None
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_models["qwen3moe"]))
     assert upstream.experts_implementation(model.config) not in (None, "deepgemm_megamoe")
+
+
+def test_model_no_split_modules():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    assert upstream.model_no_split_modules(torch.nn.Linear(1, 1)) is None
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                         "num_key_value_heads": 1, "intermediate_size": 16, "vocab_size": 32},
+            vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 16,
+                           "out_hidden_size": 16}))
+    blocks = upstream.model_no_split_modules(model.model.visual)
+    assert blocks and type(model.model.visual.blocks[0]).__name__ in blocks, blocks
