@@ -11,6 +11,7 @@ from shardadopt.patches import (
                                 accelerate_cpu_parallelism_config,
                                 accelerate_sharded_checkpoint,
                                 peft_sharded_adapters,
+                                torch_dtensor_redistribute_no_grad,
                                 torch_elastic_attempt_store,
                                 trainer_adopt_sharded_model,
                                 trainer_hpo_optuna,
@@ -57,4 +58,5 @@ ALL_PATCHES: list[Patch] = [
     transformers_tp_sampling_agreement.PATCH,
     torch_elastic_attempt_store.PATCH,
     transformers_fsdp_plan_unmatched_units.PATCH,
+    torch_dtensor_redistribute_no_grad.PATCH,
 ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardadopt.testing.patching import keeps_patch_state
 from shardadopt.testing.trl import _load, plain_head_shard
 
 STEPS = 3
@@ -63,5 +64,49 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
         result["log"] = [{"loss": row["loss"], "grad_norm": float(row["grad_norm"])}
                          for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
         return result
+    finally:
+        shardadopt.disable()
+
+
+@keeps_patch_state
+def head_without_gradient(*, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What TRL's distillation loss does with a tensor-parallel teacher's LM head, on this pool's ranks: read it
+    whole through ``full_tensor()`` and feed it to an autograd Function that returns no gradient for it (the
+    teacher is not trained), with the student's input differentiated; then a real gradient through
+    ``full_tensor()``. Returns ``{"error": ...}`` where backward fails, else the student input's gradient, the
+    teacher weight's gradient (None) and the real gradient against its expected value."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import shardadopt
+
+    class StudentOnly(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, teacher_weight):
+            ctx.save_for_backward(hidden, teacher_weight)
+            return hidden @ teacher_weight.t()
+
+        @staticmethod
+        def backward(ctx, grad):
+            _, teacher_weight = ctx.saved_tensors
+            return grad @ teacher_weight, None
+
+    shardadopt.enable(exclude=exclude)
+    try:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        generator = torch.Generator().manual_seed(0)
+        full = torch.randn(4, 3, generator=generator)
+        teacher = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+        hidden = torch.randn(5, 3, generator=generator, requires_grad=True)
+        try:
+            StudentOnly.apply(hidden, teacher.full_tensor()).sum().backward()
+        except AttributeError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        weights = torch.randn(4, 3, generator=generator)
+        (teacher.full_tensor() * weights).sum().backward()
+        return {"hidden_grad": hidden.grad, "expected_hidden_grad": torch.ones(5, 4) @ full,
+                "teacher_grad": teacher.grad.full_tensor(), "expected_teacher_grad": weights}
     finally:
         shardadopt.disable()

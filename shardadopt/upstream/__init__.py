@@ -54,6 +54,7 @@ from shardadopt.upstream.python import (
 from shardadopt.upstream.torch import (
     AGENT_STORE_CHECKS,
     COLLECTIVE_OP_NAMESPACES,
+    REDISTRIBUTE_BACKWARD,
     accelerator_type,
     backend_device_types,
     c10d_store_factory,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from shardadopt.upstream.base import _attribute, _module_attribute
+from shardadopt.upstream.base import Target, _attribute, _module_attribute
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,11 @@ def c10d_store_factory() -> Callable[..., dist.Store]:
 # ``_torchelastic_use_agent_store``; 2.15: ``_agent_store_serves``, which also checks the address). Checked on torch
 # 2.13-2.15.
 AGENT_STORE_CHECKS = frozenset({"_torchelastic_use_agent_store", "_agent_store_serves"})
+
+
+# ``torch.distributed.tensor._redistribute.Redistribute.backward``: the backward of ``DTensor.redistribute`` and
+# ``full_tensor``, which turns the output's gradient back into the input's placements. Checked on torch 2.13-2.15.
+REDISTRIBUTE_BACKWARD = Target("torch.distributed.tensor._redistribute", "Redistribute.backward")
 
 
 def default_group() -> dist.ProcessGroup:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from shardadopt.testing.trl_distill import RTOL, STEPS, distill_log
+from shardadopt.testing.trl_distill import RTOL, STEPS, distill_log, head_without_gradient
 
 pytestmark = pytest.mark.multiproc
 
@@ -58,3 +58,22 @@ def test_distillation_tracks_reference(pool2, tiny_models, trl_tokenizer, refere
             for key in ("loss", "grad_norm"):
                 assert math.isclose(have[key], want[key], rel_tol=RTOL), (
                     f"{layout} rank {rank} step {step}: {key} {have[key]!r} vs reference {want[key]!r}")
+
+
+def test_teacher_head_without_gradient_backward(pool2):
+    """``torch-dtensor-redistribute-no-grad``: backward through a sharded teacher head's ``full_tensor()`` that
+    received no gradient (TRL's distillation loss) passes none back, and a real gradient still flows; without the
+    patch torch's ``Redistribute.backward`` fails on autograd's plain zeros."""
+    import torch
+
+    for rank, result in enumerate(pool2.run(head_without_gradient, timeout=120)):
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+        torch.testing.assert_close(result["hidden_grad"], result["expected_hidden_grad"])
+        torch.testing.assert_close(result["teacher_grad"], result["expected_teacher_grad"])
+    from shardadopt.patches.torch_dtensor_redistribute_no_grad import probe
+
+    if not probe().needed:  # the installed torch has the fix
+        return
+    for rank, result in enumerate(pool2.run(head_without_gradient, exclude=("torch-dtensor-redistribute-no-grad",),
+                                            timeout=120)):
+        assert "_local_tensor" in result.get("error", ""), f"rank {rank}: the probe's broken shape passes: {result}"
