@@ -76,6 +76,16 @@ def test_every_recorded_cell_has_a_known_verdict_and_a_reason(task):
                     f"states why, a verified one has nothing to say: {cell}")
 
 
+def test_resume_retries_only_the_cells_not_testable_here():
+    """``--resume`` keeps a recorded model verdict but retries "not testable here", a verdict about the harness of
+    its day (glm4v_moe's cells said no image processor long after the harness used its dense sibling's)."""
+    from shardadopt.testing.sweep import NOT_TESTABLE, VERDICTS
+
+    settled = load_tool("arch_sweep")._settled
+    assert not settled(None) and not settled({"verdict": NOT_TESTABLE, "detail": "LookupError"})
+    assert all(settled({"verdict": verdict}) for verdict in VERDICTS if verdict != NOT_TESTABLE)
+
+
 def test_the_matrix_covers_every_type_with_a_tp_or_ep_plan():
     from shardadopt.testing.sweep import candidates
 
