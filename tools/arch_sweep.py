@@ -96,12 +96,6 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
         "from the whole-batch reference (1431x the tolerance) as the FSDP run does (1430x); loss within 0.5 of its "
         "tolerance; tp (no split of the batch) verified. Which part of HunYuan-VL couples the rows of a batch is "
         "not found yet",
-    **{("qwen3_vl_moe", layout, "refused upstream"):
-       "image-text-to-text: loud, at load: each rank's `mlp.experts.down_proj` is (experts/2, hidden, "
-       "intermediate) while the slice the sharded load reads from the saved checkpoint is (experts/2, "
-       "intermediate, hidden): the one-process load converts the stored layout, the sharded one (fsdp and ep "
-       "alike on transformers 5.25) does not, so its load report marks every layer's down_proj MISMATCH and raises"
-       for layout in ("fsdp", "ep")},
     ("llama4_text", "ep", "fails"):
         "loud, not silent: transformers 5.15's Llama4 EP plan puts `ep_router` on `feed_forward.router`, whose "
         "output hook unpacks (logits, scores, indices) while Llama4Router returns (scores, logits): the first forward "
@@ -156,6 +150,15 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _settled(cell: dict | None) -> bool:
+    """Whether ``--resume`` keeps a recorded cell: any verdict but "not testable here", which is about the harness
+    of its day (glm4v_moe's image processor, found once the harness used an MoE type's dense sibling's: a resumed
+    run kept the old cells) rather than the model."""
+    from shardadopt.testing.sweep import NOT_TESTABLE
+
+    return cell is not None and cell["verdict"] != NOT_TESTABLE
+
+
 def run(layouts: list[str], only_types: list[str] | None, root: Path, timeout: float, resume: bool,
         task: str = CAUSAL_LM) -> int:
     sys.path.insert(0, str(REPO))
@@ -201,7 +204,7 @@ def run(layouts: list[str], only_types: list[str] | None, root: Path, timeout: f
     for layout in layouts:
         done = read()["cells"]
         types = [t for t in sweep.candidates(layout, task) if (not only_types or t in only_types)
-                 and not (resume and layout in done.get(t, {}))]
+                 and not (resume and _settled(done.get(t, {}).get(layout)))]
         started, load = time.monotonic(), os.getloadavg()[0]
         print(f"=== {layout}: {len(types)} types", flush=True)
 
@@ -296,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "shardadopt-arch-sweep",
                         help="tiny checkpoints, one-process references and the ranks' log (default: in the "
                              "temporary directory)")
-    parser.add_argument("--resume", action="store_true", help="skip the cells this release already has")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the cells this release already has (but retry those not testable here)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per type before its ranks count as hung")
     args = parser.parse_args(argv)
     if args.docs:

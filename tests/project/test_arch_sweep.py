@@ -76,6 +76,16 @@ def test_every_recorded_cell_has_a_known_verdict_and_a_reason(task):
                     f"states why, a verified one has nothing to say: {cell}")
 
 
+def test_resume_retries_only_the_cells_not_testable_here():
+    """``--resume`` keeps a recorded model verdict but retries "not testable here", a verdict about the harness of
+    its day (glm4v_moe's cells said no image processor long after the harness used its dense sibling's)."""
+    from shardadopt.testing.sweep import NOT_TESTABLE, VERDICTS
+
+    settled = load_tool("arch_sweep")._settled
+    assert not settled(None) and not settled({"verdict": NOT_TESTABLE, "detail": "LookupError"})
+    assert all(settled({"verdict": verdict}) for verdict in VERDICTS if verdict != NOT_TESTABLE)
+
+
 def test_the_matrix_covers_every_type_with_a_tp_or_ep_plan():
     from shardadopt.testing.sweep import candidates
 
@@ -107,11 +117,11 @@ def test_sample_of_the_sweep_gives_its_recorded_verdicts(pool2, tmp_path_factory
                                                     f"{got.verdict} ({got.detail}); rerun tools/arch_sweep.py")
 
 
-def fused_load_rank(path: str, sizes: dict) -> dict:
-    """On each rank: the tiny checkpoint loaded with ``DistributedConfig(**sizes)`` after ``shardadopt.enable()``;
-    every parameter as this rank holds it (DTensors whole)."""
+def fused_load_rank(path: str, sizes: dict, auto: str = "AutoModelForCausalLM") -> dict:
+    """On each rank: the tiny checkpoint loaded by transformers' ``auto`` class with ``DistributedConfig(**sizes)``
+    after ``shardadopt.enable()``; every parameter as this rank holds it (DTensors whole)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
     from transformers.distributed import DistributedConfig
 
     import shardadopt
@@ -119,8 +129,8 @@ def fused_load_rank(path: str, sizes: dict) -> dict:
 
     shardadopt.enable()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                     distributed_config=DistributedConfig(**sizes))
+        model = getattr(transformers, auto).from_pretrained(path, dtype=torch.float32,
+                                                            distributed_config=DistributedConfig(**sizes))
         return {name: full(p).detach().clone() for name, p in model.named_parameters()}
     finally:
         shardadopt.disable()
@@ -159,6 +169,62 @@ def test_fused_checkpoint_tensors_load_into_their_own_shards(pool2, tmp_path):
     stored = [key for file in Path(path).glob("*.safetensors") for key in safe_open(str(file), "pt").keys()]
     assert any(key.endswith("attn.gqkv_proj.weight") for key in stored), stored  # the fused form is on disk
     assert unsplit_fused_projections(pool2, path) == {"tp": [], "fsdp": []}
+
+
+def _expert_layouts(root: Path) -> dict[str, str]:
+    """A tiny Qwen3-VL-MoE saved in transformers' expert layout (``save_pretrained``: ``gate_up_proj`` ``[experts,
+    2 * intermediate, hidden]``) and the same weights in the original release's (dims 1 and 2 swapped on disk), with
+    ``hidden != 2 * intermediate`` so the conversion can tell the two apart."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from shardadopt.testing.archs import IMAGE_TEXT, model_class, tiny_config
+
+    config = tiny_config("qwen3_vl_moe", task=IMAGE_TEXT)
+    config.text_config.moe_intermediate_size = config.text_config.hidden_size // 4
+    torch.manual_seed(0)
+    model_class("qwen3_vl_moe", IMAGE_TEXT)(config).save_pretrained(root / "model-layout")
+    shutil.copytree(root / "model-layout", root / "release-layout")
+    for file in (root / "release-layout").glob("*.safetensors"):
+        tensors = load_file(file)
+        swapped = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                   else v for k, v in tensors.items()}
+        assert any(k.endswith("experts.down_proj") for k in tensors), sorted(tensors)
+        save_file(swapped, file, metadata={"format": "pt"})
+    return {"model": str(root / "model-layout"), "release": str(root / "release-layout")}
+
+
+@pytest.mark.multiproc
+def test_stacked_experts_of_either_stored_layout_load_into_their_shards(pool2, tmp_path):
+    """Qwen3-VL-MoE's conversion transposes a checkpoint's stacked experts where their shape is not the
+    parameter's (transformers-sharded-transpose-check): sharded at load time (fsdp, ep), each rank's slice was
+    compared with the global shape and a slice already in the model's layout transposed (the load raised on
+    ``down_proj``; a square ``gate_up_proj`` was transposed silently). Either stored layout must load as one
+    process loads it."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from shardadopt.testing.layouts import distributed_sizes, unloadable_reason
+    from shardadopt.testing.sweep import _whole
+
+    wrong = {}
+    for stored, path in _expert_layouts(tmp_path).items():
+        reference = dict(AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).named_parameters())
+        experts = [n for n in reference if n.endswith("experts.down_proj")]
+        assert experts and all(reference[n].shape[1] != reference[n].shape[2] for n in experts), experts
+        for layout in ("fsdp", "ep"):
+            sizes = distributed_sizes(layout)[0]
+            if unloadable_reason(sizes):
+                continue
+            results = pool2.run(fused_load_rank, path, sizes, "AutoModelForImageTextToText", timeout=300)
+            for name, want in reference.items():
+                candidates, every = _whole([r[name] for r in results], want.shape)
+                matches = [torch.equal(c, want) for c in candidates]
+                if not candidates or not (all(matches) if every else any(matches)):
+                    wrong.setdefault(f"{stored} layout, {layout}", []).append(name)
+    assert wrong == {}
 
 
 def _doctor(capsys, *argv: str) -> tuple[int, str]:

@@ -90,6 +90,8 @@ RENAMES = [
     # upstream-private: as above
     ("transformers-tp-sampling-agreement", "transformers.generation.utils:GenerationMixin", "_sample",
      {"multinomial": "categorical"}),
+    ("transformers-sharded-transpose-check", "transformers.core_model_loading:Transpose", "convert",
+     {"get_parameter": "get_submodule"}),
 ]
 
 
@@ -115,6 +117,18 @@ def test_sampling_probe_finds_a_generate_that_shares_the_random_state(tmp_path, 
     monkeypatch.setattr(GenerationMixin, "generate", shared)
     state, reason = state_of("transformers-tp-sampling-agreement")
     assert state == NOT_NEEDED and "set_rng_state" in reason, reason
+
+
+def test_transpose_check_probe_finds_a_check_against_the_local_shard(tmp_path, monkeypatch):
+    """The fix's shape (patches/transformers-sharded-transpose-check.diff also compares with the local shard's
+    shape) reads as not-needed."""
+    from transformers.core_model_loading import Transpose
+
+    check = "tensor.shape == expected_shape"
+    local = renamed(Transpose, "convert", {check: f"{check} or tensor.shape == param.to_local().shape"}, tmp_path)
+    monkeypatch.setattr(Transpose, "convert", local)
+    state, reason = state_of("transformers-sharded-transpose-check")
+    assert state == NOT_NEEDED and "shard's shape" in reason, reason
 
 
 def test_the_expert_grad_scale_probe_reads_the_function_the_mixin_calls(tmp_path, monkeypatch):
