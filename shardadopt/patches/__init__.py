@@ -29,6 +29,8 @@ from shardadopt.patches import (
                                 transformers_tp_partial_grad,
                                 transformers_tp_replicated_grad_accumulation,
                                 transformers_tp_sampling_agreement,
+                                trl_grpo_data_parallel,
+                                trl_rloo_data_parallel,
 )
 from shardadopt.registry import Patch
 
@@ -55,4 +57,6 @@ ALL_PATCHES: list[Patch] = [
     peft_sharded_adapters.PATCH,
     transformers_tp_sampling_agreement.PATCH,
     torch_elastic_attempt_store.PATCH,
+    trl_grpo_data_parallel.PATCH,
+    trl_rloo_data_parallel.PATCH,
 ]
