@@ -24,8 +24,8 @@ from shardadopt.adopt.record import AdoptionError
 from shardadopt.topology import Topology, TopologyError, topology
 
 __all__ = ["GIVEN_BATCH_ATTR", "after_trainer_init", "before_trainer_init", "count_data_parallel_ranks",
-           "online_layout", "record_given_generation_batch", "refuse_split_groups", "refuse_vllm",
-           "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
+           "online_layout", "record_given_generation_batch", "refuse_batch_statistics", "refuse_split_groups",
+           "refuse_vllm", "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
 
 # On a GRPOConfig/RLOOConfig: (generation_batch_size, steps_per_generation) as the user gave them, before TRL's
 # __post_init__ derived the missing one from the process count (shardadopt.enable() records it).
@@ -120,6 +120,35 @@ def refuse_split_groups(args: Any, layout: Topology) -> None:
         f"per_device_train_batch_size x steps_per_generation is a multiple of num_generations.")
 
 
+def refuse_batch_statistics(args: Any, layout: Topology) -> None:
+    """Refuse (:class:`AdoptionError`) advantages scaled by statistics over the whole gathered batch, on a model
+    whose TP ranks share batches.
+
+    TRL gathers the rewards of every process: the TP ranks' copies of a batch appear ``tp`` times, which leaves
+    per-group means and standard deviations exact (each group is whole on one process, see
+    :func:`refuse_split_groups`) but changes a standard deviation over the whole batch (Bessel's correction counts
+    the copies): ``GRPOConfig(scale_rewards="batch")``, ``multi_objective_aggregation="normalize_then_sum"`` and
+    ``RLOOConfig(normalize_advantages=True)`` would scale the advantages unlike DDP. Local.
+
+    Args:
+        args: the trainer's config.
+        layout: the model's topology (:func:`online_layout`).
+    """
+    options = {
+        "scale_rewards": ("batch", 'scale_rewards="group"'),
+        "multi_objective_aggregation": ("normalize_then_sum", 'multi_objective_aggregation="sum_then_normalize"'),
+        "normalize_advantages": (True, "normalize_advantages=False"),
+    }
+    for name, (value, fix) in options.items():
+        if getattr(args, name, None) == value:
+            raise AdoptionError(
+                f"{name}={value!r} scales the advantages by a standard deviation over the whole batch TRL gathers "
+                f"from every process, and this model's tensor-parallel ranks contribute copies of the same rows "
+                f"({layout.describe()}): the statistic would count each row {layout.world_size // layout.dp_size} "
+                f"times and differ from DDP's. Use {fix} (per-group statistics, exact here), or load the model "
+                f"with DistributedConfig(fsdp_size=...) only.")
+
+
 def refuse_vllm(args: Any, model: Any) -> None:
     """Refuse (:class:`AdoptionError`) ``use_vllm=True`` for a model sharded at load time.
 
@@ -185,6 +214,7 @@ def before_trainer_init(model: Any, config: Any) -> None:
     layout = online_layout(model)
     if layout is not None:
         refuse_split_groups(config, layout)
+        refuse_batch_statistics(config, layout)
         count_data_parallel_ranks(config, layout)
 
 
@@ -202,6 +232,7 @@ def after_trainer_init(trainer: Any, config_given: bool) -> None:
         return
     if not config_given:
         refuse_split_groups(trainer.args, layout)
+        refuse_batch_statistics(trainer.args, layout)
         count_data_parallel_ranks(trainer.args, layout)
     seed_by_data_parallel_rank(trainer.args.seed, layout)
 

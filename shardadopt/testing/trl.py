@@ -43,6 +43,7 @@ REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"
             "experts-tp-mesh": ("not sharded by expert on an ep mesh", "transformers 5.21 or newer"),
             "split-groups": ("does not hold whole groups of num_generations=4", "per_device_train_batch_size=4",
                              "steps_per_generation=2"),
+            "batch-std": ("a standard deviation over the whole batch", "per-group statistics, exact here"),
             "vllm": ("use_vllm=True cannot train a model sharded at load time", "Set use_vllm=False")}
 
 

@@ -137,11 +137,13 @@ def test_data_parallel_layouts_track_ddp(pool2, tiny_models, trl_tokenizer, one_
         assert problem is None, f"{kind} {layout} rank {rank}: {problem}"
 
 
-def test_without_the_patch_tp_ranks_sample_apart(pool2, tiny_models, trl_tokenizer, one_process):
-    """The check above catches the bug: with the patch excluded, GRPO's two TP ranks score different completions
-    and the first step's grad norm is not one process's."""
-    results = pool2.run(online_log, tiny_models, trl_tokenizer, "grpo", "tp", MODELS["tp"], exclude=(PATCH,),
-                        timeout=400)
+def test_without_the_patches_tp_ranks_sample_apart(pool2, tiny_models, trl_tokenizer, one_process):
+    """The check above catches the bug: with the sampling agreement and trl-grpo-data-parallel excluded (each alone
+    makes GRPO's TP ranks sample alike: the first shares the TP group's random state at generate, the second seeds
+    both TP ranks by their data-parallel rank), GRPO's two TP ranks score different completions and the first step's
+    grad norm is not one process's."""
+    results = pool2.run(online_log, tiny_models, trl_tokenizer, "grpo", "tp", MODELS["tp"],
+                        exclude=(PATCH, TRL_PATCH["grpo"]), timeout=400)
     if results[0]["plain_head_shard"]:
         pytest.skip("transformers 5.15/5.16 keep the LM head as a plain TP shard: TRL's GRPO is refused there")
     assert results[0]["completions"] != results[1]["completions"]
@@ -157,22 +159,29 @@ def test_user_loop_samples_alike_on_tp_ranks(pool2, tiny_models):
     assert unpatched[0] != unpatched[1], unpatched
 
 
+REFUSED = [
+    # TRL accepts these on a TP load (its own checks count the TP ranks as data-parallel ranks)
+    ("grpo", "tp", {"per_device_train_batch_size": 2}, "split-groups"),
+    ("rloo", "tp", {"per_device_train_batch_size": 2}, "split-groups"),
+    ("grpo", "tp", {"scale_rewards": "batch"}, "batch-std"),
+    ("rloo", "tp", {"normalize_advantages": True}, "batch-std"),
+    ("grpo", "fsdp", {"use_vllm": True}, "vllm"),
+    ("rloo", "fsdp", {"use_vllm": True}, "vllm"),
+]
+
+
 def test_refused_by_name(pool2, tiny_models, trl_tokenizer):
-    """What TRL accepts but cannot train right on a sharded load is refused when the trainer is built, naming the
-    fix: on tp_size=2, a per-device batch of half a group (per_device_train_batch_size=2, num_generations=4: the
-    TP ranks' copies of 2 completions would be grouped as 4); use_vllm=True on fsdp_size=2 (vLLM's weight sync
-    would send DTensor shards)."""
-    for kind in ("grpo", "rloo"):
-        results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, "tp", MODELS["tp"],
-                            per_device_train_batch_size=2, timeout=300)
+    """What TRL accepts but cannot train right on a sharded load is refused when the trainer is built, on every
+    rank, naming the fix: on tp_size=2 a per-device batch of half a group (per_device_train_batch_size=2,
+    num_generations=4: the TP ranks' copies of 2 completions would be grouped as 4) and advantages scaled over the
+    whole gathered batch (the copies counted in the standard deviation); use_vllm=True on fsdp_size=2 (vLLM's
+    weight sync would send DTensor shards)."""
+    for kind, layout, config, cause in REFUSED:
+        results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], timeout=300,
+                            **config)
         for rank, result in enumerate(results):
-            problem = refusal_problem(result, "split-groups")
-            assert problem is None, f"{kind} tp rank {rank}: {problem}"
-        results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, "fsdp", MODELS["fsdp"], use_vllm=True,
-                            timeout=300)
-        for rank, result in enumerate(results):
-            problem = refusal_problem(result, "vllm")
-            assert problem is None, f"{kind} fsdp use_vllm rank {rank}: {problem}"
+            problem = refusal_problem(result, cause)
+            assert problem is None, f"{kind} {layout} {config} rank {rank}: {problem}"
 
 
 def _2d_or_skip() -> None:
