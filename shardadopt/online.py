@@ -213,9 +213,9 @@ def before_trainer_init(model: Any, config: Any) -> None:
     refuse_vllm(config, model)
     layout = online_layout(model)
     if layout is not None:
+        count_data_parallel_ranks(config, layout)  # first: a given generation_batch_size sets steps_per_generation
         refuse_split_groups(config, layout)
         refuse_batch_statistics(config, layout)
-        count_data_parallel_ranks(config, layout)
 
 
 def after_trainer_init(trainer: Any, config_given: bool) -> None:
@@ -231,9 +231,9 @@ def after_trainer_init(trainer: Any, config_given: bool) -> None:
     if layout is None:
         return
     if not config_given:
+        count_data_parallel_ranks(trainer.args, layout)
         refuse_split_groups(trainer.args, layout)
         refuse_batch_statistics(trainer.args, layout)
-        count_data_parallel_ranks(trainer.args, layout)
     seed_by_data_parallel_rank(trainer.args.seed, layout)
 
 
