@@ -6,13 +6,14 @@ TRL treats every process as a data-parallel rank: it seeds process ``i`` with ``
 tensor-parallel group hold one model replica on one batch, so on ``fsdp_size=2, tp_size=2`` (4 processes, 2
 data-parallel ranks) the second TP group samples with ``seed + 2`` where DDP's second process has ``seed + 1``, and
 with ``num_iterations > 1`` or ``steps_per_generation > 1`` the repeat sampler's blocks hold twice the prompts DDP's
-do (other prompts trained at each step). :func:`count_data_parallel_ranks` gives the trainer DDP's numbers with one
-process per data-parallel rank.
+do (other prompts trained at each step). :func:`count_data_parallel_ranks` and :func:`seed_by_data_parallel_rank`
+give the trainer the numbers DDP's process of the same data-parallel rank has.
 
 TRL also gathers rewards over every process and groups them by ``num_generations`` consecutive rows: the TP ranks'
-copies of a batch are then grouped as one. That is right when each process's generation batch holds whole groups;
-:func:`refuse_split_groups` refuses the configurations where it does not, and :func:`refuse_vllm` refuses vLLM
-generation, whose weight sync cannot read a model sharded at load time.
+copies of a batch are then grouped as one. That is right when each process's generation batch holds whole groups
+and the statistics are per group; :func:`refuse_split_groups` and :func:`refuse_batch_statistics` refuse the
+configurations where they are not, and :func:`refuse_vllm` refuses vLLM generation, whose weight sync cannot read a
+model sharded at load time. :func:`before_trainer_init` / :func:`after_trainer_init` are what the patches call.
 """
 
 from __future__ import annotations
