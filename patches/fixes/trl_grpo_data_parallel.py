@@ -140,4 +140,9 @@ def fix(trainer: str, config: str, module: str, summary_extra: str) -> Fix:
     )
 
 
-FIX = fix(TRAINER, CONFIG, MODULE, "")
+# What shardadopt's runtime patch does beyond this change (shardadopt/online.py).
+BEYOND = ("shardadopt's runtime patch also refuses advantages scaled over the whole gathered batch on such models (a "
+          "standard deviation that counts the tensor-parallel copies) and keeps a generation_batch_size the user "
+          "gave (steps_per_generation derived from it). ")
+
+FIX = fix(TRAINER, CONFIG, MODULE, BEYOND)

@@ -10,4 +10,4 @@ _spec = importlib.util.spec_from_file_location("fix_trl_grpo_data_parallel_share
 _grpo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_grpo)
 
-FIX = _grpo.fix("RLOOTrainer", "RLOOConfig", "rloo", "")
+FIX = _grpo.fix("RLOOTrainer", "RLOOConfig", "rloo", _grpo.BEYOND)
