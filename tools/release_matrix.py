@@ -38,8 +38,10 @@ RELEASES: list[tuple[str, str]] = [
 ]
 
 
-# The peft release every row is recorded with (peft-sharded-adapters reads peft, not transformers).
+# The peft and trl releases every row is recorded with (peft-sharded-adapters reads peft, the trl-*-data-parallel
+# patches read trl, not transformers).
 PEFT = "0.21.2"
+TRL = "1.16.0"
 
 
 def _run(*command: str, **kwargs) -> subprocess.CompletedProcess:
@@ -54,6 +56,7 @@ def _ensure_venv(venv: Path) -> Path:
         _run(str(python), "-m", "pip", "install", "-q", "torch==2.13.0")
         _run(str(python), "-m", "pip", "install", "-q", "-e", str(REPO))
         _run(str(python), "-m", "pip", "install", "-q", "--no-deps", f"peft=={PEFT}")
+        _run(str(python), "-m", "pip", "install", "-q", f"trl=={TRL}")  # with its dependencies (datasets)
     return python
 
 
@@ -69,8 +72,8 @@ def doctor(python: Path, transformers: str, accelerate: str) -> dict:
     installed = {row["name"]: row["installed"] for row in report["versions"]}
     if (installed["transformers"], installed["accelerate"]) != (transformers, accelerate):
         raise RuntimeError(f"asked for transformers {transformers} / accelerate {accelerate}, doctor saw {installed}")
-    return {"transformers": transformers, "accelerate": accelerate, "peft": PEFT, "torch": installed["torch"],
-            "patches": {p["id"]: p["state"] for p in report["patches"]},
+    return {"transformers": transformers, "accelerate": accelerate, "peft": PEFT, "trl": TRL,
+            "torch": installed["torch"], "patches": {p["id"]: p["state"] for p in report["patches"]},
             "reasons": {p["id"]: p["reason"] for p in report["patches"]}}
 
 

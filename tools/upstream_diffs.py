@@ -41,7 +41,7 @@ PATCHES = REPO / "patches"
 FIXES = PATCHES / "fixes"
 MATRIX = REPO / "tests" / "data" / "release_matrix.json"
 CACHE = Path(os.environ.get("SHARDADOPT_UPSTREAM_CACHE", Path.home() / ".cache" / "shardadopt-upstream"))
-PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "peft": "peft", "torch": "torch"}
+PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "peft": "peft", "torch": "torch", "trl": "trl"}
 KINDS = ("backport", "proposal")
 # The header upstream's source and test files open with (transformers and accelerate alike).
 LICENSE_HEADER = """\

@@ -32,6 +32,8 @@ from shardadopt.patches import (
                                 transformers_tp_partial_grad,
                                 transformers_tp_replicated_grad_accumulation,
                                 transformers_tp_sampling_agreement,
+                                trl_grpo_data_parallel,
+                                trl_rloo_data_parallel,
 )
 from shardadopt.registry import Patch
 
@@ -61,4 +63,6 @@ ALL_PATCHES: list[Patch] = [
     torch_elastic_attempt_store.PATCH,
     transformers_fsdp_plan_unmatched_units.PATCH,
     torch_dtensor_redistribute_no_grad.PATCH,
+    trl_grpo_data_parallel.PATCH,
+    trl_rloo_data_parallel.PATCH,
 ]

@@ -41,7 +41,11 @@ BF16_RTOL = 2e-2  # bf16 autocast: ~3 significant digits per matmul
 # What shardadopt's refusals say, by cause (the tests assert the refusal of each combination names it and the fix)
 REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"),
             "lora-tp": ("tensor parallelism on transformers before 5.17", "Upgrade transformers to 5.17"),
-            "experts-tp-mesh": ("not sharded by expert on an ep mesh", "transformers 5.21 or newer")}
+            "experts-tp-mesh": ("not sharded by expert on an ep mesh", "transformers 5.21 or newer"),
+            "split-groups": ("does not hold whole groups of num_generations=4", "per_device_train_batch_size=4",
+                             "steps_per_generation=2"),
+            "batch-std": ("a standard deviation over the whole batch", "per-group statistics, exact here"),
+            "vllm": ("use_vllm=True cannot train a model sharded at load time", "Set use_vllm=False")}
 
 
 def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):

@@ -53,7 +53,8 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
     ``layout`` over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs
     in), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's config. Returns ``{"log":
     [{"loss", "grad_norm", "reward"} per step], "completions": [the completions this rank's reward function scored,
-    per call], "dp": data-parallel size, "plain_head_shard": ...}``, or ``{"refused": shardadopt's error, ...}``."""
+    per call], "dp": data-parallel size, "plain_head_shard": ...}``, or ``{"refused": shardadopt's error, ...}``; a
+    step that generated nothing (``steps_per_generation``/``num_iterations`` > 1) logs reward None."""
     import tempfile
 
     from transformers import AutoTokenizer, PrinterCallback
@@ -91,7 +92,7 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
                 trainer.train()
             except AdoptionError as exc:
                 return {**result, "refused": f"{type(exc).__name__}: {exc}"}
-        result.update(log=[{"loss": row["loss"], "grad_norm": float(row["grad_norm"]), "reward": row["reward"]}
+        result.update(log=[{"loss": row["loss"], "grad_norm": float(row["grad_norm"]), "reward": row.get("reward")}
                            for row in trainer.state.log_history if "loss" in row and "grad_norm" in row],
                       completions=seen)
         return result

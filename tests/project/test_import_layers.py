@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "shardadopt.optim", "shardadopt.optimizer_ready", "shardadopt.loadtime", "shardadopt.cleanexit",
                     "shardadopt.torchprobe", "shardadopt.trainer_parallelism", "shardadopt.fence",
                     "shardadopt.worldbound", "shardadopt.sampling", "shardadopt.restarts")),
-    ("adoption", ("shardadopt.adapters", "shardadopt.adopt")),
+    ("adoption", ("shardadopt.adapters", "shardadopt.adopt", "shardadopt.online")),
     ("checkpoint", ("shardadopt.checkpoint",)),
     ("hpo", ("shardadopt.hpo",)),
     # the patch contract: what a patch is, the registry that applies patches, the refusal where one could not apply

@@ -1,5 +1,7 @@
 """TRL's GRPOTrainer and RLOOTrainer, and a user's own sampling loop, on tensor-parallel loads: the ranks of a TP
-group sample the same tokens (``transformers-tp-sampling-agreement``) and training tracks one process.
+group sample the same tokens (``transformers-tp-sampling-agreement``) and training tracks one process; on 2-D loads
+each TP group seeds and sizes its generation batch as DDP's process of its data-parallel rank
+(``trl-grpo-data-parallel``, ``trl-rloo-data-parallel``), and tracks DDP.
 
 TRL seeds each process differently, so a multi-process run samples other completions than one process; with one
 data-parallel rank (``tp_size=2`` on 2 ranks) the TP group takes its first rank's stream (``seed + 0``), which is one
@@ -15,24 +17,46 @@ import math
 
 import pytest
 
+from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 from shardadopt.testing.trl import MODELS, refusal_problem
-from shardadopt.testing.trl_online import RTOL, STEPS, online_log, sampled_tokens
+from shardadopt.testing.trl_online import NUM_GENERATIONS, RTOL, STEPS, online_log, sampled_tokens
 
 pytestmark = pytest.mark.multiproc
 
 PATCH = "transformers-tp-sampling-agreement"
+TRL_PATCH = {"grpo": "trl-grpo-data-parallel", "rloo": "trl-rloo-data-parallel"}
+# 2-D (fsdp_size=2, tp_size=2): each process's batch must hold whole groups of completions on a TP load (refused
+# otherwise), so 2 prompts per global step: 4 rows on each of the 2 data-parallel ranks.
+PER_DEVICE_2D = NUM_GENERATIONS
 
 
 @pytest.fixture(scope="module")
 def one_process(tiny_models, trl_tokenizer):
-    """``get(kind, model="qwen3")``: the TRL run on the plain checkpoint in this process (one process), computed
-    once per argument set."""
-    cache: dict[tuple[str, str], dict] = {}
+    """``get(kind, model="qwen3", **config)``: the TRL run on the plain checkpoint in this process (one process),
+    computed once per argument set."""
+    cache: dict[tuple, dict] = {}
 
-    def get(kind: str, model: str = MODELS["tp"]) -> dict:
-        if (kind, model) not in cache:
-            cache[kind, model] = online_log(tiny_models, trl_tokenizer, kind, None, model, world=1)
-        return cache[kind, model]
+    def get(kind: str, model: str = MODELS["tp"], **config) -> dict:
+        key = (kind, model, tuple(sorted(config.items())))
+        if key not in cache:
+            cache[key] = online_log(tiny_models, trl_tokenizer, kind, None, model, world=1, **config)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def ddp(pool2, tiny_models, trl_tokenizer):
+    """``get(kind, **config)``: the TRL run on the plain checkpoint under DDP on this module's 2 ranks (both ranks'
+    results), computed once per argument set."""
+    cache: dict[tuple, list[dict]] = {}
+
+    def get(kind: str, **config) -> list[dict]:
+        key = (kind, tuple(sorted(config.items())))
+        if key not in cache:
+            cache[key] = pool2.run(online_log, tiny_models, trl_tokenizer, kind, None, MODELS["2d"], timeout=400,
+                                   **config)
+        return cache[key]
 
     return get
 
@@ -57,26 +81,42 @@ def tracks(result: dict, reference: dict, rtol: float) -> str | None:
         return f"{len(got)} logged steps, the reference logged {len(want)} (of {STEPS})"
     for step, (have, expected) in enumerate(zip(got, want), start=1):
         for key in ("loss", "grad_norm", "reward"):
+            if have[key] is None or expected[key] is None:  # a step that reused stored completions logs no reward
+                if have[key] is not expected[key]:
+                    return f"step {step}: {key} {have[key]!r} vs one process {expected[key]!r}"
+                continue
             # GRPO/RLOO losses are ~0 by construction (advantages sum to zero per group): compare them absolutely
             if not math.isclose(have[key], expected[key], rel_tol=rtol, abs_tol=1e-6 if key == "loss" else 0.0):
                 return f"step {step}: {key} {have[key]!r} vs one process {expected[key]!r} (rtol {rtol})"
     return None
 
 
-@pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_tp_ranks_sample_alike_and_track_one_process(pool2, tiny_models, trl_tokenizer, one_process, kind):
+TP_CASES = [
+    ("grpo", {}),
+    ("rloo", {}),
+    # TRL's reference model and KL term, and old log-probs reused for a second pass over each generation batch
+    ("grpo", {"beta": 0.04, "num_iterations": 2}),
+    # a per-device batch of half a group: whole groups per generation batch through steps_per_generation
+    ("grpo", {"per_device_train_batch_size": 2, "steps_per_generation": 2}),
+]
+
+
+@pytest.mark.parametrize(("kind", "config"), TP_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+                         if isinstance(c, dict) else c)
+def test_tp_ranks_sample_alike_and_track_one_process(pool2, tiny_models, trl_tokenizer, one_process, kind, config):
     """tp_size=2: both ranks score the same completions, the ones one process samples, and every step's loss,
-    grad norm and reward match one process."""
-    results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, "tp", MODELS["tp"], timeout=400)
+    grad norm and reward match one process with the same config."""
+    results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, "tp", MODELS["tp"], timeout=400, **config)
     if refused_everywhere(results, f"{kind} tp"):
         return
-    reference = one_process(kind)
+    reference = one_process(kind, **config)
     assert results[0]["completions"] == results[1]["completions"], "the TP ranks sampled different completions"
     assert results[0]["completions"] == reference["completions"], "the TP group sampled other completions than " \
                                                                   "one process"
+    rtol = RTOL["rloo"] if config.get("beta") else RTOL[kind]  # a plain reference model: see RTOL
     for rank, result in enumerate(results):
-        problem = tracks(result, reference, RTOL[kind])
-        assert problem is None, f"{kind} tp rank {rank}: {problem}"
+        problem = tracks(result, reference, rtol)
+        assert problem is None, f"{kind} tp {config} rank {rank}: {problem}"
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
@@ -97,11 +137,13 @@ def test_data_parallel_layouts_track_ddp(pool2, tiny_models, trl_tokenizer, one_
         assert problem is None, f"{kind} {layout} rank {rank}: {problem}"
 
 
-def test_without_the_patch_tp_ranks_sample_apart(pool2, tiny_models, trl_tokenizer, one_process):
-    """The check above catches the bug: with the patch excluded, GRPO's two TP ranks score different completions
-    and the first step's grad norm is not one process's."""
-    results = pool2.run(online_log, tiny_models, trl_tokenizer, "grpo", "tp", MODELS["tp"], exclude=(PATCH,),
-                        timeout=400)
+def test_without_the_patches_tp_ranks_sample_apart(pool2, tiny_models, trl_tokenizer, one_process):
+    """The check above catches the bug: with the sampling agreement and trl-grpo-data-parallel excluded (each alone
+    makes GRPO's TP ranks sample alike: the first shares the TP group's random state at generate, the second seeds
+    both TP ranks by their data-parallel rank), GRPO's two TP ranks score different completions and the first step's
+    grad norm is not one process's."""
+    results = pool2.run(online_log, tiny_models, trl_tokenizer, "grpo", "tp", MODELS["tp"],
+                        exclude=(PATCH, TRL_PATCH["grpo"]), timeout=400)
     if results[0]["plain_head_shard"]:
         pytest.skip("transformers 5.15/5.16 keep the LM head as a plain TP shard: TRL's GRPO is refused there")
     assert results[0]["completions"] != results[1]["completions"]
@@ -115,3 +157,73 @@ def test_user_loop_samples_alike_on_tp_ranks(pool2, tiny_models):
     assert fixed[0] == fixed[1], fixed
     unpatched = pool2.run(sampled_tokens, tiny_models[MODELS["tp"]], "tp", exclude=(PATCH,), timeout=300)
     assert unpatched[0] != unpatched[1], unpatched
+
+
+REFUSED = [
+    # TRL accepts these on a TP load (its own checks count the TP ranks as data-parallel ranks)
+    ("grpo", "tp", {"per_device_train_batch_size": 2}, "split-groups"),
+    ("rloo", "tp", {"per_device_train_batch_size": 2}, "split-groups"),
+    ("grpo", "tp", {"scale_rewards": "batch"}, "batch-std"),
+    ("rloo", "tp", {"normalize_advantages": True}, "batch-std"),
+    ("grpo", "fsdp", {"use_vllm": True}, "vllm"),
+    ("rloo", "fsdp", {"use_vllm": True}, "vllm"),
+]
+
+
+def test_refused_by_name(pool2, tiny_models, trl_tokenizer):
+    """What TRL accepts but cannot train right on a sharded load is refused when the trainer is built, on every
+    rank, naming the fix: on tp_size=2 a per-device batch of half a group (per_device_train_batch_size=2,
+    num_generations=4: the TP ranks' copies of 2 completions would be grouped as 4) and advantages scaled over the
+    whole gathered batch (the copies counted in the standard deviation); use_vllm=True on fsdp_size=2 (vLLM's
+    weight sync would send DTensor shards)."""
+    for kind, layout, config, cause in REFUSED:
+        results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], timeout=300,
+                            **config)
+        for rank, result in enumerate(results):
+            problem = refusal_problem(result, cause)
+            assert problem is None, f"{kind} {layout} {config} rank {rank}: {problem}"
+
+
+def _2d_or_skip() -> None:
+    try:
+        distributed_sizes("2d", 4)
+    except LayoutUnsupported as exc:
+        pytest.skip(f"2d: {exc}")
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_2d_tracks_ddp(request, tiny_models, trl_tokenizer, ddp, kind):
+    """fsdp_size=2, tp_size=2 on 4 ranks against DDP on 2: the two ranks of each TP group score the same
+    completions, TP group k the ones DDP's process k samples (seeded by data-parallel rank), and every step's loss,
+    grad norm and reward match DDP."""
+    _2d_or_skip()
+    pool = request.getfixturevalue("pool4")
+    results = pool.run(online_log, tiny_models, trl_tokenizer, kind, "2d", MODELS["2d"], world=4,
+                       per_device_train_batch_size=PER_DEVICE_2D, timeout=600)
+    reference = ddp(kind, per_device_train_batch_size=PER_DEVICE_2D)
+    assert reference[0]["log"] == reference[1]["log"], "DDP ranks log the same values"
+    for group, (first, second) in enumerate([(0, 1), (2, 3)]):
+        assert results[first].get("completions") == results[second].get("completions"), (
+            f"{kind} 2d: the ranks of TP group {group} sampled different completions")
+        assert results[first].get("completions") == reference[group]["completions"], (
+            f"{kind} 2d: TP group {group} sampled other completions than DDP's process {group}")
+    for rank, result in enumerate(results):
+        problem = tracks(result, reference[0], RTOL[kind])
+        assert problem is None, f"{kind} 2d rank {rank}: {problem}"
+
+
+def test_2d_without_the_fix_second_tp_group_samples_apart(request, tiny_models, trl_tokenizer, ddp):
+    """The check above catches the bug: with trl-grpo-data-parallel excluded, TRL seeds global rank 2 (the second
+    TP group's first rank) with seed + 2 where DDP's second process has seed + 1, so the second TP group samples
+    other completions from the first step on, and the step's grad norm is not DDP's."""
+    _2d_or_skip()
+    pool = request.getfixturevalue("pool4")
+    results = pool.run(online_log, tiny_models, trl_tokenizer, "grpo", "2d", MODELS["2d"], world=4,
+                       per_device_train_batch_size=PER_DEVICE_2D, exclude=(TRL_PATCH["grpo"],), max_steps=1,
+                       timeout=600)
+    reference = ddp("grpo", per_device_train_batch_size=PER_DEVICE_2D)
+    assert results[0]["completions"][0] == reference[0]["completions"][0]  # seed + 0 on both
+    assert results[2]["completions"][0] == results[3]["completions"][0]  # the TP group still agrees
+    assert results[2]["completions"][0] != reference[1]["completions"][0]
+    step = results[0]["log"][0]["grad_norm"]
+    assert not math.isclose(step, reference[0]["log"][0]["grad_norm"], rel_tol=RTOL["grpo"])

@@ -92,6 +92,10 @@ RENAMES = [
      {"multinomial": "categorical"}),
     ("transformers-sharded-transpose-check", "transformers.core_model_loading:Transpose", "convert",
      {"get_parameter": "get_submodule"}),
+    ("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer", "__init__",
+     {"device_specific=True": "per_process=True"}),
+    ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer", "__init__",
+     {"device_specific=True": "per_process=True"}),
 ]
 
 
@@ -129,6 +133,19 @@ def test_transpose_check_probe_finds_a_check_against_the_local_shard(tmp_path, m
     monkeypatch.setattr(Transpose, "convert", local)
     state, reason = state_of("transformers-sharded-transpose-check")
     assert state == NOT_NEEDED and "shard's shape" in reason, reason
+
+
+@pytest.mark.parametrize("pid,owner", [("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer"),
+                                       ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer")])
+def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid, owner, tmp_path, monkeypatch):
+    """The fix's shape (patches/trl-*-data-parallel.diff seeds by ``dp_rank``) reads as not-needed."""
+    pytest.importorskip("trl")
+    target = _owner(owner)
+    fixed = renamed(target, "__init__", {"set_seed(args.seed, device_specific=True)": "set_seed(args.seed + dp_rank)"},
+                    tmp_path)
+    monkeypatch.setattr(target, "__init__", fixed)
+    state, reason = state_of(pid)
+    assert state == NOT_NEEDED and "data-parallel rank" in reason, reason
 
 
 def test_the_expert_grad_scale_probe_reads_the_function_the_mixin_calls(tmp_path, monkeypatch):
