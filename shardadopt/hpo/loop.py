@@ -46,7 +46,7 @@ from optuna.storages import InMemoryStorage
 
 from shardadopt import fence, upstream
 from shardadopt.errors import summary
-from shardadopt.hpo import errors, failures, preempt, reseed
+from shardadopt.hpo import errors, failures, preempt, reseed, restart
 from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
 from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, TrialHeartbeat, checkpoint_name
@@ -256,6 +256,7 @@ def _attrs(channel: Channel, durability: DurabilityOptions) -> dict[str, Any]:
                                   data_snapshot=durability.data_snapshot)
     if version is None:
         del attrs["space_version"]
+    attrs.update(restart.attempt_attrs())  # a restarted attempt finds the trials this job ran before it died
     return attrs
 
 
@@ -324,6 +325,9 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
             raise TypeError(f"optimize() needs an optuna.Study (or a function creating one) on rank 0, "
                             f"got {type(study).__name__}")
         pruner = study.pruner
+        resumed = restart.resume_search(study)  # after a torchrun restart: the dead attempt's trial retried
+        if n_trials is not None:
+            n_trials = max(n_trials - resumed.done, 0)
         if reseed.is_companion(study):  # re-runs only, to the end: never let its sampler propose a new point
             waiting = reseed.waiting_reruns(study)
             n_trials = waiting if n_trials is None else min(n_trials, waiting)
