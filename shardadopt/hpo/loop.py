@@ -25,7 +25,9 @@ kind of a FAIL (``nan_loss`` for a non-finite objective, ``config_error``, ``pre
 reproducibility attributes (search-space version, git SHA, library versions, world size and topology, data
 snapshot) and ``params_hash``, and keeps a heartbeat while the trial runs (persistent storages), so
 ``shardadopt hpo requeue`` can fail dead trials and retry them once; ``trial_checkpoint_dir(trial, root)`` gives
-each live trial a directory of its own and ``resume_checkpoint`` finds the dead trial's for its retry.
+each live trial a directory of its own and ``resume_checkpoint`` finds the dead trial's for its retry. Restarted by
+``torchrun --max-restarts``, a job's search goes on: ``shardadopt.hpo.restart`` fails the trial the dead attempt was
+running, retries it once, and counts the earlier attempts' trials against ``n_trials``.
 
 Rank 0's study loop and the other ranks' worker loop answer each other message by message, so they stay in one
 module (a little over 400 lines).

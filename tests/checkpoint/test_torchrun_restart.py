@@ -4,11 +4,12 @@ store for every attempt): the job comes back by itself and ends where the uninte
 Each case runs ``shardadopt/testing/torchrun_worker.py`` on 2 ranks with a tiny Qwen3 (the accelerate loop: save_state
 every step, resume from ``shardadopt.checkpoint.latest``; the Trainer: a checkpoint every step,
 ``train(resume_from_checkpoint=True)``), once uninterrupted and once with rank 1 SIGKILLing itself in step 3's
-backward or inside step 3's ``save_state``. The restarted attempt must resume from step 2 (the
-newest complete checkpoint: a killed save is never published), see no key the dead attempt wrote in its process
-groups' store (without the torch-elastic-attempt-store patch it does, when it gets that far: gloo connects to the
-dead attempt's ports), and end with the same losses and final parameters. The attempt handshake itself is checked
-against stale keys of earlier attempts in one process.
+backward: the restarted attempt must resume from step 2, see no key the dead attempt wrote in its process groups'
+store (without the torch-elastic-attempt-store patch it does, when it gets that far: gloo connects to the dead
+attempt's ports), and end with the same losses and final parameters. One more job per layout kills a rank once per
+attempt at every other point of a step (forward, the first step after a resume, inside ``save_state``, the optimizer
+step, inside the checkpoint's publication): each attempt resumes from the newest complete checkpoint (a killed save
+is never published). The attempt handshake itself is checked against stale keys of earlier attempts in one process.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def _torchrun(model: str, loop: str, layout: str, work: Path, kill: str, max_res
     done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, start_new_session=True)
     assert done.returncode == 0, f"torchrun exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     steps = [json.loads(line) for line in (work / "steps.jsonl").read_text().splitlines()]
-    return {"steps": steps, "params": torch.load(work / "final.pt"), "killed": (work / "killed").exists()}
+    killed = work / "killed"
+    kills = [json.loads(line) for line in killed.read_text().splitlines()] if killed.exists() else []
+    return {"steps": steps, "params": torch.load(work / "final.pt"), "kills": kills}
 
 
 def _reference(model: str, loop: str, layout: str, root: Path) -> dict:
@@ -59,8 +62,8 @@ def _reference(model: str, loop: str, layout: str, root: Path) -> dict:
     return _REFERENCES[loop, layout]
 
 
-CASES = [("accelerate", layout, kill) for layout in ("fsdp", "tp") for kill in ("backward", "save")] + [
-    ("trainer", "fsdp", "backward")]
+# the kill inside save_state, and at every other point of a step: test_a_rank_killed_at_every_point_of_a_step_...
+CASES = [("accelerate", "fsdp", "backward"), ("accelerate", "tp", "backward"), ("trainer", "fsdp", "backward")]
 
 
 @pytest.mark.parametrize("loop,layout,kill", CASES, ids=["-".join(case) for case in CASES])
@@ -69,17 +72,43 @@ def test_a_killed_rank_restarts_and_ends_as_the_uninterrupted_run(tiny_models, t
     root = tmp_path_factory.mktemp(f"restart-{loop}-{layout}-{kill}")
     expected = _reference(tiny_models["qwen3"], loop, layout, root)
     result = _torchrun(tiny_models["qwen3"], loop, layout, root / "job", kill, 1)
-    assert result["killed"], "rank 1 did not kill itself"
+    assert [k["point"] for k in result["kills"]] == [kill], "rank 1 did not kill itself"
     first = [s for s in result["steps"] if s["resumed_at"] == 0]
     resumed = [s for s in result["steps"] if s["resumed_at"] != 0]
     assert [s["step"] for s in first] == [1, 2], "the first attempt did not die in step 3"
     # step 3's checkpoint is incomplete in both cases (its save never began, or was killed): step 2 resumes
     assert {s["resumed_at"] for s in resumed} == {2} and [s["step"] for s in resumed] == [3, 4]
-    assert not [s for s in result["steps"] if s["stale_key"]], "the restarted attempt read the dead attempt's keys"
+    _assert_as_uninterrupted(result, expected)
+
+
+def _assert_as_uninterrupted(result: dict, expected: dict) -> None:
+    assert not [s for s in result["steps"] if s["stale_key"]], "a restarted attempt read a dead attempt's keys"
+    assert [s["step"] for s in result["steps"]] == [s["step"] for s in expected["steps"]]
     assert [s["loss"] for s in result["steps"]] == [s["loss"] for s in expected["steps"]]
     assert result["params"].keys() == expected["params"].keys()
     differ = [name for name, value in result["params"].items() if not torch.equal(value, expected["params"][name])]
     assert not differ, f"final parameters differ from the uninterrupted run: {differ}"
+
+
+# One job, one kill per attempt (--max-restarts 5): in step 2's forward; in the first step after that resume (the
+# backward of step 2 again); inside step 2's save_state (rank 1, DCP writing); in step 3's optimizer step; inside step
+# 4's publication (rank 0: the completion marker written in the staging directory, the rename into place not done).
+EVERY_POINT = "forward@2,backward@first,save@2,optimizer@3,publish@4"
+# (point, step, the step the dying attempt had resumed at) per kill; each next attempt resumes at the newest complete
+# checkpoint: the step before the kill's (a killed save or publication leaves no checkpoint)
+EVERY_POINT_KILLS = [("forward", 2, 0), ("backward", 2, 1), ("save", 2, 1), ("optimizer", 3, 1), ("publish", 4, 2)]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_rank_killed_at_every_point_of_a_step_resumes_each_time_and_ends_as_uninterrupted(tiny_models,
+                                                                                          tmp_path_factory, layout):
+    root = tmp_path_factory.mktemp(f"every-point-{layout}")
+    expected = _reference(tiny_models["qwen3"], "accelerate", layout, root)
+    result = _torchrun(tiny_models["qwen3"], "accelerate", layout, root / "job", EVERY_POINT, len(EVERY_POINT_KILLS))
+    assert [(k["point"], k["step"], k["resumed_at"]) for k in result["kills"]] == EVERY_POINT_KILLS
+    resumed = {s["attempt"]: s["resumed_at"] for s in result["steps"]}
+    assert resumed == {0: 0, 3: 1, 4: 2, 5: 3}, resumed  # attempts 1 and 2 died before a step was recorded
+    _assert_as_uninterrupted(result, expected)
 
 
 TWO_NODE_WORKER = """
