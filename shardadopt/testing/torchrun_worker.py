@@ -43,6 +43,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from shardadopt import upstream  # noqa: E402
 from shardadopt.testing import full  # noqa: E402
+from shardadopt.testing.layouts import distributed_sizes  # noqa: E402
 from shardadopt.testing.models import token_dataset  # noqa: E402
 
 STALE_KEY = "torchrun-worker/written-by-an-attempt"
@@ -97,8 +98,7 @@ class Run:
 
     def load(self):
         """The model sharded while loading; then whether this attempt's store holds a key an earlier one wrote."""
-        world = int(os.environ["WORLD_SIZE"])
-        sizes = {"fsdp_size": world} if self.args.layout == "fsdp" else {"tp_size": world}
+        sizes, _ = distributed_sizes(self.args.layout, int(os.environ["WORLD_SIZE"]))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(self.args.model, dtype=torch.float32,
                                                      distributed_config=DistributedConfig(**sizes))
@@ -219,7 +219,7 @@ def trainer_loop(run: Run) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--layout", choices=["fsdp", "tp"], required=True)
+    parser.add_argument("--layout", choices=["fsdp", "tp", "ep"], required=True, help="ep: an MoE --model")
     parser.add_argument("--loop", choices=["accelerate", "trainer"], default="accelerate")
     parser.add_argument("--work", required=True)
     parser.add_argument("--steps", type=int, default=4)
