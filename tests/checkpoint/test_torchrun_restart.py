@@ -186,3 +186,6 @@ def test_each_attempt_agrees_on_a_number_no_earlier_attempt_used():
     store.add(f"{restarts.NAMESPACE}/counter", 1)
     second = _attempt(store, 4)
     assert len(set(second)) == 1 and second[0] > first[0] + 1
+    # the job's id: drawn by the first to ask, the same for every later question (any rank, any attempt)
+    assert len({restarts.job_id(store) for _ in range(3)}) == 1
+    assert restarts.job_id(dist.HashStore()) != restarts.job_id(store)  # another job's store: another id
