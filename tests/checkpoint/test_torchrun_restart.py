@@ -7,10 +7,10 @@ the Trainer: a checkpoint every step, ``train(resume_from_checkpoint=True)``), o
 1 SIGKILLing itself in step 3's backward: the restarted attempt must resume from step 2, see no key the dead attempt
 wrote in its process groups' store (without the torch-elastic-attempt-store patch it does, when it gets that far:
 gloo connects to the dead attempt's ports), and end with the same losses and final parameters. One more job per
-layout kills a rank once per attempt at every other point of a step (forward, the first step after a resume, inside
-``save_state``, the optimizer step, inside the checkpoint's publication): each attempt resumes from the newest
-complete checkpoint (a killed save is never published). The attempt handshake itself is checked against stale keys
-of earlier attempts in one process.
+layout kills a rank once per attempt at every other point of a step (fsdp: forward, the first step after a resume,
+inside ``save_state``, the optimizer step, inside the checkpoint's publication; tp: the last three): each attempt
+resumes from the newest complete checkpoint (a killed save is never published). The attempt handshake itself is
+checked against stale keys of earlier attempts in one process.
 """
 
 from __future__ import annotations
@@ -99,24 +99,32 @@ def _assert_as_uninterrupted(result: dict, expected: dict) -> None:
     assert not differ, f"final parameters differ from the uninterrupted run: {differ}"
 
 
-# One job, one kill per attempt (--max-restarts 5): in step 2's forward; in the first step after that resume (the
-# backward of step 2 again); inside step 2's save_state (rank 1, DCP writing); in step 3's optimizer step; inside step
-# 4's publication (rank 0: the completion marker written in the staging directory, the rename into place not done).
-EVERY_POINT = "forward@2,backward@first,save@2,optimizer@3,publish@4"
-# (point, step, the step the dying attempt had resumed at) per kill; each next attempt resumes at the newest complete
-# checkpoint: the step before the kill's (a killed save or publication leaves no checkpoint)
-EVERY_POINT_KILLS = [("forward", 2, 0), ("backward", 2, 1), ("save", 2, 1), ("optimizer", 3, 1), ("publish", 4, 2)]
+# One job per layout, one kill per attempt; "forward@2" is step 2's forward, "backward@first" the backward of the
+# first step after this attempt's resume, "save" inside save_state (rank 1, DCP writing), "publish" inside the save's
+# publication (rank 0: the completion marker written in the staging directory, the rename into place not done). Each
+# kill: (point, step, the step the dying attempt had resumed at); each next attempt resumes at the newest complete
+# checkpoint, the step before the kill's (a killed save or publication leaves no checkpoint). tp repeats the points
+# whose state differs there (the DTensor save, optimizer state and publication); forward and backward are tp's own
+# backward case above.
+EVERY_POINT = {
+    "fsdp": ("forward@2,backward@first,save@2,optimizer@3,publish@4",
+             [("forward", 2, 0), ("backward", 2, 1), ("save", 2, 1), ("optimizer", 3, 1), ("publish", 4, 2)],
+             {0: 0, 3: 1, 4: 2, 5: 3}),  # attempts 1 and 2 die before recording a step
+    "tp": ("save@2,optimizer@3,publish@4", [("save", 2, 0), ("optimizer", 3, 1), ("publish", 4, 2)],
+           {0: 0, 1: 1, 2: 2, 3: 3}),
+}
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", sorted(EVERY_POINT))
 def test_a_rank_killed_at_every_point_of_a_step_resumes_each_time_and_ends_as_uninterrupted(tiny_models,
                                                                                           tmp_path_factory, layout):
+    kill, kills, resumed_at = EVERY_POINT[layout]
     root = tmp_path_factory.mktemp(f"every-point-{layout}")
     expected = _reference(tiny_models["qwen3"], "accelerate", layout, root)
-    result = _torchrun(tiny_models["qwen3"], "accelerate", layout, root / "job", EVERY_POINT, len(EVERY_POINT_KILLS))
-    assert [(k["point"], k["step"], k["resumed_at"]) for k in result["kills"]] == EVERY_POINT_KILLS
+    result = _torchrun(tiny_models["qwen3"], "accelerate", layout, root / "job", kill, len(kills))
+    assert [(k["point"], k["step"], k["resumed_at"]) for k in result["kills"]] == kills
     resumed = {s["attempt"]: s["resumed_at"] for s in result["steps"]}
-    assert resumed == {0: 0, 3: 1, 4: 2, 5: 3}, resumed  # attempts 1 and 2 died before a step was recorded
+    assert resumed == resumed_at, resumed
     _assert_as_uninterrupted(result, expected)
 
 
