@@ -47,7 +47,7 @@ def run(model: str, layout: str, work: Path, kill: str) -> tuple[float, list[dic
         raise SystemExit(f"torchrun exited {done.returncode}:\n{done.stderr[-4000:]}")
     steps = [json.loads(line) for line in (work / "steps.jsonl").read_text().splitlines()]
     killed = work / "killed"
-    return launched, steps, float(killed.read_text()) if killed.exists() else None
+    return launched, steps, json.loads(killed.read_text().splitlines()[0])["time"] if killed.exists() else None
 
 
 def main() -> None:

@@ -11,7 +11,8 @@ The prefix is an attempt number every rank reads from rank 0, not ``TORCHELASTIC
 per agent, and a node whose agent restarted alone disagrees with the others. Rank 0 takes the next number from a
 counter in the store; every other rank asks under a fresh random token and waits for rank 0's answer under that
 token, so no rank can read an answer an earlier attempt left behind; rank 0 answers until each rank has acknowledged
-this number.
+this number. Every rank also reads the job's id, drawn once per job and kept in the agent's store, so code that
+outlives an attempt (an HPO study in a database) can tell this job's earlier attempts from other jobs (``current()``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +29,37 @@ import torch.distributed as dist
 NAMESPACE = "shardadopt-attempt"
 _POLL = 0.02  # seconds between rank 0's reads of the ranks' questions
 _AGREED: list[int] = []  # the attempt number this process agreed on, once it has
+_JOB: list[str] = []  # the job's id, read from the agent's store with the attempt
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """This torchrun attempt: ``number`` counts the job's attempts from 1, the same on every rank and node;
+    ``job`` names the job (the same in every attempt, different for every other job)."""
+
+    number: int
+    job: str
+
+    @property
+    def restarted(self) -> bool:
+        """Whether an earlier attempt of this job ran (and ended) before this one."""
+        return self.number > 1
+
+
+def current() -> Attempt | None:
+    """This process's torchrun attempt, or None outside torchrun's shared agent store (or before
+    ``init_process_group``, or with the ``torch-elastic-attempt-store`` patch off).
+
+    Returns:
+        The attempt, once the default process group was set up on the agent's store.
+    """
+    return Attempt(_AGREED[0], _JOB[0]) if _AGREED and _JOB else None
+
+
+def job_id(store: Any) -> str:
+    """The job's id in the agent's ``store``: the first rank of the first attempt to ask draws it, every later
+    question (any rank, any attempt) reads it (an atomic compare-and-set, so concurrent ranks agree)."""
+    return store.compare_set(f"{NAMESPACE}/job", "", uuid.uuid4().hex).decode()
 
 
 def agent_store(store: Any) -> bool:
@@ -88,7 +121,7 @@ def separate_attempts(store: Any, rank: int, world_size: int, timeout: timedelta
     if not agent_store(store):
         return store
     attempt = agree_on_attempt(store, rank, world_size, timeout or timedelta(minutes=10))
-    _AGREED[:] = [attempt]
+    _AGREED[:], _JOB[:] = [attempt], [job_id(store)]
     return dist.PrefixStore(f"{NAMESPACE}/{attempt}/", store)
 
 

@@ -25,7 +25,9 @@ kind of a FAIL (``nan_loss`` for a non-finite objective, ``config_error``, ``pre
 reproducibility attributes (search-space version, git SHA, library versions, world size and topology, data
 snapshot) and ``params_hash``, and keeps a heartbeat while the trial runs (persistent storages), so
 ``shardadopt hpo requeue`` can fail dead trials and retry them once; ``trial_checkpoint_dir(trial, root)`` gives
-each live trial a directory of its own and ``resume_checkpoint`` finds the dead trial's for its retry.
+each live trial a directory of its own and ``resume_checkpoint`` finds the dead trial's for its retry. Restarted by
+``torchrun --max-restarts``, a job's search goes on: ``shardadopt.hpo.restart`` fails the trial the dead attempt was
+running, retries it once, and counts the earlier attempts' trials against ``n_trials``.
 
 Rank 0's study loop and the other ranks' worker loop answer each other message by message, so they stay in one
 module (a little over 400 lines).
@@ -46,7 +48,7 @@ from optuna.storages import InMemoryStorage
 
 from shardadopt import fence, upstream
 from shardadopt.errors import summary
-from shardadopt.hpo import errors, failures, preempt, reseed
+from shardadopt.hpo import errors, failures, preempt, reseed, restart
 from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
 from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, TrialHeartbeat, checkpoint_name
@@ -256,6 +258,7 @@ def _attrs(channel: Channel, durability: DurabilityOptions) -> dict[str, Any]:
                                   data_snapshot=durability.data_snapshot)
     if version is None:
         del attrs["space_version"]
+    attrs.update(restart.attempt_attrs())  # a restarted attempt finds the trials this job ran before it died
     return attrs
 
 
@@ -324,6 +327,9 @@ def _root_loop(channel: Channel, study: Any, objective: Objective, n_trials: int
             raise TypeError(f"optimize() needs an optuna.Study (or a function creating one) on rank 0, "
                             f"got {type(study).__name__}")
         pruner = study.pruner
+        resumed = restart.resume_search(study)  # after a torchrun restart: the dead attempt's trial retried
+        if n_trials is not None:
+            n_trials = max(n_trials - resumed.done, 0)
         if reseed.is_companion(study):  # re-runs only, to the end: never let its sampler propose a new point
             waiting = reseed.waiting_reruns(study)
             n_trials = waiting if n_trials is None else min(n_trials, waiting)

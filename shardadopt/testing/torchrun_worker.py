@@ -1,16 +1,21 @@
-"""A training loop as users run it under ``torchrun --max-restarts``; rank 1 SIGKILLs itself once (in the first
-attempt) at ``--kill``. ``--loop accelerate``: save_state every step, resume from ``shardadopt.checkpoint.latest``;
-``--loop trainer``: ``Trainer`` saving every step, ``train(resume_from_checkpoint=True)`` when a checkpoint exists
-(``--kill backward`` only).
+"""A training loop as users run it under ``torchrun --max-restarts``; rank 1 (rank 0 for ``publish``) SIGKILLs itself
+at each point of ``--kill``, one kill per attempt. ``--loop accelerate``: save_state every step, resume from
+``shardadopt.checkpoint.latest``; ``--loop trainer``: ``Trainer`` saving every step,
+``train(resume_from_checkpoint=True)`` when a checkpoint exists (backward kills only).
 
     torchrun --nproc-per-node 2 --max-restarts 1 shardadopt/testing/torchrun_worker.py --model M --layout fsdp \
         --work W --kill backward
 
-``--kill``: ``none``; ``backward`` (inside step ``--kill-step``'s backward, from a gradient hook on the first
-decoder layer's output); ``save`` (inside step ``--kill-step``'s checkpoint save, at DCP's first ``os.fsync``).
-Rank 0 appends one JSON line per step to ``W/steps.jsonl`` (the attempt's resume step, the loss, the time, whether
-the default group's store held a key an earlier attempt wrote) and saves the final full parameters to
-``W/final.pt``; rank 1 writes ``W/killed`` (the time) right before it kills itself. Run by
+``--kill``: ``none``, or kill points separated by commas, the first for the first attempt, the next for the attempt
+after it, ...; each ``POINT`` or ``POINT@STEP`` (default step ``--kill-step``; ``first``: the first step after this
+attempt's resume). Points: ``forward`` (entering the first decoder layer's forward), ``backward`` (inside the
+backward, from a gradient hook on the first decoder layer's output), ``optimizer`` (entering ``optimizer.step()``),
+``save`` (inside the step's checkpoint save, at DCP's first ``os.fsync``), ``publish`` (rank 0, inside the save's
+publication: the completion marker written in the staging directory, not yet renamed into place). Rank 0 appends
+one JSON line per step to ``W/steps.jsonl`` (the attempt's resume step, the loss, the time, whether the default
+group's store held a key an earlier attempt wrote) and saves the final full parameters to ``W/final.pt``; the dying
+rank appends a JSON line to ``W/killed`` (the time, the point, the step, the attempt's resume step) right before it
+kills itself. Run by
 ``tests/checkpoint/test_torchrun_restart.py`` and ``benchmarks/torchrun_restart.py``; only as a script (it enables
 shardadopt at import, as a user's script does).
 """
@@ -38,9 +43,11 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from shardadopt import upstream  # noqa: E402
 from shardadopt.testing import full  # noqa: E402
+from shardadopt.testing.layouts import distributed_sizes  # noqa: E402
 from shardadopt.testing.models import token_dataset  # noqa: E402
 
 STALE_KEY = "torchrun-worker/written-by-an-attempt"
+POINTS = ("forward", "backward", "optimizer", "save", "publish")
 
 
 class Progress:
@@ -56,10 +63,24 @@ class Progress:
         self.step = state["step"]
 
 
-def die(work: str) -> None:
-    with open(os.path.join(work, "killed"), "w") as file:
-        file.write(repr(time.time()))
+def die(work: str, **where) -> None:
+    """Record the kill (one JSON line: the time and ``where``), then SIGKILL this process."""
+    with open(os.path.join(work, "killed"), "a") as file:
+        file.write(json.dumps({"time": time.time(), **where}) + "\n")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_points(kill: str, default_step: int) -> list[tuple[str, int | None]]:
+    """``--kill`` parsed: (point, step) per attempt, step None for the first step after the resume."""
+    if kill == "none":
+        return []
+    points = []
+    for item in kill.split(","):
+        point, _, step = item.partition("@")
+        if point not in POINTS or (step and step != "first" and not step.isdigit()):
+            raise SystemExit(f"--kill {kill!r}: {item!r} is not POINT[@STEP|@first], POINT one of {POINTS}")
+        points.append((point, None if step == "first" else int(step) if step else default_step))
+    return points
 
 
 class Run:
@@ -67,14 +88,17 @@ class Run:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.armed = args.kill != "none" and not os.path.exists(os.path.join(args.work, "killed"))
+        killed = os.path.join(args.work, "killed")
+        done = len(open(killed).read().splitlines()) if os.path.exists(killed) else 0  # kills of earlier attempts
+        points = kill_points(args.kill, args.kill_step)
+        self.attempt = done
+        self.point, self.kill_step = points[done] if done < len(points) else (None, None)
         self.stale = False
         self.resumed_at = 0
 
     def load(self):
         """The model sharded while loading; then whether this attempt's store holds a key an earlier one wrote."""
-        world = int(os.environ["WORLD_SIZE"])
-        sizes = {"fsdp_size": world} if self.args.layout == "fsdp" else {"tp_size": world}
+        sizes, _ = distributed_sizes(self.args.layout, int(os.environ["WORLD_SIZE"]))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(self.args.model, dtype=torch.float32,
                                                      distributed_config=DistributedConfig(**sizes))
@@ -84,32 +108,49 @@ class Run:
             store.set(STALE_KEY, "1")
         return model
 
-    def killing(self, step: int) -> bool:
-        return self.armed and dist.get_rank() == 1 and step == self.args.kill_step
+    def killing(self, point: str, step: int) -> bool:
+        """Whether this rank dies at ``point`` of ``step`` (the step being taken, from 1)."""
+        at = self.kill_step if self.kill_step is not None else self.resumed_at + 1
+        return self.point == point and step == at and dist.get_rank() == (0 if point == "publish" else 1)
 
-    def kill_in_backward(self, model, current_step) -> None:
-        """Rank 1 dies inside the backward of step ``--kill-step`` (``current_step()``: the steps done so far)."""
-        if self.args.kill != "backward":
-            return
+    def die(self, step: int) -> None:
+        die(self.args.work, point=self.point, step=step, resumed_at=self.resumed_at)
 
-        def hook(module, inputs, output):
+    def arm(self, model, optimizer, current_step) -> None:
+        """Rank 1 dies at the forward, backward or optimizer step of its step (``current_step()``: the steps done
+        so far)."""
+        def forward(module, inputs):
+            if self.killing("forward", current_step() + 1):
+                self.die(current_step() + 1)
+
+        def backward(module, inputs, output):
             hidden = output[0] if isinstance(output, tuple) else output
-            if self.killing(current_step() + 1) and hidden.requires_grad:
-                hidden.register_hook(lambda grad: die(self.args.work))
+            if self.killing("backward", current_step() + 1) and hidden.requires_grad:
+                hidden.register_hook(lambda grad: self.die(current_step() + 1))
 
-        model.model.layers[0].register_forward_hook(hook)
+        def step(*args, **kwargs):
+            if self.killing("optimizer", current_step() + 1):
+                self.die(current_step() + 1)
+
+        layer = model.model.layers[0]
+        layer.register_forward_pre_hook(forward)
+        layer.register_forward_hook(backward)
+        if optimizer is not None:  # the torch optimizer: accelerate's wrapper runs no step hooks of its own
+            getattr(optimizer, "optimizer", optimizer).register_step_pre_hook(step)
 
     def saving(self, step: int):
-        """The context a save of ``step`` runs in: rank 1 dies at its first fsync when the kill is there."""
-        if self.args.kill == "save" and self.killing(step):
-            return mock.patch("os.fsync", side_effect=lambda fd: die(self.args.work))
+        """The context a save of ``step`` runs in: the kill inside DCP's write or the publication, when it is there."""
+        if self.killing("save", step):
+            return mock.patch("os.fsync", side_effect=lambda fd: self.die(step))
+        if self.killing("publish", step):  # its first directory fsync: the staged marker is written, not renamed
+            return mock.patch("shardadopt.checkpoint.publish._fsync_dir", side_effect=lambda path: self.die(step))
         return contextlib.nullcontext()
 
     def record(self, step: int, loss: float, stepped: float) -> None:
         if dist.get_rank() == 0:
             with open(os.path.join(self.args.work, "steps.jsonl"), "a") as file:
-                file.write(json.dumps({"resumed_at": self.resumed_at, "step": step, "loss": loss, "time": stepped,
-                                       "stale_key": self.stale}) + "\n")
+                file.write(json.dumps({"attempt": self.attempt, "resumed_at": self.resumed_at, "step": step,
+                                       "loss": loss, "time": stepped, "stale_key": self.stale}) + "\n")
 
     def finish(self, model) -> None:
         params = {name: full(p).detach().clone() for name, p in model.named_parameters()}
@@ -135,7 +176,7 @@ def accelerate_loop(run: Run) -> None:
         accelerator.load_state(latest)
         loader = accelerator.skip_first_batches(loader, progress.step)
     run.resumed_at = progress.step
-    run.kill_in_backward(accelerator.unwrap_model(model), lambda: progress.step)
+    run.arm(accelerator.unwrap_model(model), optimizer, lambda: progress.step)
 
     for batch in loader:
         loss = model(input_ids=batch, labels=batch).loss
@@ -170,7 +211,7 @@ def trainer_loop(run: Run) -> None:
     trainer.add_callback(Record())
     last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
     run.resumed_at = int(last.rsplit("-", 1)[1]) if last else 0
-    run.kill_in_backward(model, lambda: trainer.state.global_step)
+    run.arm(model, None, lambda: trainer.state.global_step)
     trainer.train(resume_from_checkpoint=True if last else None)
     run.finish(trainer.model)
 
@@ -178,14 +219,14 @@ def trainer_loop(run: Run) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--layout", choices=["fsdp", "tp"], required=True)
+    parser.add_argument("--layout", choices=["fsdp", "tp", "ep"], required=True, help="ep: an MoE --model")
     parser.add_argument("--loop", choices=["accelerate", "trainer"], default="accelerate")
     parser.add_argument("--work", required=True)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--kill", choices=["none", "backward", "save"], default="none")
+    parser.add_argument("--kill", default="none", help="none, or POINT[@STEP|@first] per attempt, comma-separated")
     parser.add_argument("--kill-step", type=int, default=3)
     args = parser.parse_args()
-    if args.loop == "trainer" and args.kill == "save":
+    if args.loop == "trainer" and {point for point, _ in kill_points(args.kill, args.kill_step)} - {"backward"}:
         parser.error("--loop trainer kills in backward only")
     (trainer_loop if args.loop == "trainer" else accelerate_loop)(Run(args))
 
