@@ -55,8 +55,9 @@ def _ensure_venv(venv: Path) -> Path:
         # torch first and pinned: the local CPU build; a range would let pip pull a CUDA build.
         _run(str(python), "-m", "pip", "install", "-q", "torch==2.13.0")
         _run(str(python), "-m", "pip", "install", "-q", "-e", str(REPO))
-        _run(str(python), "-m", "pip", "install", "-q", "--no-deps", f"peft=={PEFT}")
-        _run(str(python), "-m", "pip", "install", "-q", f"trl=={TRL}")  # with its dependencies (datasets)
+    # every time: a venv made before a pin was added (or changed) must not record that patch as unsupported
+    _run(str(python), "-m", "pip", "install", "-q", "--no-deps", f"peft=={PEFT}")
+    _run(str(python), "-m", "pip", "install", "-q", f"trl=={TRL}")  # with its dependencies (datasets)
     return python
 
 

@@ -56,8 +56,9 @@ class Plan:
                 positions.setdefault((local.device, local.dtype), []).append(i)
         # Without the first call's tensors: a cached plan must not keep a step's gradients alive (one gradient
         # shard per plan, still held after zero_grad); payload() puts each call's own tensors in.
-        self.buckets = [(_all_or(positions[(bucket.device, bucket.dtype)], len(pieces)), bucket._replace(tensors=[]))
-                        for bucket in buckets(pieces, payload_device, foreach)]
+        self.buckets = [(_all_or(positions[(b.device, b.dtype)], len(pieces)),
+                         Bucket(b.device, b.dtype, [], b.weights, b.foreach))
+                        for b in buckets(pieces, payload_device, foreach)]
         # (device, indices or None, how to scale: "foreach", "loop" or an error message), decided once: the
         # local tensors' types, devices and dtypes are part of the plan's key.
         self.scale_groups = []

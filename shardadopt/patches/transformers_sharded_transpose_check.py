@@ -23,6 +23,7 @@ import contextvars
 import inspect
 from typing import Any
 
+from shardadopt import upstream
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
 
@@ -30,7 +31,6 @@ ID = "transformers-sharded-transpose-check"
 MODULE = "transformers.core_model_loading"
 # the WeightConverter whose operations run now: transformers 5.15 keeps its tensor-parallel layer there
 _CONVERTER: contextvars.ContextVar[Any] = contextvars.ContextVar("shardadopt_weight_converter", default=None)
-_FIXED = {"to_local", "_local_tensor", "local_shape", "get_expected_sharded_shape"}
 
 
 def probe() -> Probe:
@@ -42,7 +42,7 @@ def probe() -> Probe:
     where = f"{MODULE}.Transpose.convert"
     tree = source_tree(upstream_function(upstream_function(module, "Transpose", where), "convert", where))
     read = names(tree)
-    if "check_dims" in read and read & _FIXED:
+    if "check_dims" in read and read & upstream.LOCAL_SHARD_READERS:
         return Probe(False, "Transpose.convert compares a sharded load's slice with the shard's shape")
     if "check_dims" in read and calls(tree, "get_parameter") and "shape" in read:
         return Probe(True, "Transpose(check_dims=True) compares this rank's slice of a sharded load with the "

@@ -27,8 +27,8 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
     """DistillationTrainer for :data:`STEPS` steps, full fine-tuning in fp32, of ``student`` sharded per ``layout``
     over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs in), with
     ``teacher`` loaded with the same ``DistributedConfig`` (``teacher_sharded``) or plain. Returns ``{"log": [{"loss",
-    "grad_norm"} per step], "dp": data-parallel size, "plain_head_shard": ..., "teacher_mesh_shared": whether the
-    teacher's device mesh is the student's object}`` or ``{"refused": shardadopt's error, ...}``."""
+    "grad_norm"} per step], "dp": data-parallel size, "plain_head_shard": ...}`` or ``{"refused": shardadopt's
+    error, ...}``."""
     import tempfile
 
     from transformers import AutoTokenizer, PrinterCallback
@@ -42,10 +42,7 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
     try:
         network, dp = _load(models[student], layout, world)
         teacher_model, _ = _load(models[teacher], layout if teacher_sharded else None, world)
-        result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network), "dp": dp,
-                                  "teacher_mesh_shared": getattr(teacher_model, "_device_mesh", None) is not None
-                                  and getattr(teacher_model, "_device_mesh", None)
-                                  is getattr(network, "_device_mesh", None)}
+        result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network), "dp": dp}
         processing_class = AutoTokenizer.from_pretrained(tokenizer)
         processing_class.padding_side = "left"  # what DistillationTrainer asks of its processing class
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-distill-") as out:

@@ -54,6 +54,7 @@ from shardadopt.upstream.python import (
 from shardadopt.upstream.torch import (
     AGENT_STORE_CHECKS,
     COLLECTIVE_OP_NAMESPACES,
+    LOCAL_SHARD_READERS,
     REDISTRIBUTE_BACKWARD,
     accelerator_type,
     backend_device_types,

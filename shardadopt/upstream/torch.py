@@ -34,6 +34,13 @@ def c10d_store_factory() -> Callable[..., dist.Store]:
 AGENT_STORE_CHECKS = frozenset({"_torchelastic_use_agent_store", "_agent_store_serves"})
 
 
+# What code reads to get a DTensor parameter's local shard or its shape (torch's ``DTensor.to_local`` and
+# ``_local_tensor``, transformers' ``local_shape`` / ``get_expected_sharded_shape`` helpers): the
+# transformers-sharded-transpose-check probe takes a ``Transpose.convert`` that reads one of them for the fix.
+# Checked on torch 2.13-2.15, transformers 5.15-5.25.
+LOCAL_SHARD_READERS = frozenset({"to_local", "_local_tensor", "local_shape", "get_expected_sharded_shape"})
+
+
 # ``torch.distributed.tensor._redistribute.Redistribute.backward``: the backward of ``DTensor.redistribute`` and
 # ``full_tensor``, which turns the output's gradient back into the input's placements. Checked on torch 2.13-2.15.
 REDISTRIBUTE_BACKWARD = Target("torch.distributed.tensor._redistribute", "Redistribute.backward")

@@ -430,6 +430,21 @@ def test_c10d_store_factory(monkeypatch):
     assert store.get("k") == b"v"
 
 
+def test_redistribute_backward():
+    """DTensor's redistribution backward (the torch-dtensor-redistribute-no-grad patch wraps it, its probe reads it)."""
+    backward = upstream.upstream_method(upstream.REDISTRIBUTE_BACKWARD, "test")
+    assert backward.__qualname__ == upstream.REDISTRIBUTE_BACKWARD.qualname
+    assert "grad_output" in inspect.signature(backward).parameters
+
+
+def test_local_shard_readers():
+    """DTensor's own readers of the local shard exist (the transformers ones belong to the fixed shape only)."""
+    from torch.distributed.tensor import DTensor
+
+    assert {"to_local", "_local_tensor"} <= upstream.LOCAL_SHARD_READERS
+    assert callable(DTensor.to_local)
+
+
 def test_agent_store_checks():
     """The factory chooses the agent's store by calling one of them (the torchrun-restart patch's probe reads it)."""
     import torch.distributed.rendezvous  # noqa: F401  (the module, not torch.distributed's function of that name)
