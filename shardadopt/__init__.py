@@ -45,6 +45,7 @@ _LAZY = {
     "hpo": "shardadopt.hpo",
     "loadtime": "shardadopt.loadtime",
     "refusal": "shardadopt.refusal",
+    "restarts": "shardadopt.restarts",
     "upstream": "shardadopt.upstream",
     "versions": "shardadopt.versions",
     "clip_grad_norm_": "shardadopt.gradnorm",
