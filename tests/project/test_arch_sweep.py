@@ -399,3 +399,108 @@ def test_fsdp_load_makes_the_vision_blocks_units_of_their_own(pool2, tmp_path_fa
     layers = ["model.language_model.layers.0", "model.language_model.layers.1"]
     assert set(blocks + layers) <= set(patched[0]), patched[0]
     assert set(layers) <= set(upstream_units[0]) and not set(blocks) & set(upstream_units[0]), upstream_units[0]
+
+
+def vlm_generate_rank(path: str, sizes: dict, batch: dict, sample_seed: int | None) -> dict[str, list]:
+    """On each rank: the tiny VLM at ``path`` loaded with ``DistributedConfig(**sizes)`` after
+    ``shardadopt.enable()``; ``generate`` on the image-text ``batch`` greedily and, given ``sample_seed``, sampled
+    after ``torch.manual_seed(sample_seed + rank)`` (a per-rank seed, as TRL and a user's loop seed)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForImageTextToText
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+
+    shardadopt.enable()
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
+                                                            distributed_config=DistributedConfig(**sizes)).eval()
+        out = {"greedy": model.generate(**batch, do_sample=False, max_new_tokens=8).tolist()}
+        if sample_seed is not None:
+            torch.manual_seed(sample_seed + dist.get_rank())
+            out["sampled"] = model.generate(**batch, do_sample=True, max_new_tokens=8).tolist()
+        return out
+    finally:
+        shardadopt.disable()
+
+
+@pytest.fixture(scope="module")
+def vlm_generation(tmp_path_factory):
+    """model type -> (tiny checkpoint, image-text batch of 2 samples, the greedy tokens a plain load generates in
+    this process), made once per type."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from shardadopt.testing.archs import IMAGE_TEXT, write_tiny
+    from shardadopt.testing.vlm import collate, write_batches
+
+    made = {}
+
+    def get(model_type: str) -> tuple[str, dict, list]:
+        if model_type not in made:
+            path = write_tiny(model_type, tmp_path_factory.mktemp(f"vlm-generate-{model_type}"), task=IMAGE_TEXT)
+            # what a processor hands generate: no labels, no num_crops (Gemma3Processor pops it; generate refuses it)
+            batch = {k: v for k, v in collate(torch.load(write_batches(path, model_type, 2, 0))).items()
+                     if k not in ("labels", "num_crops")}
+            batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # no padding: every row is one length
+            plain = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+            want = plain.generate(**batch, do_sample=False, max_new_tokens=8).tolist()
+            assert len(want[0]) > batch["input_ids"].shape[1], want  # it generated something
+            made[model_type] = path, batch, want
+        return made[model_type]
+
+    return get
+
+
+def _encodes_images_before_prefill() -> bool:
+    from transformers.generation.utils import GenerationMixin
+
+    return hasattr(GenerationMixin, "_prepare_multimodal_encoder_kwargs_for_generation")
+
+
+def _generate_known_failure(model_type: str, layout: str) -> str | None:
+    """Why ``generate`` with images is known to fail for this cell on the installed transformers (issue 41), or
+    None. Not run where the ranks raise (a rank error shuts the module's pool down)."""
+    import transformers
+
+    if layout == "fsdp" and _encodes_images_before_prefill():
+        # transformers 5.25: generate() calls base_model.get_image_features(...) itself before the prefill; that is
+        # no module forward, so FSDP2's root pre-forward hook never all-gathers the root unit's parameters (the
+        # vision patch embedding, the merger / projector) and their conv sees DTensor shards
+        return ("generate encodes the images before the prefill outside any forward: the FSDP root unit's "
+                "vision parameters stay sharded (aten.convolution: mixed torch.Tensor and DTensor)")
+    if model_type == "gemma3" and layout == "tp" and Version(transformers.__version__).release[:2] == (5, 15):
+        return ("transformers 5.15 tp_size=2 Gemma 3: greedy tokens leave one process's from the 5th new token of "
+                "the second row (one process's top-2 margin there is 0.037 on logits of ~0.5: no reordering tie)")
+    return None
+
+
+GENERATE_CELLS = [pytest.param(model_type, layout, id=f"{model_type}-{layout}")
+                  for model_type in ("qwen2_5_vl", "gemma3") for layout in ("fsdp", "tp")]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("model_type", "layout"), GENERATE_CELLS)
+def test_generate_with_images_on_a_sharded_vlm_matches_one_process(pool2, vlm_generation, model_type, layout):
+    """``model.generate`` with ``pixel_values`` (and the type's grid / token-type tensors) on a tiny VLM loaded with
+    ``fsdp_size=2`` or ``tp_size=2``: every rank's greedy tokens are the ones a plain load generates in this
+    process from the same batch; sampled with a per-rank seed on ``tp_size=2``, both TP ranks draw the same tokens
+    (transformers-tp-sampling-agreement)."""
+    from shardadopt.testing.layouts import distributed_sizes, unloadable_reason
+
+    sizes = distributed_sizes(layout)[0]
+    if reason := unloadable_reason(sizes):
+        pytest.skip(reason)
+    known = _generate_known_failure(model_type, layout)
+    if known and layout == "fsdp":
+        pytest.xfail(f"known limitation (issue 41), not run: {known}")
+    path, batch, want = vlm_generation(model_type)
+    results = pool2.run(vlm_generate_rank, path, sizes, batch, 1234 if layout == "tp" else None, timeout=300)
+    wrong = [rank for rank, result in enumerate(results) if result["greedy"] != want]
+    if known:  # strict: a known failure that passes must be taken off the list
+        assert wrong, f"{model_type} {layout}: generates as one process now; drop it from _generate_known_failure"
+        pytest.xfail(f"known limitation (issue 41): {known}")
+    assert not wrong, f"{model_type} {layout} ranks {wrong}: {[results[r]['greedy'] for r in wrong]} != {want}"
+    if layout == "tp":
+        assert results[0]["sampled"] == results[1]["sampled"], f"{model_type} tp: the TP ranks sampled apart"
