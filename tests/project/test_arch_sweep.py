@@ -456,6 +456,7 @@ def vlm_generation(tmp_path_factory):
 def _encodes_images_before_prefill() -> bool:
     from transformers.generation.utils import GenerationMixin
 
+    # upstream-private: the 5.25 step that encodes the images outside any forward, the known failure's cause
     return hasattr(GenerationMixin, "_prepare_multimodal_encoder_kwargs_for_generation")
 
 
