@@ -19,6 +19,8 @@ wrapper changes, so an ``unsupported`` probe has nothing to refuse at ``prepare`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shardadopt import upstream
 from shardadopt.registry import Patch, Probe, Target
 from shardadopt.versions import supported
@@ -28,29 +30,36 @@ INIT = Target("trl.trainer.grpo_trainer", "GRPOTrainer.__init__")
 CONFIG = Target("trl.trainer.grpo_config", "GRPOConfig.__post_init__")
 
 
-def probe() -> Probe:
-    from shardadopt.online import seeding
-    from shardadopt.probing import undecided
+def seeding_probe(trainer: str, config: str, init: Target) -> Callable[[], Probe]:
+    """The probe of a TRL online trainer's data-parallel patch: it reads ``init`` (the trainer's ``__init__``)."""
 
-    found = seeding(upstream.upstream_method(INIT, "trl-grpo-data-parallel probe"))
-    if found == "data-parallel":
-        return Probe(False, "GRPOTrainer seeds by data-parallel rank")
-    if found is None:
-        raise undecided(INIT.qualname, "set_seed(..., device_specific=True) (per-process seeds, the gap) nor seeding "
-                                       "by a data-parallel rank (the fix)")
-    return Probe(True, "GRPOTrainer seeds every process as a data-parallel rank (set_seed(..., device_specific=True)) "
-                       "and GRPOConfig sizes the generation batch by world_size: the ranks of a tensor-parallel "
-                       "group count as data-parallel ranks")
+    def probe() -> Probe:
+        from shardadopt.online import seeding
+        from shardadopt.probing import undecided
+
+        found = seeding(upstream.upstream_method(init, f"{trainer} data-parallel probe"))
+        if found == "data-parallel":
+            return Probe(False, f"{trainer} seeds by data-parallel rank")
+        if found is None:
+            raise undecided(init.qualname, "set_seed(..., device_specific=True) (per-process seeds, the gap) nor "
+                                           "seeding by a data-parallel rank (the fix)")
+        return Probe(True, f"{trainer} seeds every process as a data-parallel rank (set_seed(..., "
+                           f"device_specific=True)) and {config} sizes the generation batch by world_size: the ranks "
+                           f"of a tensor-parallel group count as data-parallel ranks")
+
+    return probe
 
 
-def _post_init(wrapped, instance, args, kwargs):
+def config_post_init(wrapped, instance, args, kwargs):
+    """Wraps the config's ``__post_init__``: records the generation batch the user gave."""
     from shardadopt.online import record_given_generation_batch
 
     record_given_generation_batch(instance)
     return wrapped(*args, **kwargs)
 
 
-def _init(wrapped, instance, args, kwargs):
+def trainer_init(wrapped, instance, args, kwargs):
+    """Wraps the trainer's ``__init__``: refusals and the generation batch before TRL runs, seeds after."""
     import inspect
 
     from shardadopt.online import after_trainer_init, before_trainer_init
@@ -68,6 +77,6 @@ PATCH = Patch(
             "where groups would split across TP ranks or vLLM would sync sharded weights",
     upstream="proposal for trl main (not reported yet); patches/trl-grpo-data-parallel.diff",
     requires=supported("trl", "transformers", "accelerate"),
-    wrappers={INIT: _init, CONFIG: _post_init},
-    probe=probe,
+    wrappers={INIT: trainer_init, CONFIG: config_post_init},
+    probe=seeding_probe("GRPOTrainer", "GRPOConfig", INIT),
 )

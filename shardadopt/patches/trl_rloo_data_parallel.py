@@ -13,54 +13,20 @@ generation batch that splits groups, resizes the generation batch by data-parall
 seeds each process by its data-parallel rank.
 
 The probe reads ``RLOOTrainer.__init__``: ``set_seed(..., device_specific=True)`` is the gap (``needed``), seeding
-by a data-parallel rank or ``parallelism_config`` the fix (``not-needed``). No ``needed_by``: the trainer is what the
+by a data-parallel rank or ``parallelism_config`` the fix (``not-needed``). Probe and wrappers are
+``trl-grpo-data-parallel``'s. No ``needed_by``: the trainer is what the
 wrapper changes, so an ``unsupported`` probe has nothing to refuse at ``prepare``; it warns.
 """
 
 from __future__ import annotations
 
-from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
+from shardadopt.patches.trl_grpo_data_parallel import config_post_init, seeding_probe, trainer_init
+from shardadopt.registry import Patch, Target
 from shardadopt.versions import supported
 
 ID = "trl-rloo-data-parallel"
 INIT = Target("trl.trainer.rloo_trainer", "RLOOTrainer.__init__")
 CONFIG = Target("trl.trainer.rloo_config", "RLOOConfig.__post_init__")
-
-
-def probe() -> Probe:
-    from shardadopt.online import seeding
-    from shardadopt.probing import undecided
-
-    found = seeding(upstream.upstream_method(INIT, "trl-rloo-data-parallel probe"))
-    if found == "data-parallel":
-        return Probe(False, "RLOOTrainer seeds by data-parallel rank")
-    if found is None:
-        raise undecided(INIT.qualname, "set_seed(..., device_specific=True) (per-process seeds, the gap) nor seeding "
-                                       "by a data-parallel rank (the fix)")
-    return Probe(True, "RLOOTrainer seeds every process as a data-parallel rank (set_seed(..., device_specific=True)) "
-                       "and RLOOConfig sizes the generation batch by world_size: the ranks of a tensor-parallel "
-                       "group count as data-parallel ranks")
-
-
-def _post_init(wrapped, instance, args, kwargs):
-    from shardadopt.online import record_given_generation_batch
-
-    record_given_generation_batch(instance)
-    return wrapped(*args, **kwargs)
-
-
-def _init(wrapped, instance, args, kwargs):
-    import inspect
-
-    from shardadopt.online import after_trainer_init, before_trainer_init
-
-    bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
-    before_trainer_init(bound.get("model"), bound.get("args"))
-    result = wrapped(*args, **kwargs)
-    after_trainer_init(instance, bound.get("args") is not None)
-    return result
-
 
 PATCH = Patch(
     id=ID,
@@ -68,6 +34,6 @@ PATCH = Patch(
             "where groups would split across TP ranks or vLLM would sync sharded weights",
     upstream="proposal for trl main (not reported yet); patches/trl-rloo-data-parallel.diff",
     requires=supported("trl", "transformers", "accelerate"),
-    wrappers={INIT: _init, CONFIG: _post_init},
-    probe=probe,
+    wrappers={INIT: trainer_init, CONFIG: config_post_init},
+    probe=seeding_probe("RLOOTrainer", "RLOOConfig", INIT),
 )
