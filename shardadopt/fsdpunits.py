@@ -72,8 +72,8 @@ def _covered(name: str, rules: Iterable[str]) -> bool:
     """Whether a rule names module ``name``, one of its items, or a module it lies in (the root aside)."""
     parts = name.split(".")
     enclosing = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
-    return any(rule in enclosing or wildcard(rule) in {wildcard(e) for e in enclosing}
-               or rule.startswith(name + ".") for rule in rules)
+    patterns = {wildcard(e) for e in enclosing}
+    return any(rule in enclosing or wildcard(rule) in patterns or rule.startswith(name + ".") for rule in rules)
 
 
 def block_units(model: Any, plan: dict[str, str]) -> tuple[dict[str, str], list[str]] | None:

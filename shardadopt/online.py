@@ -109,7 +109,6 @@ def refuse_split_groups(args: Any, layout: Topology) -> None:
     if rows % generations == 0:
         return
     per_device = generations * -(-args.per_device_train_batch_size // generations)
-
     steps = generations // math.gcd(rows, generations) * args.steps_per_generation
     raise AdoptionError(
         f"each process's generation batch (per_device_train_batch_size x steps_per_generation = "
@@ -214,9 +213,7 @@ def before_trainer_init(model: Any, config: Any) -> None:
     refuse_vllm(config, model)
     layout = online_layout(model)
     if layout is not None:
-        count_data_parallel_ranks(config, layout)  # first: a given generation_batch_size sets steps_per_generation
-        refuse_split_groups(config, layout)
-        refuse_batch_statistics(config, layout)
+        _fit_config(config, layout)
 
 
 def after_trainer_init(trainer: Any, config_given: bool) -> None:
@@ -232,10 +229,16 @@ def after_trainer_init(trainer: Any, config_given: bool) -> None:
     if layout is None:
         return
     if not config_given:
-        count_data_parallel_ranks(trainer.args, layout)
-        refuse_split_groups(trainer.args, layout)
-        refuse_batch_statistics(trainer.args, layout)
+        _fit_config(trainer.args, layout)
     seed_by_data_parallel_rank(trainer.args.seed, layout)
+
+
+def _fit_config(config: Any, layout: Topology) -> None:
+    """The generation batch by data-parallel ranks (first: a given ``generation_batch_size`` sets
+    ``steps_per_generation``), then the refusals that read it."""
+    count_data_parallel_ranks(config, layout)
+    refuse_split_groups(config, layout)
+    refuse_batch_statistics(config, layout)
 
 
 def seeding(function: Any) -> str | None:

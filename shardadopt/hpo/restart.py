@@ -71,8 +71,7 @@ def resume_search(study: optuna.Study, attempt: restarts.Attempt | None = None) 
     trials = study.get_trials(deepcopy=False)
     # a seeded sampler, built again by the restarted script, would propose the first attempt's points again
     study.sampler.reseed_rng()
-    earlier = [t for t in trials if t.user_attrs.get(ATTR_JOB) == attempt.job
-               and t.user_attrs.get(ATTR_ATTEMPT, attempt.number) < attempt.number]
+    earlier = _earlier_attempts(trials, attempt)
     for trial in earlier:
         if trial.state == TrialState.RUNNING:
             record_failure(study, trial, PREEMPTED,
@@ -98,10 +97,15 @@ def resume_search(study: optuna.Study, attempt: restarts.Attempt | None = None) 
         study.enqueue_trial(trial.params, user_attrs=attrs)
         report.retried[number] = max(t.number for t in study.get_trials(deepcopy=False))
         superseded.add(number)
-    report.done = sum(1 for t in study.get_trials(deepcopy=False) if t.number not in superseded and t.state in
-                      _FINISHED and t.user_attrs.get(ATTR_JOB) == attempt.job
-                      and t.user_attrs.get(ATTR_ATTEMPT, attempt.number) < attempt.number)
+    report.done = sum(1 for t in _earlier_attempts(study.get_trials(deepcopy=False), attempt)
+                      if t.number not in superseded and t.state in _FINISHED)
     return report
+
+
+def _earlier_attempts(trials: list, attempt: restarts.Attempt) -> list:
+    """The trials of ``trials`` that earlier attempts of ``attempt``'s job ran."""
+    return [t for t in trials if t.user_attrs.get(ATTR_JOB) == attempt.job
+            and t.user_attrs.get(ATTR_ATTEMPT, attempt.number) < attempt.number]
 
 
 def _not_retried(trial: optuna.trial.FrozenTrial, superseded: set) -> str | None:
