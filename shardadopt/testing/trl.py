@@ -117,15 +117,16 @@ def plain_head_shard(network) -> bool:
     return not isinstance(head.weight, DTensor) and head.weight.shape[0] < network.config.vocab_size
 
 
-def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, **extra):
+def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, global_batch: int = GLOBAL_BATCH,
+             **extra):
     """``kind``: "sft" / "dpo" / "reward" / "kto" (TRL's trainer and config) or "trainer" (``Trainer`` and
     ``TrainingArguments`` on the SFT text tokenized, ``DataCollatorForLanguageModeling``), sequences cut at
-    :data:`MAX_LENGTH` either way; the dataset holds ``STEPS`` global batches of each of ``common``'s gradient
-    accumulation steps."""
+    :data:`MAX_LENGTH` either way; the dataset holds ``STEPS`` global batches of ``global_batch`` samples for each of
+    ``common``'s gradient accumulation steps."""
     from transformers import AutoTokenizer, PrinterCallback
 
     processing_class = AutoTokenizer.from_pretrained(tokenizer)
-    samples = STEPS * GLOBAL_BATCH * common.get("gradient_accumulation_steps", 1)
+    samples = STEPS * global_batch * common.get("gradient_accumulation_steps", 1)
     if kind == "trainer":
         from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
@@ -166,9 +167,10 @@ def logged_steps(trainer) -> list[dict[str, float]]:
 
 def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
             world: int = 2, bf16: bool = False, lora: str | None = None, experts: str | None = None,
-            accum: int = 1, dtype: str = "float32") -> dict[str, Any]:
-    """``kind`` ("sft", "dpo", "reward" or "trainer": :func:`_trainer`) for STEPS steps on ``model`` sharded per
-    ``layout`` over ``world`` ranks, or (``layout=None``) plain under DDP over ``world`` ranks; full fine-tuning, or
+            accum: int = 1, dtype: str = "float32", global_batch: int = GLOBAL_BATCH) -> dict[str, Any]:
+    """``kind`` ("sft", "dpo", "reward", "kto" or "trainer": :func:`_trainer`) for STEPS steps of ``global_batch``
+    samples on ``model`` sharded per ``layout`` over ``world`` ranks, or (``layout=None``) plain under DDP over
+    ``world`` ranks (one process: ``world=1``); full fine-tuning, or
     LoRA added ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with
     ``experts`` (:func:`lora_config`), each step accumulating ``accum`` global batches, the model loaded in ``dtype``
     (:func:`_load`). ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor:
@@ -193,7 +195,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
         result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network)}
         extra: dict[str, Any] = {}
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-") as out:
-            common = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=STEPS,
+            common = dict(output_dir=out, per_device_train_batch_size=global_batch // dp, max_steps=STEPS,
                           learning_rate=LR["lora" if lora else "full"], lr_scheduler_type="constant",
                           logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=bf16, seed=0,
                           gradient_accumulation_steps=accum, disable_tqdm=True)
@@ -206,7 +208,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
                         network = get_peft_model(network, lora_config(model, experts))
                     else:
                         extra["peft_config"] = lora_config(model, experts)
-                trainer = _trainer(kind, network, common, tokenizer, **extra)
+                trainer = _trainer(kind, network, common, tokenizer, global_batch, **extra)
                 with counted_grad_reductions(trainer.model, lambda name: "lora_" in name) as reductions:
                     trainer.train()
             except (AdapterLayoutError, AdoptionError) as exc:
@@ -264,19 +266,21 @@ def refusal_problem(result: dict[str, Any], cause: str) -> str | None:
 
 
 def ddp_reference(pool, tiny_models: dict[str, str], tokenizer: str):
-    """``get(kind, model, bf16=False, lora=None, experts=None, part="log", accum=1, dtype="float32")``:
-    :func:`trl_log` on the plain checkpoint under DDP on ``pool`` (its ranks must log the same values), computed once
-    per argument set; its log, or with ``part="adapter"`` (``experts`` runs) the adapter factors after training."""
+    """``get(kind, model, bf16=False, lora=None, experts=None, part="log", accum=1, dtype="float32",
+    global_batch=GLOBAL_BATCH)``: :func:`trl_log` on the plain checkpoint under DDP over all of ``pool``'s ranks (they
+    must log the same values), computed once per argument set; its log, or with ``part="adapter"`` (``experts`` runs)
+    the adapter factors after training."""
     cache: dict[tuple, dict[str, Any]] = {}
 
     def get(kind: str, model: str, bf16: bool = False, lora: str | None = None, experts: str | None = None,
-            part: str = "log", accum: int = 1, dtype: str = "float32") -> Any:
-        key = (kind, model, bf16, lora, experts, accum, dtype)
+            part: str = "log", accum: int = 1, dtype: str = "float32", global_batch: int = GLOBAL_BATCH) -> Any:
+        key = (kind, model, bf16, lora, experts, accum, dtype, global_batch)
         if key not in cache:
-            runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, bf16=bf16, lora=lora,
-                            experts=experts, accum=accum, dtype=dtype, timeout=300)
+            runs = pool.run(trl_log, tiny_models, tokenizer, kind, None, model, world=pool.nproc, bf16=bf16,
+                            lora=lora, experts=experts, accum=accum, dtype=dtype, global_batch=global_batch,
+                            timeout=300)
             assert "log" in runs[0], runs[0]
-            assert runs[0]["log"] == runs[1]["log"], "DDP ranks log the same values"
+            assert all(run["log"] == runs[0]["log"] for run in runs), "DDP ranks log the same values"
             cache[key] = runs[0]
         return cache[key][part]
 

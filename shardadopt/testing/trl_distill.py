@@ -20,13 +20,15 @@ GLOBAL_BATCH = 4
 MAX_COMPLETION_LENGTH = 8
 LR = 1e-3
 RTOL = 1e-4
+STUDENT, TEACHER = "qwen3", "llama"  # keys of the tiny checkpoints: two architectures of one vocabulary
 
 
 def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, student: str, teacher: str, *,
-                teacher_sharded: bool, world: int = 2) -> dict[str, Any]:
+                teacher_layout: str | None, world: int = 2) -> dict[str, Any]:
     """DistillationTrainer for :data:`STEPS` steps, full fine-tuning in fp32, of ``student`` sharded per ``layout``
     over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs in), with
-    ``teacher`` loaded with the same ``DistributedConfig`` (``teacher_sharded``) or plain. Returns ``{"log": [{"loss",
+    ``teacher`` loaded sharded per ``teacher_layout`` (the student's, or another where the teacher cannot take the
+    student's) or plain (``None``). Returns ``{"log": [{"loss",
     "grad_norm"} per step], "dp": data-parallel size, "plain_head_shard": ...}`` or ``{"refused": shardadopt's
     error, ...}``."""
     import tempfile
@@ -41,7 +43,7 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
     shardadopt.enable()
     try:
         network, dp = _load(models[student], layout, world)
-        teacher_model, _ = _load(models[teacher], layout if teacher_sharded else None, world)
+        teacher_model, _ = _load(models[teacher], teacher_layout, world)
         result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network), "dp": dp}
         processing_class = AutoTokenizer.from_pretrained(tokenizer)
         processing_class.padding_side = "left"  # what DistillationTrainer asks of its processing class
@@ -63,6 +65,17 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
         return result
     finally:
         shardadopt.disable()
+
+
+def ddp_log(pool, models: dict[str, str], tokenizer: str, student: str = STUDENT,
+            teacher: str = TEACHER) -> list[dict[str, float]]:
+    """:func:`distill_log` on the plain checkpoints under DDP over all of ``pool``'s ranks (a RankPool; the ranks
+    must log the same values, :data:`STEPS` steps): its log."""
+    runs = pool.run(distill_log, models, tokenizer, None, student, teacher, teacher_layout=None, world=pool.nproc,
+                    timeout=300)
+    assert all(run.get("log") == runs[0]["log"] for run in runs), f"DDP ranks log the same values: {runs}"
+    assert len(runs[0]["log"]) == STEPS, runs[0]
+    return runs[0]["log"]
 
 
 @keeps_patch_state

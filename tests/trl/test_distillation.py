@@ -11,51 +11,55 @@ import math
 
 import pytest
 
-from shardadopt.testing.trl_distill import RTOL, STEPS, distill_log, head_without_gradient
+from shardadopt.testing.trl import MODELS
+from shardadopt.testing.trl_distill import RTOL, STEPS, STUDENT, TEACHER, ddp_log, distill_log, head_without_gradient
 
 pytestmark = pytest.mark.multiproc
 
-STUDENT, TEACHER = "qwen3", "llama"
+# transformers refuses ep_size for a model without an ep_plan (the dense Llama teacher: "`LlamaForCausalLM` has no
+# `ep_plan` ... or set `ep_size=1`"): next to an ep student, a sharded teacher takes the FSDP part of its config
+TEACHER_LAYOUT = {"ep": "fsdp"}
 
 
 @pytest.fixture(scope="module")
 def reference(pool2, tiny_models, trl_tokenizer):
-    """``get(dp)``: the plain run in this process (``dp=1``) or under DDP on the pool (``dp=2``), once each."""
-    cache: dict[int, list] = {}
+    """``get(dp, student=STUDENT)``: the plain run in this process (``dp=1``) or under DDP on the pool (``dp=2``),
+    once each."""
+    cache: dict[tuple, list] = {}
 
-    def get(dp: int) -> list:
-        if dp not in cache:
+    def get(dp: int, student: str = STUDENT) -> list:
+        if (dp, student) not in cache:
             if dp == 1:
-                run = distill_log(tiny_models, trl_tokenizer, None, STUDENT, TEACHER, teacher_sharded=False, world=1)
+                run = distill_log(tiny_models, trl_tokenizer, None, student, TEACHER, teacher_layout=None, world=1)
+                assert len(run["log"]) == STEPS, run
+                cache[dp, student] = run["log"]
             else:
-                runs = pool2.run(distill_log, tiny_models, trl_tokenizer, None, STUDENT, TEACHER,
-                                 teacher_sharded=False, timeout=300)
-                assert runs[0]["log"] == runs[1]["log"], "DDP ranks log the same values"
-                run = runs[0]
-            assert len(run["log"]) == STEPS, run
-            cache[dp] = run["log"]
-        return cache[dp]
+                cache[dp, student] = ddp_log(pool2, tiny_models, trl_tokenizer, student)
+        return cache[dp, student]
 
     return get
 
 
 @pytest.mark.parametrize("teacher_sharded", [True, False], ids=["teacher-sharded", "teacher-plain"])
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep"])
 def test_distillation_tracks_reference(pool2, tiny_models, trl_tokenizer, reference, layout, teacher_sharded):
+    """The student: Qwen3, Qwen3-MoE on ep; the teacher (Llama) plain or loaded with the student's
+    ``DistributedConfig`` (``fsdp_size=2`` next to an ep student: :data:`TEACHER_LAYOUT`)."""
     from shardadopt.adapters import dtensor_tensor_parallel
 
-    results = pool2.run(distill_log, tiny_models, trl_tokenizer, layout, STUDENT, TEACHER,
-                        teacher_sharded=teacher_sharded, timeout=300)
+    student = MODELS["ep"] if layout == "ep" else STUDENT
+    results = pool2.run(distill_log, tiny_models, trl_tokenizer, layout, student, TEACHER,
+                        teacher_layout=TEACHER_LAYOUT.get(layout, layout) if teacher_sharded else None, timeout=300)
     for rank, result in enumerate(results):
         if result["plain_head_shard"]:  # TP shards as plain tensors (transformers 5.15/5.16)
             assert not dtensor_tensor_parallel()
-            expected = reference(result["dp"])
+            expected = reference(result["dp"], student)
             assert any(not math.isclose(have["loss"], want["loss"], rel_tol=RTOL)
                        for have, want in zip(result["log"], expected)), "matches: drop the known limitation"
             pytest.xfail("known limitation (docs/peft-trl.md): DistillationTrainer reads lm_head.weight itself; "
                          "transformers 5.15/5.16 keep a TP head as a plain shard of the vocabulary: not refused yet")
         assert "log" in result, f"rank {rank}: {result.get('refused')}"
-        expected = reference(result["dp"])
+        expected = reference(result["dp"], student)
         assert len(result["log"]) == STEPS
         for step, (have, want) in enumerate(zip(result["log"], expected), start=1):
             for key in ("loss", "grad_norm"):

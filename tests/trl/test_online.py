@@ -19,6 +19,9 @@ import pytest
 
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 from shardadopt.testing.trl import MODELS, refusal_problem
+from shardadopt.testing.trl_distill import RTOL as DISTILL_RTOL
+from shardadopt.testing.trl_distill import STUDENT, TEACHER, distill_log
+from shardadopt.testing.trl_distill import ddp_log as distill_ddp_log
 from shardadopt.testing.trl_online import NUM_GENERATIONS, RTOL, STEPS, online_log, sampled_tokens
 
 pytestmark = pytest.mark.multiproc
@@ -184,11 +187,11 @@ def test_refused_by_name(pool2, tiny_models, trl_tokenizer):
             assert problem is None, f"{kind} {layout} {config} rank {rank}: {problem}"
 
 
-def _2d_or_skip() -> None:
+def _sizes_or_skip(layout: str) -> None:
     try:
-        distributed_sizes("2d", 4)
+        distributed_sizes(layout, 4)
     except LayoutUnsupported as exc:
-        pytest.skip(f"2d: {exc}")
+        pytest.skip(f"{layout}: {exc}")
 
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
@@ -196,7 +199,7 @@ def test_2d_tracks_ddp(request, tiny_models, trl_tokenizer, ddp, kind):
     """fsdp_size=2, tp_size=2 on 4 ranks against DDP on 2: the two ranks of each TP group score the same
     completions, TP group k the ones DDP's process k samples (seeded by data-parallel rank), and every step's loss,
     grad norm and reward match DDP."""
-    _2d_or_skip()
+    _sizes_or_skip("2d")
     pool = request.getfixturevalue("pool4")
     results = pool.run(online_log, tiny_models, trl_tokenizer, kind, "2d", MODELS["2d"], world=4,
                        per_device_train_batch_size=PER_DEVICE_2D, timeout=600)
@@ -216,7 +219,7 @@ def test_2d_without_the_fix_second_tp_group_samples_apart(request, tiny_models, 
     """The check above catches the bug: with trl-grpo-data-parallel excluded, TRL seeds global rank 2 (the second
     TP group's first rank) with seed + 2 where DDP's second process has seed + 1, so the second TP group samples
     other completions from the first step on, and the step's grad norm is not DDP's."""
-    _2d_or_skip()
+    _sizes_or_skip("2d")
     pool = request.getfixturevalue("pool4")
     results = pool.run(online_log, tiny_models, trl_tokenizer, "grpo", "2d", MODELS["2d"], world=4,
                        per_device_train_batch_size=PER_DEVICE_2D, exclude=(TRL_PATCH["grpo"],), max_steps=1,
@@ -227,3 +230,69 @@ def test_2d_without_the_fix_second_tp_group_samples_apart(request, tiny_models, 
     assert results[2]["completions"][0] != reference[1]["completions"][0]
     step = results[0]["log"][0]["grad_norm"]
     assert not math.isclose(step, reference[0]["log"][0]["grad_norm"], rel_tol=RTOL["grpo"])
+
+
+@pytest.fixture(scope="module")
+def ddp4(request, tiny_models, trl_tokenizer):
+    """``get(kind, model)``: the TRL run on the plain checkpoint under DDP over 4 ranks (``pool4``; all ranks'
+    results), computed once per argument set: the reference of HSDP's 4 data-parallel ranks."""
+    cache: dict[tuple, list[dict]] = {}
+
+    def get(kind: str, model: str) -> list[dict]:
+        if (kind, model) not in cache:
+            cache[kind, model] = request.getfixturevalue("pool4").run(
+                online_log, tiny_models, trl_tokenizer, kind, None, model, world=4, timeout=400)
+        return cache[kind, model]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_hsdp_tracks_ddp_over_4(request, tiny_models, trl_tokenizer, ddp4, kind):
+    """dp_replicate_size=2, fsdp_size=2 (4 data-parallel ranks, one completion of the step's group each, as under
+    DDP) against DDP over 4 ranks: every rank samples its DDP process's completions (TRL's per-process stream), and
+    every step's loss, grad norm and reward match."""
+    _sizes_or_skip("hsdp")
+    pool = request.getfixturevalue("pool4")
+    results = pool.run(online_log, tiny_models, trl_tokenizer, kind, "hsdp", MODELS["hsdp"], world=4, timeout=600)
+    reference = ddp4(kind, MODELS["hsdp"])
+    for rank, (result, expected) in enumerate(zip(results, reference)):
+        assert result.get("completions") == expected["completions"], f"{kind} hsdp rank {rank}: other samples"
+        problem = tracks(result, expected, RTOL[kind])
+        assert problem is None, f"{kind} hsdp rank {rank}: {problem}"
+
+
+@pytest.fixture(scope="module")
+def distill_ddp(request, tiny_models, trl_tokenizer):
+    """``get(dp)``: DistillationTrainer on the plain checkpoints under DDP over ``dp`` ranks (2: ``pool2``, 4:
+    ``pool4``), once each."""
+    cache: dict[int, list[dict]] = {}
+
+    def get(dp: int) -> list[dict]:
+        if dp not in cache:
+            cache[dp] = distill_ddp_log(request.getfixturevalue(f"pool{dp}"), tiny_models, trl_tokenizer)
+        return cache[dp]
+
+    return get
+
+
+@pytest.mark.parametrize("teacher_sharded", [True, False], ids=["teacher-sharded", "teacher-plain"])
+@pytest.mark.parametrize("layout", ["2d", "hsdp"])
+def test_distillation_four_ranks_track_ddp(request, tiny_models, trl_tokenizer, distill_ddp, layout,
+                                           teacher_sharded):
+    """DistillationTrainer (tests/trl/test_distillation.py's student and teacher), the teacher plain or loaded
+    with the student's ``DistributedConfig``, on 2-D against DDP over 2 ranks and on HSDP against DDP over 4 (TRL
+    seeds each process differently: the reference has the layout's data-parallel ranks), per-step loss and grad
+    norm."""
+    _sizes_or_skip(layout)
+    _, dp = distributed_sizes(layout, 4)
+    pool = request.getfixturevalue("pool4")
+    results = pool.run(distill_log, tiny_models, trl_tokenizer, layout, STUDENT, TEACHER,
+                       teacher_layout=layout if teacher_sharded else None, world=4, timeout=600)
+    reference = distill_ddp(dp)
+    for rank, result in enumerate(results):
+        assert "log" in result, f"{layout} rank {rank}: {result.get('refused')}"
+        for step, (have, want) in enumerate(zip(result["log"], reference, strict=True), start=1):
+            for key in ("loss", "grad_norm"):
+                assert math.isclose(have[key], want[key], rel_tol=DISTILL_RTOL), (
+                    f"distillation {layout} rank {rank} step {step}: {key} {have[key]!r} vs DDP {want[key]!r}")

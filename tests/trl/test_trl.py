@@ -14,7 +14,16 @@ from __future__ import annotations
 import pytest
 
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
-from shardadopt.testing.trl import BF16_RTOL, FP32_RTOL, MODELS, MOE_RTOL, compare, refusal_problem, trl_log
+from shardadopt.testing.trl import (
+    BF16_RTOL,
+    FP32_RTOL,
+    GLOBAL_BATCH,
+    MODELS,
+    MOE_RTOL,
+    compare,
+    refusal_problem,
+    trl_log,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -58,33 +67,58 @@ def test_sft_bf16_tracks_ddp_bf16(pool2, tiny_models, trl_tokenizer, trl_ddp):
     check_run(results, lambda: trl_ddp("sft", MODELS["fsdp"], bf16=True), BF16_RTOL, "bf16")
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_2d_tracks_ddp(request, tiny_models, trl_tokenizer, trl_ddp, kind):
-    _sizes_or_skip("2d", 4)
-    pool = request.getfixturevalue("pool4")
-    results = pool.run(trl_log, tiny_models, trl_tokenizer, kind, "2d", MODELS["2d"], world=4, timeout=400)
-    check_run(results, lambda: trl_ddp(kind, MODELS["2d"]), FP32_RTOL, f"{kind} 2d")
-
-
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep"])
 def test_reward_trainer_tracks_ddp(pool2, tiny_models, trl_tokenizer, trl_ddp, layout):
     """RewardTrainer on ``AutoModelForSequenceClassification(num_labels=1)`` loaded sharded from the causal-LM
     checkpoint (a score head outside the TP plan, new at load), chosen/rejected pairs, fp32."""
     results = pool2.run(trl_log, tiny_models, trl_tokenizer, "reward", layout, MODELS[layout], timeout=300)
+    rtol = MOE_RTOL if layout == "ep" else FP32_RTOL
     for rank, result in enumerate(results):
-        problem = compare(result, trl_ddp("reward", MODELS[layout]), FP32_RTOL)
+        problem = compare(result, trl_ddp("reward", MODELS[layout]), rtol)
         assert problem is None, f"reward {layout} rank {rank}: {problem}"
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ep"])
 def test_kto_trainer_tracks_reference(pool2, tiny_models, trl_tokenizer, trl_ddp, layout):
     """KTOTrainer (TRL's default reference model, the KL term from completions rotated within each per-device
-    batch) against its own multi-process answer for the layout's data parallelism: DDP over 2 ranks for fsdp (2
-    data-parallel ranks, 2 rows each), one process (this test process) for tp (1 data-parallel rank, all 4 rows in
-    one batch: the KL pairs of one process)."""
+    batch) against its own multi-process answer for the layout's data parallelism: DDP over 2 ranks where the load
+    has 2 data-parallel ranks (fsdp; ep from transformers 5.21: 2 rows each), one process (this test process) where
+    it has 1 (tp; ep on the TP mesh before 5.21: all 4 rows in one batch, the KL pairs of one process)."""
     results = pool2.run(trl_log, tiny_models, trl_tokenizer, "kto", layout, MODELS[layout], timeout=300)
-    if layout == "fsdp":
-        check_run(results, lambda: trl_ddp("kto", MODELS[layout]), FP32_RTOL, "kto fsdp")
+    _, dp = distributed_sizes(layout, 2)
+    rtol = MOE_RTOL if layout == "ep" else FP32_RTOL
+    if dp == 2:
+        check_run(results, lambda: trl_ddp("kto", MODELS[layout]), rtol, f"kto {layout}")
     else:
         check_run(results, lambda: trl_log(tiny_models, trl_tokenizer, "kto", None, MODELS[layout], world=1)["log"],
-                  FP32_RTOL, "kto tp")
+                  rtol, f"kto {layout}")
+
+
+# KTO refuses a per-device batch of 1 (its KL pairs rotate completions within the per-device batch): on HSDP's 4
+# data-parallel ranks it takes 2 rows per device, as its DDP-over-4 reference does.
+FOUR_RANK_GLOBAL_BATCH = {("kto", "hsdp"): 8}
+
+
+@pytest.fixture(scope="module")
+def trl_ddp4(request, tiny_models, trl_tokenizer):
+    """The TRL run on the plain checkpoint under DDP over 4 ranks (``pool4``, started on first use): the reference
+    of HSDP's 4 data-parallel ranks."""
+    from shardadopt.testing.trl import ddp_reference
+
+    return ddp_reference(request.getfixturevalue("pool4"), tiny_models, trl_tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "reward", "kto"])
+@pytest.mark.parametrize("layout", ["2d", "hsdp"])
+def test_four_ranks_track_ddp(request, tiny_models, trl_tokenizer, trl_ddp, kind, layout):
+    """2-D (``fsdp_size=2, tp_size=2``: 2 data-parallel ranks) against DDP over 2 ranks, HSDP
+    (``dp_replicate_size=2, fsdp_size=2``: 4 data-parallel ranks) against DDP over 4, the same global batch (so
+    the same per-device batch: KTO's KL pairs are those of its DDP reference)."""
+    _sizes_or_skip(layout, 4)
+    _, dp = distributed_sizes(layout, 4)
+    pool = request.getfixturevalue("pool4")
+    batch = FOUR_RANK_GLOBAL_BATCH.get((kind, layout), GLOBAL_BATCH)
+    results = pool.run(trl_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], world=4,
+                       global_batch=batch, timeout=400)
+    reference = trl_ddp if dp == 2 else request.getfixturevalue("trl_ddp4")
+    check_run(results, lambda: reference(kind, MODELS[layout], global_batch=batch), FP32_RTOL, f"{kind} {layout}")
