@@ -1,4 +1,5 @@
-"""TRL's online trainers (GRPO, RLOO) count data-parallel ranks, not processes, on a model sharded at load time.
+"""TRL's online trainers (GRPO, RLOO, Distillation) count data-parallel ranks, not processes, on a model sharded at
+load time.
 
 TRL treats every process as a data-parallel rank: it seeds process ``i`` with ``seed + i``
 (``set_seed(args.seed, device_specific=True)``) and sizes the generation batch by the process count
@@ -14,6 +15,11 @@ copies of a batch are then grouped as one. That is right when each process's gen
 and the statistics are per group; :func:`refuse_split_groups` and :func:`refuse_batch_statistics` refuse the
 configurations where they are not, and :func:`refuse_vllm` refuses vLLM generation, whose weight sync cannot read a
 model sharded at load time. :func:`before_trainer_init` / :func:`after_trainer_init` are what the patches call.
+
+DistillationTrainer (on-policy: the student samples) seeds the same way and sizes its repeat sampler's blocks by the
+process count inline (no config field to resize): :func:`before_distillation_init` /
+:func:`after_distillation_init` seed by data-parallel rank and refuse ``gradient_accumulation_steps > 1`` where TP
+ranks share batches (:func:`refuse_accumulated_generation`).
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ from typing import Any
 from shardadopt.adopt.record import AdoptionError
 from shardadopt.topology import Topology, TopologyError, topology
 
-__all__ = ["GIVEN_BATCH_ATTR", "after_trainer_init", "before_trainer_init", "count_data_parallel_ranks",
-           "online_layout", "record_given_generation_batch", "refuse_batch_statistics", "refuse_split_groups",
-           "refuse_vllm", "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
+__all__ = ["GIVEN_BATCH_ATTR", "after_distillation_init", "after_trainer_init", "before_distillation_init",
+           "before_trainer_init", "count_data_parallel_ranks", "online_layout", "record_given_generation_batch",
+           "refuse_accumulated_generation", "refuse_batch_statistics", "refuse_split_groups", "refuse_vllm",
+           "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
 
 # On a GRPOConfig/RLOOConfig: (generation_batch_size, steps_per_generation) as the user gave them, before TRL's
 # __post_init__ derived the missing one from the process count (shardadopt.enable() records it).
@@ -230,6 +237,65 @@ def after_trainer_init(trainer: Any, config_given: bool) -> None:
         return
     if not config_given:
         _fit_config(trainer.args, layout)
+    seed_by_data_parallel_rank(trainer.args.seed, layout)
+
+
+def refuse_accumulated_generation(args: Any, layout: Topology) -> None:
+    """Refuse (:class:`AdoptionError`) ``gradient_accumulation_steps > 1`` for DistillationTrainer on a model whose
+    TP ranks share batches.
+
+    DistillationTrainer generates once per optimizer step on the first of its ``gradient_accumulation_steps``
+    dataloader batches and reuses it; its repeat sampler repeats blocks of ``per_device_train_batch_size x processes
+    x gradient_accumulation_steps`` prompts that many times so that the skipped batches are the repeats. Counted by
+    processes, a block holds ``tp`` data-parallel windows: the step after the first trains the first window's
+    prompts again where DDP moves on. Local.
+
+    Args:
+        args: the trainer's config.
+        layout: the model's topology (:func:`online_layout`).
+    """
+    steps = args.gradient_accumulation_steps
+    if steps <= 1:
+        return
+    raise AdoptionError(
+        f"DistillationTrainer with gradient_accumulation_steps={steps} on a model whose tensor-parallel ranks share "
+        f"their batch ({layout.describe()}): TRL sizes the blocks its sampler repeats by the process count, so the "
+        f"ranks of a tensor-parallel group would count as data-parallel ranks and train some prompts again where "
+        f"DDP moves on. Use gradient_accumulation_steps=1 with per_device_train_batch_size="
+        f"{args.per_device_train_batch_size * steps} (the same batch per optimizer step), or load the model with "
+        f"DistributedConfig(fsdp_size=...) only.")
+
+
+def before_distillation_init(model: Any, config: Any) -> None:
+    """What DistillationTrainer's ``__init__`` needs before it runs on ``model`` with ``config`` (the user's
+    arguments; either may be None): refusals. Local.
+
+    Args:
+        model: the trainer's ``model`` argument (the student).
+        config: its ``args`` argument.
+    """
+    if config is None:
+        return
+    refuse_vllm(config, model)
+    layout = online_layout(model)
+    if layout is not None:
+        refuse_accumulated_generation(config, layout)
+
+
+def after_distillation_init(trainer: Any, config_given: bool) -> None:
+    """After DistillationTrainer's ``__init__`` seeded every process as a data-parallel rank: where its student's
+    TP ranks share batches, check the config TRL built (``config_given`` False) and seed each process by its
+    data-parallel rank. Local.
+
+    Args:
+        trainer: the trainer, initialised.
+        config_given: whether the user passed ``args`` (checked by :func:`before_distillation_init` already).
+    """
+    layout = online_layout(trainer.model)
+    if layout is None:
+        return
+    if not config_given:
+        refuse_accumulated_generation(trainer.args, layout)
     seed_by_data_parallel_rank(trainer.args.seed, layout)
 
 

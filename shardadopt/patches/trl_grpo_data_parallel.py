@@ -30,8 +30,9 @@ INIT = Target("trl.trainer.grpo_trainer", "GRPOTrainer.__init__")
 CONFIG = Target("trl.trainer.grpo_config", "GRPOConfig.__post_init__")
 
 
-def seeding_probe(trainer: str, config: str, init: Target) -> Callable[[], Probe]:
-    """The probe of a TRL online trainer's data-parallel patch: it reads ``init`` (the trainer's ``__init__``)."""
+def seeding_probe(trainer: str, sizer: str, init: Target) -> Callable[[], Probe]:
+    """The probe of a TRL online trainer's data-parallel patch: it reads ``init`` (the trainer's ``__init__``);
+    ``sizer`` names what sizes its generation batch by the process count, for the reason."""
 
     def probe() -> Probe:
         from shardadopt.online import seeding
@@ -44,7 +45,7 @@ def seeding_probe(trainer: str, config: str, init: Target) -> Callable[[], Probe
             raise undecided(init.qualname, "set_seed(..., device_specific=True) (per-process seeds, the gap) nor "
                                            "seeding by a data-parallel rank (the fix)")
         return Probe(True, f"{trainer} seeds every process as a data-parallel rank (set_seed(..., "
-                           f"device_specific=True)) and {config} sizes the generation batch by world_size: the ranks "
+                           f"device_specific=True)) and {sizer} sizes the generation batch by world_size: the ranks "
                            f"of a tensor-parallel group count as data-parallel ranks")
 
     return probe

@@ -23,12 +23,15 @@ RTOL = 1e-4
 STUDENT, TEACHER = "qwen3", "llama"  # keys of the tiny checkpoints: two architectures of one vocabulary
 
 
+@keeps_patch_state
 def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, student: str, teacher: str, *,
-                teacher_layout: str | None, world: int = 2) -> dict[str, Any]:
+                teacher_layout: str | None, world: int = 2, exclude: tuple[str, ...] = (),
+                **config: Any) -> dict[str, Any]:
     """DistillationTrainer for :data:`STEPS` steps, full fine-tuning in fp32, of ``student`` sharded per ``layout``
     over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs in), with
     ``teacher`` loaded sharded per ``teacher_layout`` (the student's, or another where the teacher cannot take the
-    student's) or plain (``None``). Returns ``{"log": [{"loss",
+    student's) or plain (``None``), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's
+    config. Returns ``{"log": [{"loss",
     "grad_norm"} per step], "dp": data-parallel size, "plain_head_shard": ...}`` or ``{"refused": shardadopt's
     error, ...}``."""
     import tempfile
@@ -40,7 +43,7 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
     from shardadopt.adopt import AdoptionError
     from shardadopt.testing.trl_online import prompts
 
-    shardadopt.enable()
+    shardadopt.enable(exclude=exclude)
     try:
         network, dp = _load(models[student], layout, world)
         teacher_model, _ = _load(models[teacher], teacher_layout, world)
@@ -48,10 +51,11 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
         processing_class = AutoTokenizer.from_pretrained(tokenizer)
         processing_class.padding_side = "left"  # what DistillationTrainer asks of its processing class
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-distill-") as out:
-            config = DistillationConfig(
+            common = dict(
                 output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=STEPS, learning_rate=LR,
                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                 bf16=False, seed=0, disable_tqdm=True, max_completion_length=MAX_COMPLETION_LENGTH)
+            config = DistillationConfig(**{**common, **config})
             try:
                 trainer = DistillationTrainer(model=network, teacher_model=teacher_model, args=config,
                                               train_dataset=prompts(STEPS * GLOBAL_BATCH * 4),

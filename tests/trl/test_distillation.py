@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from shardadopt.testing.trl import MODELS
+from shardadopt.testing.trl import MODELS, refusal_problem
 from shardadopt.testing.trl_distill import RTOL, STEPS, STUDENT, TEACHER, ddp_log, distill_log, head_without_gradient
 
 pytestmark = pytest.mark.multiproc
@@ -65,6 +65,17 @@ def test_distillation_tracks_reference(pool2, tiny_models, trl_tokenizer, refere
             for key in ("loss", "grad_norm"):
                 assert math.isclose(have[key], want[key], rel_tol=RTOL), (
                     f"{layout} rank {rank} step {step}: {key} {have[key]!r} vs reference {want[key]!r}")
+
+
+def test_accumulation_on_tp_refused_by_name(pool2, tiny_models, trl_tokenizer):
+    """``trl-distillation-data-parallel``: gradient_accumulation_steps=2 on tp_size=2 is refused when the trainer is
+    built, naming a per-device batch that trains the same batch (unpatched, TRL's sampler blocks count both TP ranks:
+    measured, step 2 trains the first step's prompts again, loss 0.02356 where one process gives 0.02580)."""
+    results = pool2.run(distill_log, tiny_models, trl_tokenizer, "tp", STUDENT, TEACHER, teacher_layout=None,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=2, timeout=300)
+    for rank, result in enumerate(results):
+        problem = refusal_problem(result, "distill-accumulation")
+        assert problem is None, f"rank {rank}: {problem}"
 
 
 def test_teacher_head_without_gradient_backward(pool2):

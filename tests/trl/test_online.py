@@ -282,8 +282,8 @@ def test_distillation_four_ranks_track_ddp(request, tiny_models, trl_tokenizer, 
                                            teacher_sharded):
     """DistillationTrainer (tests/trl/test_distillation.py's student and teacher), the teacher plain or loaded
     with the student's ``DistributedConfig``, on 2-D against DDP over 2 ranks and on HSDP against DDP over 4 (TRL
-    seeds each process differently: the reference has the layout's data-parallel ranks), per-step loss and grad
-    norm."""
+    seeds each process differently: the reference has the layout's data-parallel ranks; on 2-D each TP group seeds
+    as DDP's process of its data-parallel rank, ``trl-distillation-data-parallel``), per-step loss and grad norm."""
     _sizes_or_skip(layout)
     _, dp = distributed_sizes(layout, 4)
     pool = request.getfixturevalue("pool4")
@@ -296,3 +296,15 @@ def test_distillation_four_ranks_track_ddp(request, tiny_models, trl_tokenizer, 
             for key in ("loss", "grad_norm"):
                 assert math.isclose(have[key], want[key], rel_tol=DISTILL_RTOL), (
                     f"distillation {layout} rank {rank} step {step}: {key} {have[key]!r} vs DDP {want[key]!r}")
+
+
+def test_distillation_2d_without_the_fix_differs(request, tiny_models, trl_tokenizer, distill_ddp):
+    """The check above catches the bug: with trl-distillation-data-parallel excluded, TRL seeds global rank 2 (the
+    second TP group's first rank) with seed + 2 where DDP's second process has seed + 1: that group distills other
+    completions, and the first step's loss is not DDP's."""
+    _sizes_or_skip("2d")
+    pool = request.getfixturevalue("pool4")
+    results = pool.run(distill_log, tiny_models, trl_tokenizer, "2d", STUDENT, TEACHER, teacher_layout=None, world=4,
+                       exclude=("trl-distillation-data-parallel",), max_steps=1, timeout=600)
+    loss = results[0]["log"][0]["loss"]
+    assert not math.isclose(loss, distill_ddp(2)[0]["loss"], rel_tol=DISTILL_RTOL), loss

@@ -96,6 +96,8 @@ RENAMES = [
      {"device_specific=True": "per_process=True"}),
     ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer", "__init__",
      {"device_specific=True": "per_process=True"}),
+    ("trl-distillation-data-parallel", "trl.trainer.distillation_trainer:DistillationTrainer", "__init__",
+     {"device_specific=True": "per_process=True"}),
 ]
 
 
@@ -136,7 +138,9 @@ def test_transpose_check_probe_finds_a_check_against_the_local_shard(tmp_path, m
 
 
 @pytest.mark.parametrize("pid,owner", [("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer"),
-                                       ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer")])
+                                       ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer"),
+                                       ("trl-distillation-data-parallel",
+                                        "trl.trainer.distillation_trainer:DistillationTrainer")])
 def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid, owner, tmp_path, monkeypatch):
     """The fix's shape (patches/trl-*-data-parallel.diff seeds by ``dp_rank``) reads as not-needed."""
     pytest.importorskip("trl")
