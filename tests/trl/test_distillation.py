@@ -1,7 +1,8 @@
 """TRL's DistillationTrainer (on-policy: the student samples its completions) with a load-time-sharded student and
 a teacher loaded sharded the same way or plain, against the same trainer on the plain checkpoints: one process for
 ``tp_size=2`` (one data-parallel rank; TRL seeds each process differently, so only one process samples what the TP
-group samples), DDP over 2 ranks for ``fsdp_size=2``. Two sharded models in one process share their meshes
+group samples), DDP over 2 ranks for ``fsdp_size=2`` and ``ep_size=2, fsdp_size=2`` (the 4-rank layouts are in
+tests/trl/test_online.py, whose ``pool4`` they share). Two sharded models in one process share their meshes
 (``transformers-reuse-device-mesh`` on transformers 5.18+) and neither waits on the other's collectives.
 """
 

@@ -1,7 +1,9 @@
 """TRL's GRPOTrainer and RLOOTrainer, and a user's own sampling loop, on tensor-parallel loads: the ranks of a TP
 group sample the same tokens (``transformers-tp-sampling-agreement``) and training tracks one process; on 2-D loads
 each TP group seeds and sizes its generation batch as DDP's process of its data-parallel rank
-(``trl-grpo-data-parallel``, ``trl-rloo-data-parallel``), and tracks DDP.
+(``trl-grpo-data-parallel``, ``trl-rloo-data-parallel``), and tracks DDP. On HSDP (4 data-parallel ranks) GRPO
+and RLOO track DDP over 4 ranks; DistillationTrainer's 2-D (``trl-distillation-data-parallel``) and HSDP runs are
+here too, with this module's 4 ranks.
 
 TRL seeds each process differently, so a multi-process run samples other completions than one process; with one
 data-parallel rank (``tp_size=2`` on 2 ranks) the TP group takes its first rank's stream (``seed + 0``), which is one

@@ -1,12 +1,14 @@
 """TRL's SFTTrainer (full fine-tuning), DPOTrainer, RewardTrainer and KTOTrainer on load-time-sharded models track
 the DDP run.
 
-The reference is the same trainer on the plain checkpoint under DDP over 2 ranks (upstream's own multi-process
-answer: TRL SFT under DDP itself differs from one process by ~1e-5, from per-rank padding), with the same global
-batch; the workers are ``shardadopt.testing.trl`` (TRL called as its docs show). Where transformers keeps TP shards
-as plain tensors (5.15, 5.16), TRL's fused LM head would read this rank's slice of ``lm_head.weight`` and train
-silently wrong: those runs must be refused at ``train()``, naming the combination and the fix. KTO's KL term pairs
-completions within each per-device batch, so its tp run (one data-parallel rank) is compared with one process.
+The reference is the same trainer on the plain checkpoint under DDP over as many ranks as the layout has
+data-parallel ranks (upstream's own multi-process answer: TRL SFT under DDP itself differs from one process by ~1e-5,
+from per-rank padding): 2 for fsdp, ep and 2-D, 4 for HSDP (the 4-rank layouts share this module's ``pool4``), with
+the same global batch; the workers are ``shardadopt.testing.trl`` (TRL called as its docs show). Where transformers
+keeps TP shards as plain tensors (5.15, 5.16), TRL's fused LM head would read this rank's slice of
+``lm_head.weight`` and train silently wrong: those runs must be refused at ``train()``, naming the combination and
+the fix. KTO's KL term pairs completions within each per-device batch, so its runs with one data-parallel rank (tp)
+are compared with one process.
 """
 
 from __future__ import annotations
