@@ -84,7 +84,8 @@ SEED_BY_DATA_PARALLEL_RANK = """\
                 "vLLM gathers parameters only through FSDP or DeepSpeed ZeRO-3. Set `use_vllm=False`."
             )
         self.data_parallel_size = self.accelerator.num_processes // model_parallel_size
-        set_seed(args.seed + self.accelerator.process_index // model_parallel_size)
+        dp_rank = self.accelerator.process_index // model_parallel_size
+        set_seed(args.seed + dp_rank)
 """
 
 
