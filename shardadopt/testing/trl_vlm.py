@@ -13,8 +13,7 @@ image tokens, image tokens attending both ways). Its processor is built offline,
 a word-level tokenizer whose ids are the tiny config's special ids (``<start_of_image>``, ``<image_soft_token>``,
 ``<end_of_image>``, pad/eos/bos), Gemma 3's PIL image processor set to the tower's image size, a chat template of
 Gemma 3's shape, ``Gemma3Processor.save_pretrained(dir)``. Gemma 3 because its processor builds from local files
-on transformers 5.15 and 5.25 alike (Qwen2.5-VL's asks for a video processor that AutoProcessor cannot resolve
-offline).
+on transformers 5.15 and 5.25 alike (Qwen2.5-VL's did not build offline when tried: a video processor lookup).
 """
 
 from __future__ import annotations
