@@ -96,6 +96,13 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
         "from the whole-batch reference (1431x the tolerance) as the FSDP run does (1430x); loss within 0.5 of its "
         "tolerance; tp (no split of the batch) verified. Which part of HunYuan-VL couples the rows of a batch is "
         "not found yet",
+    ("qwen3_5_moe", "tp", "fails"):
+        "image-text-to-text: marginal, a limit of the check: every first-step gradient (0.018 of its tolerance), "
+        "loss and norm matches; after 3 Adam steps three parameters of one gated-delta-net layer (`linear_attn."
+        "A_log`, `dt_bias`, `in_proj_a`, gradients ~1e-4) are 3.7x the RMS allowance (max difference 7e-6, 1.5% of "
+        "the max allowance). Sharding the matmuls changes fp32 sums that reordering one process's batch does not "
+        "(that moves `A_log` by 2.4e-7), and transformers' reference gated-delta kernel computes in fp32 whatever "
+        "the model's dtype: the whole check in float64 still leaves `A_log` at 1.1x (measured 2026-12-07)",
     ("llama4_text", "ep", "fails"):
         "loud, not silent: transformers 5.15's Llama4 EP plan puts `ep_router` on `feed_forward.router`, whose "
         "output hook unpacks (logits, scores, indices) while Llama4Router returns (scores, logits): the first forward "

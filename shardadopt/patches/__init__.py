@@ -32,6 +32,7 @@ from shardadopt.patches import (
                                 transformers_tp_partial_grad,
                                 transformers_tp_replicated_grad_accumulation,
                                 transformers_tp_sampling_agreement,
+                                transformers_tp_tied_lm_head,
                                 trl_distillation_data_parallel,
                                 trl_grpo_data_parallel,
                                 trl_rloo_data_parallel,
@@ -66,5 +67,6 @@ ALL_PATCHES: list[Patch] = [
     torch_dtensor_redistribute_no_grad.PATCH,
     trl_grpo_data_parallel.PATCH,
     trl_rloo_data_parallel.PATCH,
+    transformers_tp_tied_lm_head.PATCH,
     trl_distillation_data_parallel.PATCH,
 ]

@@ -116,7 +116,7 @@ def plain_head_shard(network) -> bool:
     head = network.get_output_embeddings()
     if head is None:  # a classification head (whole on every rank)
         return False
-    return not isinstance(head.weight, DTensor) and head.weight.shape[0] < network.config.vocab_size
+    return not isinstance(head.weight, DTensor) and head.weight.shape[0] < network.config.get_text_config().vocab_size
 
 
 def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, global_batch: int = GLOBAL_BATCH,

@@ -88,6 +88,8 @@ from shardadopt.upstream.torch import (
     wait_functional_collective,
 )
 from shardadopt.upstream.transformers import (
+    CLASS_TIED_WEIGHTS_ATTRIBUTE,
+    CLASS_TP_PLAN_ATTRIBUTE,
     EMBEDDING_PARALLEL_PREPARE_INPUT,
     GENERATION_SAMPLE,
     MODEL_DEVICE_MESH_ATTRIBUTE,

@@ -33,6 +33,12 @@ SAVE_MODEL_INTERNAL_CALL = "_internal_call"
 MODEL_DEVICE_MESH_ATTRIBUTE = "_device_mesh"
 MODEL_SHARDING_SIZE_ATTRIBUTES = ("_tp_size", "_fsdp_size")
 
+# Class attributes a model class declares its TP plan and its tied weights with (``LlamaForCausalLM._tp_plan =
+# {"lm_head": "colwise_gather_output"}``, ``_tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}``),
+# as a probe reads them in a class body of upstream source. Checked on transformers 5.15-5.25.
+CLASS_TP_PLAN_ATTRIBUTE = "_tp_plan"
+CLASS_TIED_WEIGHTS_ATTRIBUTE = "_tied_weights_keys"
+
 # The name of transformers' grouped GEMM helper that ``grouped_mm_experts_forward`` calls, as a probe finds it in
 # upstream source (``transformers.integrations.moe._grouped_linear``). Checked on transformers 5.15-5.25.
 MOE_GROUPED_LINEAR = "_grouped_linear"

@@ -463,17 +463,12 @@ def _encodes_images_before_prefill() -> bool:
 def _generate_known_failure(model_type: str, layout: str) -> str | None:
     """Why ``generate`` with images is known to fail for this cell on the installed transformers (issue 41), or
     None. Not run where the ranks raise (a rank error shuts the module's pool down)."""
-    import transformers
-
     if layout == "fsdp" and _encodes_images_before_prefill():
         # transformers 5.25: generate() calls base_model.get_image_features(...) itself before the prefill; that is
         # no module forward, so FSDP2's root pre-forward hook never all-gathers the root unit's parameters (the
         # vision patch embedding, the merger / projector) and their conv sees DTensor shards
         return ("generate encodes the images before the prefill outside any forward: the FSDP root unit's "
                 "vision parameters stay sharded (aten.convolution: mixed torch.Tensor and DTensor)")
-    if model_type == "gemma3" and layout == "tp" and Version(transformers.__version__).release[:2] == (5, 15):
-        return ("transformers 5.15 tp_size=2 Gemma 3: greedy tokens leave one process's from the 5th new token of "
-                "the second row (one process's top-2 margin there is 0.037 on logits of ~0.5: no reordering tie)")
     return None
 
 

@@ -137,6 +137,26 @@ def test_transpose_check_probe_finds_a_check_against_the_local_shard(tmp_path, m
     assert state == NOT_NEEDED and "shard's shape" in reason, reason
 
 
+@pytest.mark.parametrize("body,expected", [
+    ('    _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}\n', APPLIED),
+    ('    _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}\n'
+     '    _tp_plan = {"lm_head": "colwise_gather_output"}\n', NOT_NEEDED),
+    ("    pass\n", UNSUPPORTED),  # neither a tied head nor a plan for it: a class the probe cannot read
+])
+def test_tied_head_probe_reads_the_representative_class_body(body, expected, tmp_path, monkeypatch):
+    """transformers-tp-tied-lm-head reads Gemma3ForConditionalGeneration's class body from the installed source: the
+    gap (a tied head, no plan entry: 5.15-5.19), the fix (5.20+), or a shape it does not know."""
+    import shardadopt.probing
+    from shardadopt.patches import transformers_tp_tied_lm_head as tied
+
+    source = tmp_path / "modeling_gemma3.py"
+    source.write_text(f"class {tied.REPRESENTATIVE_CLASS}:\n{body}")
+    monkeypatch.setattr(shardadopt.probing, "package_file",
+                        lambda package, *parts: str(source) if parts == tied.REPRESENTATIVE else None)
+    state, reason = state_of(tied.ID)
+    assert state == expected, reason
+
+
 @pytest.mark.parametrize("pid,owner", [("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer"),
                                        ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer"),
                                        ("trl-distillation-data-parallel",

@@ -747,6 +747,13 @@ def test_every_accessor_is_tested():
     assert not untested, f"accessors without a test in {pathlib.Path(__file__).name}: {untested}"
 
 
+def test_class_plan_attributes():
+    from transformers import LlamaForCausalLM
+
+    assert getattr(LlamaForCausalLM, upstream.CLASS_TP_PLAN_ATTRIBUTE).get("lm_head") == "colwise_gather_output"
+    assert "lm_head.weight" in getattr(LlamaForCausalLM, upstream.CLASS_TIED_WEIGHTS_ATTRIBUTE)
+
+
 # -- patch targets and the private hooks their probes read ----------------------------------------------------------
 
 @pytest.mark.parametrize("target", [upstream.PARALLELISM_CONFIG_VALIDATE_ACCELERATOR,
