@@ -32,6 +32,7 @@ from shardadopt.patches import (
                                 transformers_tp_partial_grad,
                                 transformers_tp_replicated_grad_accumulation,
                                 transformers_tp_sampling_agreement,
+                                trl_distillation_plain_tp_head,
                                 trl_grpo_data_parallel,
                                 trl_rloo_data_parallel,
 )
@@ -65,4 +66,5 @@ ALL_PATCHES: list[Patch] = [
     torch_dtensor_redistribute_no_grad.PATCH,
     trl_grpo_data_parallel.PATCH,
     trl_rloo_data_parallel.PATCH,
+    trl_distillation_plain_tp_head.PATCH,
 ]

@@ -45,7 +45,9 @@ REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"
             "split-groups": ("does not hold whole groups of num_generations=4", "per_device_train_batch_size=4",
                              "steps_per_generation=2"),
             "batch-std": ("a standard deviation over the whole batch", "per-group statistics, exact here"),
-            "vllm": ("use_vllm=True cannot train a model sharded at load time", "Set use_vllm=False")}
+            "vllm": ("use_vllm=True cannot train a model sharded at load time", "Set use_vllm=False"),
+            "distill-head": ("DistillationTrainer reads the student's lm_head.weight directly",
+                             "Upgrade transformers to 5.17", "DistributedConfig(fsdp_size=...)")}
 
 
 def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):

@@ -22,13 +22,14 @@ LR = 1e-3
 RTOL = 1e-4
 
 
+@keeps_patch_state
 def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, student: str, teacher: str, *,
-                teacher_sharded: bool, world: int = 2) -> dict[str, Any]:
+                teacher_sharded: bool, world: int = 2, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """DistillationTrainer for :data:`STEPS` steps, full fine-tuning in fp32, of ``student`` sharded per ``layout``
     over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs in), with
-    ``teacher`` loaded with the same ``DistributedConfig`` (``teacher_sharded``) or plain. Returns ``{"log": [{"loss",
-    "grad_norm"} per step], "dp": data-parallel size, "plain_head_shard": ...}`` or ``{"refused": shardadopt's
-    error, ...}``."""
+    ``teacher`` loaded with the same ``DistributedConfig`` (``teacher_sharded``) or plain, with shardadopt enabled
+    minus ``exclude``. Returns ``{"log": [{"loss", "grad_norm"} per step], "dp": data-parallel size,
+    "plain_head_shard": ...}`` or ``{"refused": shardadopt's error, ...}``."""
     import tempfile
 
     from transformers import AutoTokenizer, PrinterCallback
@@ -38,7 +39,7 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
     from shardadopt.adopt import AdoptionError
     from shardadopt.testing.trl_online import prompts
 
-    shardadopt.enable()
+    shardadopt.enable(exclude=exclude)
     try:
         network, dp = _load(models[student], layout, world)
         teacher_model, _ = _load(models[teacher], layout if teacher_sharded else None, world)
