@@ -50,11 +50,13 @@ def even_words(completions: list[str]) -> list[float]:
 @keeps_patch_state
 def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
                world: int = 2, exclude: tuple[str, ...] = (), dtype: str = "float32", lora: bool = False,
-               **config: Any) -> dict[str, Any]:
+               from_path: bool = False, **config: Any) -> dict[str, Any]:
     """``kind`` ("grpo" or "rloo") for :data:`STEPS` steps, full fine-tuning in ``dtype`` (or with ``lora``: TRL's
     ``peft_config=LoraConfig(...)``, every rank seeded the same first), on ``model`` sharded per
     ``layout`` over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs
-    in), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's config. Returns ``{"log":
+    in), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's config. ``from_path``: TRL
+    loads the model itself (``model=<path>``, ``model_init_kwargs={"dtype": ..., "distributed_config":
+    DistributedConfig(...)}`` for a ``layout``). Returns ``{"log":
     [{"loss", "grad_norm", "reward"} per step], "completions": [the completions this rank's reward function scored,
     per call], "dp": data-parallel size, "plain_head_shard": ...}``, or ``{"refused": shardadopt's error, ...}``; a
     step that generated nothing (``steps_per_generation``/``num_iterations`` > 1) logs reward None."""
@@ -76,13 +78,28 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
 
     shardadopt.enable(exclude=exclude)
     try:
-        network, dp = _load(models[model], layout, world, dtype)
-        result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network), "dp": dp}
+        init: dict[str, Any] = {}
+        if from_path:
+            from shardadopt import upstream
+            from shardadopt.testing.layouts import distributed_sizes
+
+            network, dp, init["dtype"] = models[model], world, dtype
+            if layout is not None:
+                from transformers.distributed import DistributedConfig
+
+                sizes, dp = distributed_sizes(layout, world)
+                init["distributed_config"] = DistributedConfig(**sizes)
+            upstream.reset_accelerate_state()  # pooled ranks run several trainers in one process
+            result: dict[str, Any] = {"dp": dp}
+        else:
+            network, dp = _load(models[model], layout, world, dtype)
+            result = {"plain_head_shard": plain_head_shard(network), "dp": dp}
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-online-") as out:
             common = dict(output_dir=out, per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS // dp,
                           num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH,
                           max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", logging_steps=1,
-                          save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0, disable_tqdm=True)
+                          save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
+                          **({"model_init_kwargs": init} if from_path else {}))
             common.update(config)
             if kind == "grpo":
                 from trl import GRPOConfig as Config
@@ -98,6 +115,7 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
                 trainer = Trainer(model=network, reward_funcs=reward_even_words, args=Config(**common),
                                   train_dataset=prompts(STEPS * PROMPTS_PER_STEP * 4),
                                   processing_class=AutoTokenizer.from_pretrained(tokenizer), **extra)
+                result["plain_head_shard"] = plain_head_shard(trainer.model)
                 trainer.remove_callback(PrinterCallback)
                 trainer.train()
             except (AdapterLayoutError, AdoptionError) as exc:
