@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from shardadopt.adapters import dtensor_tensor_parallel
 from shardadopt.testing.trl_distill import RTOL, distill_log
 
 PATCH = "trl-distillation-plain-tp-head"
@@ -47,14 +48,11 @@ def test_a_plain_head_shard_is_named_student_or_teacher(tiny_models):
 
 
 @pytest.mark.multiproc
+@pytest.mark.skipif(dtensor_tensor_parallel(), reason="transformers 5.17+: TP heads are DTensors, which "
+                    "DistillationTrainer gathers (test_distillation.py checks those runs track one process)")
 def test_without_the_refusal_tp_trains_wrong(pool2, tiny_models, trl_tokenizer):
     """With the patch excluded, a tp_size=2 student and teacher on a release that keeps the heads as plain shards
-    train (nothing else refuses it) and log other losses than one process on the plain checkpoints. Where the heads
-    are DTensors (transformers 5.17+) there is nothing to refuse: test_distillation.py checks those runs track."""
-    from shardadopt.adapters import dtensor_tensor_parallel
-
-    if dtensor_tensor_parallel():
-        pytest.skip("transformers 5.17+: TP heads are DTensors, which DistillationTrainer gathers")
+    train (nothing else refuses it) and log other losses than one process on the plain checkpoints."""
     results = pool2.run(distill_log, tiny_models, trl_tokenizer, "tp", STUDENT, TEACHER, teacher_sharded=True,
                         exclude=(PATCH,), timeout=300)
     reference = distill_log(tiny_models, trl_tokenizer, None, STUDENT, TEACHER, teacher_sharded=False, world=1)
