@@ -25,15 +25,16 @@ ranks share batches (:func:`refuse_accumulated_generation`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from shardadopt.adopt.record import AdoptionError
 from shardadopt.topology import Topology, TopologyError, topology
 
 __all__ = ["GIVEN_BATCH_ATTR", "after_distillation_init", "after_trainer_init", "before_distillation_init",
-           "before_trainer_init", "count_data_parallel_ranks", "online_layout", "record_given_generation_batch",
-           "refuse_accumulated_generation", "refuse_batch_statistics", "refuse_split_groups", "refuse_vllm",
-           "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
+           "before_trainer_init", "count_data_parallel_ranks", "model_init_sharding", "online_layout",
+           "record_given_generation_batch", "refuse_accumulated_generation", "refuse_batch_statistics",
+           "refuse_split_groups", "refuse_vllm", "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
 
 # On a GRPOConfig/RLOOConfig: (generation_batch_size, steps_per_generation) as the user gave them, before TRL's
 # __post_init__ derived the missing one from the process count (shardadopt.enable() records it).
@@ -156,8 +157,34 @@ def refuse_batch_statistics(args: Any, layout: Topology) -> None:
                 f"with DistributedConfig(fsdp_size=...) only.")
 
 
+def model_init_sharding(args: Any) -> dict[str, int]:
+    """The sharding sizes above 1 that a config's ``model_init_kwargs["distributed_config"]`` asks for (a
+    ``DistributedConfig`` or its dict form), with which TRL loads a model given as a path (``model="org/name"``:
+    ``from_pretrained(path, **model_init_kwargs)``, sharded at load time); empty without one. Local.
+
+    Args:
+        args: a TRL trainer config.
+
+    Returns:
+        ``{"tp_size": 2, ...}``: every ``*_size`` above 1.
+    """
+    import dataclasses
+
+    init = getattr(args, "model_init_kwargs", None)
+    config = init.get("distributed_config") if isinstance(init, Mapping) else None
+    if config is None:
+        return {}
+    sizes = config if isinstance(config, Mapping) else (
+        {f.name: getattr(config, f.name) for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config)
+        else vars(config))
+    return {name: value for name, value in sizes.items()
+            if name.endswith("_size") and isinstance(value, int) and value > 1}
+
+
 def refuse_vllm(args: Any, model: Any) -> None:
-    """Refuse (:class:`AdoptionError`) ``use_vllm=True`` for a model sharded at load time.
+    """Refuse (:class:`AdoptionError`) ``use_vllm=True`` for a model sharded at load time: given loaded, or given
+    as a path that TRL loads with a sharding ``distributed_config`` in ``model_init_kwargs`` (refused before TRL
+    loads it or starts vLLM).
 
     TRL syncs the trained weights into vLLM by reading each parameter whole: it gathers them only through
     accelerate's FSDP plugin (``summon_full_params`` / ``full_tensor()``) or DeepSpeed ZeRO-3, which a model sharded
@@ -172,10 +199,15 @@ def refuse_vllm(args: Any, model: Any) -> None:
     if not getattr(args, "use_vllm", False):
         return
     layout = sharded_layout(model)
-    if layout is None:
+    if layout is not None:
+        described = layout.describe()
+    elif isinstance(model, str) and model_init_sharding(args):
+        sizes = ", ".join(f"{name}={value}" for name, value in model_init_sharding(args).items())
+        described = f"{model!r} loaded by TRL with model_init_kwargs distributed_config {sizes}"
+    else:
         return
     raise AdoptionError(
-        f"use_vllm=True cannot train a model sharded at load time ({layout.describe()}): TRL copies the trained "
+        f"use_vllm=True cannot train a model sharded at load time ({described}): TRL copies the trained "
         f"weights into vLLM whole only through accelerate's FSDP plugin or DeepSpeed ZeRO-3, and this model's "
         f"parameters are DTensor shards that it would send as they are (each rank's piece under the full "
         f"parameter's name); on CPU processes (gloo) vLLM has no weight transfer at all (NCCL only). Set "
@@ -206,7 +238,7 @@ def record_given_generation_batch(config: Any) -> None:
     setattr(config, GIVEN_BATCH_ATTR, (config.generation_batch_size, config.steps_per_generation))
 
 
-def before_trainer_init(model: Any, config: Any) -> None:
+def before_trainer_init(model: Any, config: Any) -> bool:
     """What a GRPO/RLOO trainer's ``__init__`` needs before it runs on ``model`` with ``config`` (the arguments the
     user passed; either may be None or, for ``model``, a model id): refusals, then the generation batch by
     data-parallel ranks. Local.
@@ -214,28 +246,38 @@ def before_trainer_init(model: Any, config: Any) -> None:
     Args:
         model: the trainer's ``model`` argument.
         config: its ``args`` argument.
+
+    Returns:
+        Whether ``config`` was fitted to the model's layout here (a given config and a loaded model); otherwise
+        :func:`after_trainer_init` fits the config TRL holds to the model TRL holds.
     """
+    from torch import nn
+
     if config is None:
-        return
+        return False
     refuse_vllm(config, model)
+    if not isinstance(model, nn.Module):  # a path: TRL loads it (sharded per model_init_kwargs) in __init__
+        return False
     layout = online_layout(model)
     if layout is not None:
         _fit_config(config, layout)
+    return True
 
 
-def after_trainer_init(trainer: Any, config_given: bool) -> None:
+def after_trainer_init(trainer: Any, fitted: bool) -> None:
     """After a GRPO/RLOO trainer's ``__init__`` seeded every process as a data-parallel rank: where its model's TP
-    ranks share batches, check the config TRL built (``config_given`` False) and seed each process by its
+    ranks share batches, check the config unless :func:`before_trainer_init` did (a config TRL built, or a model TRL
+    loaded from a path with a ``distributed_config`` in ``model_init_kwargs``) and seed each process by its
     data-parallel rank. Local.
 
     Args:
         trainer: the trainer, initialised.
-        config_given: whether the user passed ``args`` (checked by :func:`before_trainer_init` already).
+        fitted: what :func:`before_trainer_init` returned.
     """
     layout = online_layout(trainer.model)
     if layout is None:
         return
-    if not config_given:
+    if not fitted:
         _fit_config(trainer.args, layout)
     seed_by_data_parallel_rank(trainer.args.seed, layout)
 

@@ -23,6 +23,8 @@ from shardadopt.adopt.metrics import gather_for_metrics
 from shardadopt.adopt.model import adopt_model, is_sharded_model
 from shardadopt.adopt.record import AdoptionError, AdoptionKwargs, adopted, adoption_kwargs
 from shardadopt.adopt.refusals import (
+    plain_head_shard,
+    refuse_distillation_heads_on_plain_shards,
     refuse_fused_lm_head_on_plain_shards,
     refuse_unsupported_distributed_features,
     refuse_whole_model_for_dp_shard,
@@ -30,7 +32,8 @@ from shardadopt.adopt.refusals import (
 from shardadopt.adopt.training import clip_grad_norm_, no_sync
 
 __all__ = ["AdoptionKwargs", "AdoptionError", "DataParallelSource", "adopt_model", "adopted", "adoption_kwargs",
-           "dispatch_per_mesh_dp_group", "is_sharded_model", "refuse_fused_lm_head_on_plain_shards",
+           "dispatch_per_mesh_dp_group", "is_sharded_model", "plain_head_shard",
+           "refuse_distillation_heads_on_plain_shards", "refuse_fused_lm_head_on_plain_shards",
            "refuse_unsupported_distributed_features", "refuse_whole_model_for_dp_shard",
            "shard_dataloader", "gather_for_metrics", "no_sync", "clip_grad_norm_", "frozen_units",
            "keep_frozen_units_gathered"]

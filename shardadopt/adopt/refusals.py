@@ -1,8 +1,9 @@
 """Sharded models that adoption cannot train like one process are refused before training, naming the fix.
 
 ``DistributedConfig`` options whose parameters adoption cannot keep (CPU offload, FSDP2's bf16 parameter policy) or
-that cannot train (DeepGEMM Mega MoE experts), and TRL's fused LM head on a plain local TP shard of the vocabulary
-(transformers 5.15/5.16), which would score every token against one rank's slice without an error. And the other
+that cannot train (DeepGEMM Mega MoE experts), and TRL's fused LM head or DistillationTrainer's loss on a plain local
+TP shard of the vocabulary (transformers 5.15/5.16), which would score every token against one rank's slice without
+an error. And the other
 way round: a whole (unsharded) model that a CPU ``Accelerator`` would DDP-wrap although its ``ParallelismConfig`` asks
 for sharding (``dp_shard_size > 1``), which would train full replicas on every rank without a word.
 """
@@ -76,6 +77,30 @@ def _fused_lm_head_forwards(model: nn.Module) -> Iterator[nn.Module]:
             yield module
 
 
+def plain_head_shard(model: Any) -> tuple[tuple[int, ...], int] | None:
+    """(shape, vocabulary size) of ``model``'s LM head weight when it is a plain tensor holding part of the
+    vocabulary (a tensor-parallel shard as transformers 5.15/5.16 keep it: not a DTensor, fewer rows than
+    ``vocab_size``), else None (a whole or DTensor head, no LM head, not a model). Local.
+
+    Args:
+        model: a model (a peft model reads its base model's head), or anything else.
+
+    Returns:
+        The local weight's shape and the vocabulary size, or None.
+    """
+    from torch.distributed.tensor import DTensor
+
+    get_head = getattr(model, "get_output_embeddings", None)
+    config = getattr(model, "config", None)
+    if not callable(get_head) or config is None:
+        return None
+    weight = getattr(get_head(), "weight", None)
+    vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if weight is None or isinstance(weight, DTensor) or vocab is None or weight.shape[0] >= vocab:
+        return None
+    return tuple(weight.shape), vocab
+
+
 def refuse_fused_lm_head_on_plain_shards(model: nn.Module) -> None:
     """Refuse (:class:`AdoptionError`) a model whose LM head is a plain local TP shard (transformers 5.15/5.16) when
     TRL's fused LM head reads it (SFTTrainer, DPOTrainer, KTO, GRPO, RLOO install it on the model they train).
@@ -87,23 +112,51 @@ def refuse_fused_lm_head_on_plain_shards(model: nn.Module) -> None:
     Args:
         model: the model being prepared (TRL's trainers install the fused head before ``prepare``).
     """
-    from torch.distributed.tensor import DTensor
-
     for module in _fused_lm_head_forwards(model):
-        weight = getattr(module.get_output_embeddings(), "weight", None)
-        vocab = getattr(module.config.get_text_config(), "vocab_size", None)
-        if weight is None or isinstance(weight, DTensor) or vocab is None or weight.shape[0] >= vocab:
+        found = plain_head_shard(module)
+        if found is None:
             continue
         import transformers
 
+        (shape, vocab) = found
         raise AdoptionError(
             f"TRL's fused LM head (trl add_fused_lm_head, installed by SFTTrainer, DPOTrainer and the other TRL "
             f"trainers) reads lm_head.weight directly, and on this model it is a plain tensor-parallel shard of "
-            f"{tuple(weight.shape)} rows of the {vocab}-token vocabulary (transformers {transformers.__version__} "
+            f"{shape} rows of the {vocab}-token vocabulary (transformers {transformers.__version__} "
             f"keeps TP shards as plain tensors, 5.15 and 5.16): every rank would score tokens against its own slice "
             f"of the vocabulary and train silently wrong. Upgrade transformers to 5.17 or newer (TP shards are "
             f"DTensors there, which TRL gathers), or load the model with DistributedConfig(fsdp_size=...) instead "
             f"of tp_size. TRL has no option to turn its fused LM head off.")
+
+
+def refuse_distillation_heads_on_plain_shards(student: Any, teacher: Any) -> None:
+    """Refuse (:class:`AdoptionError`) a TRL ``DistillationTrainer`` whose student or teacher has its LM head as a
+    plain local TP shard (transformers 5.15/5.16).
+
+    DistillationTrainer's loss reads both models' ``lm_head.weight`` itself (``get_output_embeddings()``, not
+    through the fused head :func:`refuse_fused_lm_head_on_plain_shards` detects) and gathers a weight only when it
+    is a DTensor: with a plain shard every rank would compare student and teacher over its own slice of the
+    vocabulary, a wrong loss and wrong gradients without an error. Local: no collective.
+
+    Args:
+        student: the model the trainer trains (a peft model too).
+        teacher: its teacher model, or None.
+    """
+    for role, model in (("student", student), ("teacher", teacher)):
+        found = plain_head_shard(model)
+        if found is None:
+            continue
+        import transformers
+
+        (shape, vocab) = found
+        raise AdoptionError(
+            f"TRL's DistillationTrainer reads the {role}'s lm_head.weight directly in its loss (not through the "
+            f"model's forward) and gathers it only when it is a DTensor; on this {role} it is a plain "
+            f"tensor-parallel shard of {shape[0]} rows of the {vocab}-token vocabulary (transformers "
+            f"{transformers.__version__} keeps TP shards as plain tensors, 5.15 and 5.16): every rank would compare "
+            f"student and teacher over its own slice of the vocabulary and train silently wrong. Upgrade "
+            f"transformers to 5.17 or newer (TP shards are DTensors there, which TRL gathers), or load the "
+            f"{role} with DistributedConfig(fsdp_size=...) instead of tp_size.")
 
 
 def refuse_whole_model_for_dp_shard(accelerator: Any, model: Any, override: Mapping[str, int] | None = None) -> None:

@@ -34,6 +34,7 @@ from shardadopt.patches import (
                                 transformers_tp_sampling_agreement,
                                 transformers_tp_tied_lm_head,
                                 trl_distillation_data_parallel,
+                                trl_distillation_plain_tp_head,
                                 trl_grpo_data_parallel,
                                 trl_rloo_data_parallel,
 )
@@ -69,4 +70,5 @@ ALL_PATCHES: list[Patch] = [
     trl_rloo_data_parallel.PATCH,
     transformers_tp_tied_lm_head.PATCH,
     trl_distillation_data_parallel.PATCH,
+    trl_distillation_plain_tp_head.PATCH,
 ]

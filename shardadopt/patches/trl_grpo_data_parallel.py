@@ -66,9 +66,9 @@ def trainer_init(wrapped, instance, args, kwargs):
     from shardadopt.online import after_trainer_init, before_trainer_init
 
     bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
-    before_trainer_init(bound.get("model"), bound.get("args"))
+    fitted = before_trainer_init(bound.get("model"), bound.get("args"))
     result = wrapped(*args, **kwargs)
-    after_trainer_init(instance, bound.get("args") is not None)
+    after_trainer_init(instance, fitted)
     return result
 
 

@@ -47,7 +47,9 @@ REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"
             "batch-std": ("a standard deviation over the whole batch", "per-group statistics, exact here"),
             "vllm": ("use_vllm=True cannot train a model sharded at load time", "Set use_vllm=False"),
             "distill-accumulation": ("DistillationTrainer with gradient_accumulation_steps=2",
-                                     "gradient_accumulation_steps=1 with per_device_train_batch_size=4")}
+                                     "gradient_accumulation_steps=1 with per_device_train_batch_size=4"),
+            "distill-head": ("DistillationTrainer reads the student's lm_head.weight directly",
+                             "Upgrade transformers to 5.17", "DistributedConfig(fsdp_size=...)")}
 
 
 def dataset(kind: str, n: int = STEPS * GLOBAL_BATCH):

@@ -13,6 +13,7 @@ checkpoint with the same per-device batch, whose stream (``seed + 0``) is the on
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from shardadopt.testing.patching import keeps_patch_state
@@ -48,19 +49,26 @@ def even_words(completions: list[str]) -> list[float]:
 
 @keeps_patch_state
 def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | None, model: str, *,
-               world: int = 2, exclude: tuple[str, ...] = (), dtype: str = "float32", **config: Any) -> dict[str, Any]:
-    """``kind`` ("grpo" or "rloo") for :data:`STEPS` steps, full fine-tuning in ``dtype``, on ``model`` sharded per
+               world: int = 2, exclude: tuple[str, ...] = (), dtype: str = "float32", lora: bool = False,
+               from_path: bool = False, **config: Any) -> dict[str, Any]:
+    """``kind`` ("grpo" or "rloo") for :data:`STEPS` steps, full fine-tuning in ``dtype`` (or with ``lora``: TRL's
+    ``peft_config=LoraConfig(...)``, every rank seeded the same first), on ``model`` sharded per
     ``layout`` over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs
-    in), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's config. Returns ``{"log":
+    in), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's config. ``from_path``: TRL
+    loads the model itself (``model=<path>``, ``model_init_kwargs={"dtype": ..., "distributed_config":
+    DistributedConfig(...)}`` for a ``layout``). Returns ``{"log":
     [{"loss", "grad_norm", "reward"} per step], "completions": [the completions this rank's reward function scored,
     per call], "dp": data-parallel size, "plain_head_shard": ...}``, or ``{"refused": shardadopt's error, ...}``; a
     step that generated nothing (``steps_per_generation``/``num_iterations`` > 1) logs reward None."""
     import tempfile
 
+    import torch
     from transformers import AutoTokenizer, PrinterCallback
 
     import shardadopt
+    from shardadopt.adapters import AdapterLayoutError
     from shardadopt.adopt import AdoptionError
+    from shardadopt.testing.trl import LORA_SEED, lora_config
 
     seen: list[list[str]] = []
 
@@ -70,13 +78,28 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
 
     shardadopt.enable(exclude=exclude)
     try:
-        network, dp = _load(models[model], layout, world, dtype)
-        result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network), "dp": dp}
+        init: dict[str, Any] = {}
+        if from_path:
+            from shardadopt import upstream
+            from shardadopt.testing.layouts import distributed_sizes
+
+            network, dp, init["dtype"] = models[model], world, dtype
+            if layout is not None:
+                from transformers.distributed import DistributedConfig
+
+                sizes, dp = distributed_sizes(layout, world)
+                init["distributed_config"] = DistributedConfig(**sizes)
+            upstream.reset_accelerate_state()  # pooled ranks run several trainers in one process
+            result: dict[str, Any] = {"dp": dp}
+        else:
+            network, dp = _load(models[model], layout, world, dtype)
+            result = {"plain_head_shard": plain_head_shard(network), "dp": dp}
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-online-") as out:
             common = dict(output_dir=out, per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS // dp,
                           num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION_LENGTH,
                           max_steps=STEPS, learning_rate=LR, lr_scheduler_type="constant", logging_steps=1,
-                          save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0, disable_tqdm=True)
+                          save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0, disable_tqdm=True,
+                          **({"model_init_kwargs": init} if from_path else {}))
             common.update(config)
             if kind == "grpo":
                 from trl import GRPOConfig as Config
@@ -84,13 +107,18 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
             else:
                 from trl import RLOOConfig as Config
                 from trl import RLOOTrainer as Trainer
+            extra: dict[str, Any] = {}
+            if lora:
+                torch.manual_seed(LORA_SEED)
+                extra["peft_config"] = lora_config(model)
             try:
                 trainer = Trainer(model=network, reward_funcs=reward_even_words, args=Config(**common),
                                   train_dataset=prompts(STEPS * PROMPTS_PER_STEP * 4),
-                                  processing_class=AutoTokenizer.from_pretrained(tokenizer))
+                                  processing_class=AutoTokenizer.from_pretrained(tokenizer), **extra)
+                result["plain_head_shard"] = plain_head_shard(trainer.model)
                 trainer.remove_callback(PrinterCallback)
                 trainer.train()
-            except AdoptionError as exc:
+            except (AdapterLayoutError, AdoptionError) as exc:
                 return {**result, "refused": f"{type(exc).__name__}: {exc}"}
         result.update(log=[{"loss": row["loss"], "grad_norm": float(row["grad_norm"]), "reward": row.get("reward")}
                            for row in trainer.state.log_history if "loss" in row and "grad_norm" in row],
@@ -98,6 +126,26 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
         return result
     finally:
         shardadopt.disable()
+
+
+def tracks(result: dict[str, Any], reference: dict[str, Any], rtol: float) -> str | None:
+    """What differs between an :func:`online_log` run's log and the reference's, step by step (None: every step's
+    loss, grad norm and reward within ``rtol``; a step that logged no reward must log none on both)."""
+    if "log" not in result:
+        return f"not trained: {result.get('refused')}"
+    got, want = result["log"], reference["log"]
+    if len(got) != len(want) or len(want) != STEPS:
+        return f"{len(got)} logged steps, the reference logged {len(want)} (of {STEPS})"
+    for step, (have, expected) in enumerate(zip(got, want), start=1):
+        for key in ("loss", "grad_norm", "reward"):
+            if have[key] is None or expected[key] is None:
+                if have[key] is not expected[key]:
+                    return f"step {step}: {key} {have[key]!r} vs reference {expected[key]!r}"
+                continue
+            # GRPO/RLOO losses are ~0 by construction (advantages sum to zero per group): compare them absolutely
+            if not math.isclose(have[key], expected[key], rel_tol=rtol, abs_tol=1e-6 if key == "loss" else 0.0):
+                return f"step {step}: {key} {have[key]!r} vs reference {expected[key]!r} (rtol {rtol})"
+    return None
 
 
 @keeps_patch_state

@@ -11,9 +11,9 @@ fails one test named after its accessor) and fails when code elsewhere in sharda
 1.13.0/1.16.0, optuna 4.9.0/5.0.0). Upstream modules are imported inside the accessors, because
 ``shardadopt.enable()`` (which imports the patch modules, and so the constants here) must not import them.
 
-One module per upstream library (``torch``, ``transformers``, ``accelerate``, ``peft``, ``optuna``, ``python``),
-the one place the private-name guard allows such names, so that a new release of a library is checked in one file;
-this package re-exports them all, so callers write ``upstream.<accessor>``.
+One module per upstream library (``torch``, ``transformers``, ``accelerate``, ``peft``, ``trl``, ``optuna``,
+``python``), the one place the private-name guard allows such names, so that a new release of a library is checked
+in one file; this package re-exports them all, so callers write ``upstream.<accessor>``.
 """
 
 from __future__ import annotations
@@ -132,4 +132,7 @@ from shardadopt.upstream.transformers import (
     trainer_replicated_sync,
     trainer_save_rng_state,
     trainer_save_scaler,
+)
+from shardadopt.upstream.trl import (
+    DISTILLATION_COMPUTE_LOSS,
 )

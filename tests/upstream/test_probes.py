@@ -98,6 +98,9 @@ RENAMES = [
      {"device_specific=True": "per_process=True"}),
     ("trl-distillation-data-parallel", "trl.trainer.distillation_trainer:DistillationTrainer", "__init__",
      {"device_specific=True": "per_process=True"}),
+    # upstream-private: as above
+    ("trl-distillation-plain-tp-head", "trl.trainer.distillation_trainer:DistillationTrainer", "_compute_loss",
+     {"get_output_embeddings": "get_lm_head"}),
 ]
 
 
@@ -170,6 +173,20 @@ def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid,
     monkeypatch.setattr(target, "__init__", fixed)
     state, reason = state_of(pid)
     assert state == NOT_NEEDED and "data-parallel rank" in reason, reason
+
+
+def test_distillation_head_probe_finds_a_trainer_that_checks_the_head_rows(tmp_path, monkeypatch):
+    """The fix's shape (patches/trl-distillation-plain-tp-head.diff compares the LM head's rows with vocab_size in
+    ``__init__``) reads as not-needed."""
+    pytest.importorskip("trl")
+    from trl.trainer.distillation_trainer import DistillationTrainer
+
+    line = "model_init_kwargs = dict(args.model_init_kwargs or {})"
+    check = "\n    assert model.get_output_embeddings().weight.shape[0] == model.config.vocab_size"
+    monkeypatch.setattr(DistillationTrainer, "__init__",
+                        renamed(DistillationTrainer, "__init__", {line: line + check}, tmp_path))
+    state, reason = state_of("trl-distillation-plain-tp-head")
+    assert state == NOT_NEEDED and "fewer rows" in reason, reason
 
 
 def test_the_expert_grad_scale_probe_reads_the_function_the_mixin_calls(tmp_path, monkeypatch):

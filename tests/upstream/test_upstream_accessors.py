@@ -764,6 +764,13 @@ def test_patch_targets(target):
     assert callable(method) and method.__qualname__ == target.qualname
 
 
+def test_trl_patch_targets():
+    pytest.importorskip("trl")
+    target = upstream.DISTILLATION_COMPUTE_LOSS
+    method = upstream.upstream_method(target, "test")
+    assert callable(method) and method.__qualname__ == target.qualname
+
+
 def _local_tensor_parallel_layers() -> bool:
     """transformers 5.15's local-tensor TP layers, with forward hooks (5.16 replaced them with DTensor layers)."""
     return not _transformers_at_least("5.16")
