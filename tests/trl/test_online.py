@@ -24,7 +24,7 @@ from shardadopt.testing.trl import MODELS, refusal_problem
 from shardadopt.testing.trl_distill import RTOL as DISTILL_RTOL
 from shardadopt.testing.trl_distill import STUDENT, TEACHER, distill_log
 from shardadopt.testing.trl_distill import ddp_log as distill_ddp_log
-from shardadopt.testing.trl_online import NUM_GENERATIONS, RTOL, STEPS, online_log, sampled_tokens
+from shardadopt.testing.trl_online import NUM_GENERATIONS, RTOL, online_log, sampled_tokens, tracks
 
 pytestmark = pytest.mark.multiproc
 
@@ -75,25 +75,6 @@ def refused_everywhere(results: list[dict], what: str) -> bool:
         problem = refusal_problem(result, "fused-head")
         assert problem is None, f"{what} rank {rank}: {problem}"
     return True
-
-
-def tracks(result: dict, reference: dict, rtol: float) -> str | None:
-    """What differs between a run's log and the reference's, step by step (None: every step within ``rtol``)."""
-    if "log" not in result:
-        return f"not trained: {result.get('refused')}"
-    got, want = result["log"], reference["log"]
-    if len(got) != len(want) or len(want) != STEPS:
-        return f"{len(got)} logged steps, the reference logged {len(want)} (of {STEPS})"
-    for step, (have, expected) in enumerate(zip(got, want), start=1):
-        for key in ("loss", "grad_norm", "reward"):
-            if have[key] is None or expected[key] is None:  # a step that reused stored completions logs no reward
-                if have[key] is not expected[key]:
-                    return f"step {step}: {key} {have[key]!r} vs one process {expected[key]!r}"
-                continue
-            # GRPO/RLOO losses are ~0 by construction (advantages sum to zero per group): compare them absolutely
-            if not math.isclose(have[key], expected[key], rel_tol=rtol, abs_tol=1e-6 if key == "loss" else 0.0):
-                return f"step {step}: {key} {have[key]!r} vs one process {expected[key]!r} (rtol {rtol})"
-    return None
 
 
 TP_CASES = [
