@@ -89,7 +89,8 @@ PATCH = Patch(
     id=ID,
     summary="FSDP: generate() with images on a model loaded with fsdp_size gathers the root unit (vision patch "
             "embedding, projector) for the image encoding it runs before the prefill, and reshards it after",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-fsdp-generate-encoder-unshard.diff",
+    upstream="proposal for transformers main (not reported yet); "
+             "patches/transformers-fsdp-generate-encoder-unshard.diff",
     requires=supported("transformers"),
     wrappers={TARGET: _prepare_multimodal_encoder},
     probe_modules=("transformers.generation.utils",),
