@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 
 from shardadopt import upstream
 from shardadopt.registry import Patch, Probe
@@ -34,21 +35,24 @@ _GATHERS = {"unshard", "register_fsdp_forward_method"}
 _PRE_ENCODED = "mm_encoder_outputs"
 
 
+# A feature extraction method, by name (``get_image_features``) or as generate builds its name
+# (``f"get_{modality}_features"``).
+_GETTER = re.compile(r"get_(\w+|\{\w+\})_features")
+
+
 def _feature_getters(tree: ast.AST) -> list[str]:
     """The image / video feature extraction ``tree`` calls: ``get_image_features(...)`` by name, or a
-    ``getattr(owner, f"get_{modality}_features", ...)`` (5.25)."""
+    ``getattr(owner, f"get_{modality}_features", ...)`` (5.18+)."""
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-        if name and name.startswith("get_") and name.endswith("_features"):
+        if name and _GETTER.fullmatch(name):
             found.append(name)
-        elif name == "getattr" and len(node.args) >= 2:
-            text = ast.unparse(node.args[1])
-            if "get_" in text and "_features" in text:
-                found.append(f"getattr(..., {text})")
+        elif name == "getattr" and len(node.args) >= 2 and _GETTER.search(ast.unparse(node.args[1])):
+            found.append(f"getattr(..., {ast.unparse(node.args[1])})")
     return found
 
 
