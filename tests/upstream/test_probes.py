@@ -148,7 +148,7 @@ def _generate_encoder_method():
 
 
 @pytest.mark.parametrize(("replacements", "expected", "said"), [
-    ({"_features": "_embeddings"}, UNSUPPORTED, "found neither"),
+    ({"f'get_": "f'fetch_"}, UNSUPPORTED, "found neither"),
     ({"keys_to_pop = set()": "keys_to_pop = set()\n    self.unshard()"},
      NOT_NEEDED, "unshard"),
 ], ids=["no-feature-call", "gathers"])
