@@ -121,9 +121,15 @@ FIX = Fix(
     variants=(
         Variant(since="5.15.0", edits=(HELPER_EDIT, _check_before(APPLY_515, PLAN_515, " " * 16)),
                 new_files=(NewFile("tests/tensor_parallel/test_tp_heads.py", TEST),)),
-        Variant(since="5.16.1", edits=(HELPER_EDIT, _check_before(APPLY_516, "model.tp_plan or {}", " " * 16)),
-                new_files=(NewFile("tests/tensor_parallel/test_tp_heads.py", TEST),)),
-        Variant(since="5.19.0", edits=(HELPER_EDIT, _check_before(APPLY_519, "tp_plan", " " * 12)),
-                new_files=(NewFile("tests/tensor_parallel/test_tp_heads.py", TEST),)),
+    ) + tuple(
+        # the same change; upstream changed the code around it in 5.18
+        Variant(since=since, edits=(HELPER_EDIT, _check_before(APPLY_516, "model.tp_plan or {}", " " * 16)),
+                new_files=(NewFile("tests/tensor_parallel/test_tp_heads.py", TEST),))
+        for since in ("5.16.1", "5.18.0")
+    ) + tuple(
+        # the same change; upstream changed the code around it in 5.23
+        Variant(since=since, edits=(HELPER_EDIT, _check_before(APPLY_519, "tp_plan", " " * 12)),
+                new_files=(NewFile("tests/tensor_parallel/test_tp_heads.py", TEST),))
+        for since in ("5.19.0", "5.23.0")
     ),
 )
