@@ -69,7 +69,9 @@ def refuse_indivisible_heads(model: Any, distributed_config: Any) -> None:
     Args:
         model: the model ``from_pretrained`` is about to shard.
         distributed_config: its ``DistributedConfig`` (or dict form); None or ``tp_size`` 1: nothing to check.
-            Its ``tp_plan``, where it gives one, replaces the model's, as transformers applies it.
+            Its ``tp_plan``, where it gives one, is read instead of the model's, as transformers 5.15 .. 5.18 apply
+            it (5.19+ merge it into the model's: the model's rules it leaves out then go unchecked, never refused
+            wrongly).
 
     Raises:
         UnsupportedShardingError: naming the model, the head counts, ``tp_size`` and the sizes that divide them.
