@@ -1,9 +1,11 @@
-"""transformers-fsdp-plan-unmatched-units: the FSDP plan of a VLM gets a unit per vision block.
+"""transformers-fsdp-plan-unmatched-units: the FSDP plan of a VLM gets a unit per vision block; and the units a call
+outside the root's forward reads (transformers-fsdp-generate-encoder-unshard).
 
 One process, models built on the meta device: which rules :func:`shardadopt.fsdpunits.complete_fsdp_plan` adds and
 drops for vision towers named in each way upstream names them, and that it leaves a matching plan alone. The
-multi-process check (the units a load with ``fsdp_size=2`` really has, and training equal to one process) is in
-``tests/project/test_arch_sweep.py``.
+multi-process checks of the plan (the units a load with ``fsdp_size=2`` really has, and training equal to one process)
+and of generate with images are in ``tests/project/test_arch_sweep.py``; :func:`shardadopt.fsdpunits.gathered_for_call`
+on 2 ranks is checked here.
 """
 
 from __future__ import annotations
