@@ -11,13 +11,22 @@ its ``_no_split_modules`` names: what accelerate's FSDP auto-wrap and ``device_m
 covers, each such list becomes ``"<list>.*": "free_full_weight"`` and the rules that match nothing are dropped
 (they were meant for those blocks; transformers warns about each). A plan whose rules all match, or a model
 without such lists, stays as it is.
+
+:func:`gathered_for_call` covers a call into a model that runs no forward of the FSDP units enclosing it:
+transformers 5.25's ``generate`` encodes the images itself before the prefill (``base_model.get_image_features``),
+so FSDP2's pre-forward hooks never gather the root unit (a vision tower's patch embedding, a projector) and the
+first layer meets DTensor shards. It unshards those units for the call and reshards them after; units the call
+runs a forward of (the tower's blocks) gather themselves as in any forward.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from shardadopt import upstream
 
 FREE_FULL_WEIGHT = "free_full_weight"
 
@@ -60,8 +69,6 @@ def block_lists(model: Any, block_classes: Iterable[str]) -> list[str]:
 
 def no_split_classes(model: Any) -> set[str]:
     """The block classes ``model`` and each transformers model inside it name in ``_no_split_modules``."""
-    from shardadopt import upstream
-
     classes: set[str] = set()
     for module in model.modules():
         classes.update(upstream.model_no_split_modules(module) or ())
@@ -116,3 +123,47 @@ def complete_fsdp_plan(model: Any) -> dict[str, str] | None:
         del plan[rule]
     plan.update(added)
     return added
+
+
+def enclosing_units(model: Any, entry: Any) -> list[Any]:
+    """The FSDP2 units (``FSDPModule``\\s) of ``model`` that enclose its submodule ``entry`` (``model`` and
+    ``entry`` included), outermost first: the units a call into ``entry``'s methods reads without running their
+    forward. Empty where ``entry`` is not in ``model`` or nothing on the way is sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    name = next((n for n, m in model.named_modules() if m is entry), None)
+    if name is None:
+        return []
+    parts = name.split(".") if name else []
+    path = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+    return [module for module in path if isinstance(module, FSDPModule)]
+
+
+@contextmanager
+def gathered_for_call(model: Any, entry: Any) -> Iterator[None]:
+    """Unshard the FSDP units of ``model`` that enclose ``entry`` (:func:`enclosing_units`) for the duration of a
+    call into ``entry`` that is no forward of theirs, and reshard them after (also when the call raises), so the
+    call reads whole parameters and their memory is freed again. Nothing happens for a model without FSDP units.
+
+    FSDP2 picks its root at the first forward it sees (lazy initialisation): a unit inside the call (a vision
+    block) must not take that role, so the outermost unit is initialised as the root first, as its own forward
+    would.
+
+    Args:
+        model: the model the call was made on (transformers shards it with ``fully_shard`` at load: the root).
+        entry: the submodule whose method is called (``model.base_model`` for ``get_image_features``).
+    """
+    units = enclosing_units(model, entry)
+    if not units:
+        yield
+        return
+    upstream.fsdp_lazy_init(units[0])
+    gathered = []
+    try:
+        for unit in units:
+            unit.unshard()
+            gathered.append(unit)
+        yield
+    finally:
+        for unit in reversed(gathered):
+            unit.reshard()

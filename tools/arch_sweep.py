@@ -85,11 +85,11 @@ EXPLANATIONS: dict[tuple[str, str, str], str] = {
         "the batch's last token is ignored, so the loss changes with how a batch is split (one process on each "
         "micro-batch in two halves gives exactly the FSDP run's losses and gradients, 6020x the tolerance from the "
         "whole batch); fixed in 5.24, verified there",
-    ("paligemma", "tp", "fails"):
-        "image-text-to-text: loud, not silent: PaliGemma's language model is multi-query (Gemma 2B: one key/value "
-        "head, which the tiny config keeps); transformers' TP plan shards `k_proj`/`v_proj` colwise without checking "
-        "that tp_size divides num_key_value_heads, so each rank holds half a head and the first forward's `view` "
-        "fails; any tp_size > 1 fails so on the real checkpoints. fsdp verified",
+    ("paligemma", "tp", "refused by shardadopt"):
+        "image-text-to-text: PaliGemma's language model is multi-query (Gemma 2B: one key/value head, which the tiny "
+        "config keeps); transformers' TP plan shards `k_proj`/`v_proj` colwise without checking that tp_size divides "
+        "num_key_value_heads, so each rank would hold half a head (before transformers-tp-heads-refused: a `view` "
+        "error at the first forward); any tp_size > 1 is refused so on the real checkpoints. fsdp verified",
     ("hunyuan_vl", "fsdp", "fails"):
         "image-text-to-text: batch-dependent in one process, not a sharding error: one process with each "
         "micro-batch in two halves (the split FSDP makes across its 2 ranks) moves the first-step gradients as far "

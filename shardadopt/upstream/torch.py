@@ -206,6 +206,14 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     return list(groups) if groups is not None else []
 
 
+def fsdp_lazy_init(module: torch.nn.Module) -> None:
+    """``FSDPModule._get_fsdp_state()._lazy_init()``: what FSDP2 does at the first forward it sees, made the root
+    of every unit inside ``module`` (a no-op once done). A unit whose forward runs first otherwise takes the root
+    role for itself, and the real root's first forward then raises. Checked on torch 2.13-2.15."""
+    state = _attribute(module, "_get_fsdp_state", "fsdp_lazy_init", "torch")()
+    _attribute(state, "_lazy_init", "fsdp_lazy_init", "torch")()
+
+
 def fsdp_group_syncs_gradients(group: Any) -> bool:
     """``FSDPParamGroup.reduce_grads``: False while gradient reduction waits (``set_requires_gradient_sync(False)``,
     FSDP2's ``no_sync`` under accumulation), True in the micro-batch that reduces. Checked on torch 2.13-2.15."""

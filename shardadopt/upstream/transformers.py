@@ -155,6 +155,13 @@ TRAINER_REPORT_TO_HP_SEARCH = Target(TRAINER_MODULE, "Trainer._report_to_hp_sear
 # ``transformers-tp-sampling-agreement`` probe reads. Checked on transformers 5.15-5.25.
 GENERATION_SAMPLE = Target("transformers.generation.utils", "GenerationMixin._sample")
 
+# ``GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation(model_kwargs)``: generate's encoding of the
+# images / videos (``base_model.get_image_features``) before the prefill, which
+# ``transformers-fsdp-generate-encoder-unshard`` wraps; absent in 5.15 (the forward encodes them). Checked on
+# transformers 5.15-5.25.
+GENERATION_PREPARE_MULTIMODAL_ENCODER = Target("transformers.generation.utils",
+                                               "GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation")
+
 # transformers 5.15's local-tensor tensor-parallel layers and their forward hooks, which
 # ``transformers-ep-router-grad`` and ``transformers-tp-legacy-layers`` wrap; 5.16 replaced them with DTensor layers
 # without these hooks (the targets are missing there). Checked on transformers 5.15-5.25.

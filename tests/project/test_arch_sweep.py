@@ -401,10 +401,13 @@ def test_fsdp_load_makes_the_vision_blocks_units_of_their_own(pool2, tmp_path_fa
     assert set(layers) <= set(upstream_units[0]) and not set(blocks) & set(upstream_units[0]), upstream_units[0]
 
 
-def vlm_generate_rank(path: str, sizes: dict, batch: dict, sample_seed: int | None) -> dict[str, list]:
+def vlm_generate_rank(path: str, sizes: dict, batch: dict, sample_seed: int | None,
+                      exclude: tuple[str, ...] = ()) -> dict[str, list | str]:
     """On each rank: the tiny VLM at ``path`` loaded with ``DistributedConfig(**sizes)`` after
-    ``shardadopt.enable()``; ``generate`` on the image-text ``batch`` greedily and, given ``sample_seed``, sampled
-    after ``torch.manual_seed(sample_seed + rank)`` (a per-rank seed, as TRL and a user's loop seed)."""
+    ``shardadopt.enable(exclude=exclude)``; ``generate`` on the image-text ``batch`` greedily and, given
+    ``sample_seed``, sampled after ``torch.manual_seed(sample_seed + rank)`` (a per-rank seed, as TRL and a user's
+    loop seed). A patch left out may make generate raise: ``{"error": ...}`` then (a rank that raises would shut
+    the module's pool down)."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForImageTextToText
@@ -412,11 +415,16 @@ def vlm_generate_rank(path: str, sizes: dict, batch: dict, sample_seed: int | No
 
     import shardadopt
 
-    shardadopt.enable()
+    shardadopt.enable(exclude=exclude)
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32,
                                                             distributed_config=DistributedConfig(**sizes)).eval()
-        out = {"greedy": model.generate(**batch, do_sample=False, max_new_tokens=8).tolist()}
+        try:
+            out = {"greedy": model.generate(**batch, do_sample=False, max_new_tokens=8).tolist()}
+        except RuntimeError as exc:
+            if not exclude:
+                raise
+            return {"error": f"{type(exc).__name__}: {exc}"}
         if sample_seed is not None:
             torch.manual_seed(sample_seed + dist.get_rank())
             out["sampled"] = model.generate(**batch, do_sample=True, max_new_tokens=8).tolist()
@@ -453,25 +461,6 @@ def vlm_generation(tmp_path_factory):
     return get
 
 
-def _encodes_images_before_prefill() -> bool:
-    from transformers.generation.utils import GenerationMixin
-
-    # upstream-private: the 5.25 step that encodes the images outside any forward, the known failure's cause
-    return hasattr(GenerationMixin, "_prepare_multimodal_encoder_kwargs_for_generation")
-
-
-def _generate_known_failure(model_type: str, layout: str) -> str | None:
-    """Why ``generate`` with images is known to fail for this cell on the installed transformers (issue 41), or
-    None. Not run where the ranks raise (a rank error shuts the module's pool down)."""
-    if layout == "fsdp" and _encodes_images_before_prefill():
-        # transformers 5.25: generate() calls base_model.get_image_features(...) itself before the prefill; that is
-        # no module forward, so FSDP2's root pre-forward hook never all-gathers the root unit's parameters (the
-        # vision patch embedding, the merger / projector) and their conv sees DTensor shards
-        return ("generate encodes the images before the prefill outside any forward: the FSDP root unit's "
-                "vision parameters stay sharded (aten.convolution: mixed torch.Tensor and DTensor)")
-    return None
-
-
 GENERATE_CELLS = [pytest.param(model_type, layout, id=f"{model_type}-{layout}")
                   for model_type in ("qwen2_5_vl", "gemma3") for layout in ("fsdp", "tp")]
 
@@ -481,22 +470,32 @@ GENERATE_CELLS = [pytest.param(model_type, layout, id=f"{model_type}-{layout}")
 def test_generate_with_images_on_a_sharded_vlm_matches_one_process(pool2, vlm_generation, model_type, layout):
     """``model.generate`` with ``pixel_values`` (and the type's grid / token-type tensors) on a tiny VLM loaded with
     ``fsdp_size=2`` or ``tp_size=2``: every rank's greedy tokens are the ones a plain load generates in this
-    process from the same batch; sampled with a per-rank seed on ``tp_size=2``, both TP ranks draw the same tokens
-    (transformers-tp-sampling-agreement)."""
+    process from the same batch (fsdp: transformers-fsdp-generate-encoder-unshard gathers the root unit for the
+    image encoding generate runs before the prefill); sampled with a per-rank seed on ``tp_size=2``, both TP ranks
+    draw the same tokens (transformers-tp-sampling-agreement)."""
     from shardadopt.testing.layouts import distributed_sizes, unloadable_reason
 
     sizes = distributed_sizes(layout)[0]
     if reason := unloadable_reason(sizes):
         pytest.skip(reason)
-    known = _generate_known_failure(model_type, layout)
-    if known and layout == "fsdp":
-        pytest.xfail(f"known limitation (issue 41), not run: {known}")
     path, batch, want = vlm_generation(model_type)
     results = pool2.run(vlm_generate_rank, path, sizes, batch, 1234 if layout == "tp" else None, timeout=300)
     wrong = [rank for rank, result in enumerate(results) if result["greedy"] != want]
-    if known:  # strict: a known failure that passes must be taken off the list
-        assert wrong, f"{model_type} {layout}: generates as one process now; drop it from _generate_known_failure"
-        pytest.xfail(f"known limitation (issue 41): {known}")
     assert not wrong, f"{model_type} {layout} ranks {wrong}: {[results[r]['greedy'] for r in wrong]} != {want}"
     if layout == "tp":
         assert results[0]["sampled"] == results[1]["sampled"], f"{model_type} tp: the TP ranks sampled apart"
+
+
+@pytest.mark.multiproc
+def test_generate_with_images_on_fsdp_fails_without_its_patch(pool2, vlm_generation):
+    """Where transformers-fsdp-generate-encoder-unshard applies (generate encodes the images before the prefill,
+    outside any forward: 5.25), leaving it out makes the fsdp cell above raise on every rank: the root unit's
+    vision parameters are still shards when the patch embedding runs."""
+    from shardadopt.patches.transformers_fsdp_generate_encoder_unshard import ID, probe
+
+    found = probe()
+    if not found.needed:
+        pytest.skip(f"{ID} is not needed here: {found.reason}")
+    path, batch, _ = vlm_generation("qwen2_5_vl")
+    results = pool2.run(vlm_generate_rank, path, {"fsdp_size": 2}, batch, None, (ID,), timeout=300)
+    assert all("DTensor" in result.get("error", "") for result in results), results

@@ -1,9 +1,11 @@
-"""transformers-fsdp-plan-unmatched-units: the FSDP plan of a VLM gets a unit per vision block.
+"""transformers-fsdp-plan-unmatched-units: the FSDP plan of a VLM gets a unit per vision block; and the units a call
+outside the root's forward reads (transformers-fsdp-generate-encoder-unshard).
 
 One process, models built on the meta device: which rules :func:`shardadopt.fsdpunits.complete_fsdp_plan` adds and
 drops for vision towers named in each way upstream names them, and that it leaves a matching plan alone. The
-multi-process check (the units a load with ``fsdp_size=2`` really has, and training equal to one process) is in
-``tests/project/test_arch_sweep.py``.
+multi-process checks of the plan (the units a load with ``fsdp_size=2`` really has, and training equal to one process)
+and of generate with images are in ``tests/project/test_arch_sweep.py``; :func:`shardadopt.fsdpunits.gathered_for_call`
+on 2 ranks is checked here.
 """
 
 from __future__ import annotations
@@ -85,3 +87,47 @@ def test_probe_reads_the_qwen_vision_tower():
     found = probe()
     assert found.needed, found.reason  # every release 5.15 .. 5.25 misses the tower's blocks
     assert "visual.blocks" in found.reason
+
+
+def test_a_call_into_a_model_without_fsdp_units_gathers_nothing():
+    from shardadopt.fsdpunits import enclosing_units, gathered_for_call
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert enclosing_units(model, model[1]) == [] and enclosing_units(model, torch.nn.Linear(2, 2)) == []
+    with gathered_for_call(model, model[1]):
+        assert model[1](torch.ones(1, 2)).shape == (1, 2)
+
+
+def gathered_call_rank() -> dict[str, bool]:
+    """On each rank: a root unit holding a plain layer and an inner unit (a tower's block), as transformers shards a
+    VLM; a call into a submodule that is no forward of the root, inside :func:`gathered_for_call`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from shardadopt.fsdpunits import enclosing_units, gathered_for_call
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    tower = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))  # [0]: the root's, [1]: a unit
+    model = torch.nn.Sequential(tower, torch.nn.Linear(4, 4))
+    expected = tower(torch.ones(2, 4))
+    fully_shard(tower[1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sharded_before = isinstance(tower[0].weight, DTensor)
+    with torch.no_grad(), gathered_for_call(model, tower):
+        whole_inside = not isinstance(tower[0].weight, DTensor)
+        got = tower(torch.ones(2, 4))  # the root's layer read outside any forward of the root; the unit's own runs
+    return {"units": enclosing_units(model, tower) == [model], "sharded before": sharded_before,
+            "whole inside": whole_inside, "as one process": torch.allclose(got, expected),
+            "resharded after": isinstance(tower[0].weight, DTensor),
+            "root forward after": model(torch.ones(2, 4)).shape == (2, 4)}
+
+
+@pytest.mark.multiproc
+def test_a_call_outside_the_roots_forward_reads_gathered_parameters_and_reshards(pool2):
+    """What transformers-fsdp-generate-encoder-unshard relies on: the enclosing units are whole for the call and
+    sharded again after, the inner unit gathers itself, and the root's first forward afterwards still works (the
+    root took its role first)."""
+    for rank, result in enumerate(pool2.run(gathered_call_rank, timeout=120)):
+        assert all(result.values()), (rank, result)

@@ -92,6 +92,8 @@ RENAMES = [
      {"multinomial": "categorical"}),
     ("transformers-sharded-transpose-check", "transformers.core_model_loading:Transpose", "convert",
      {"get_parameter": "get_submodule"}),
+    ("transformers-tp-heads-refused", "transformers.distributed.mixin:DistributedMixin", "maybe_distribute_model",
+     {"apply_tensor_parallelism(": "shard_tensors("}),
     ("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer", "__init__",
      {"device_specific=True": "per_process=True"}),
     ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer", "__init__",
@@ -126,6 +128,44 @@ def test_sampling_probe_finds_a_generate_that_shares_the_random_state(tmp_path, 
     monkeypatch.setattr(GenerationMixin, "generate", shared)
     state, reason = state_of("transformers-tp-sampling-agreement")
     assert state == NOT_NEEDED and "set_rng_state" in reason, reason
+
+
+def test_tp_heads_probe_finds_a_load_that_checks_the_heads(tmp_path, monkeypatch):
+    """The fix's shape (patches/transformers-tp-heads-refused.diff checks the heads before applying tensor
+    parallelism; upstream would likely reuse get_kv_heads_per_rank) reads as not-needed."""
+    from transformers.distributed.mixin import DistributedMixin
+
+    checked = renamed(DistributedMixin, "maybe_distribute_model",
+                      {"apply_tensor_parallelism(": "get_kv_heads_per_rank and apply_tensor_parallelism("}, tmp_path)
+    monkeypatch.setattr(DistributedMixin, "maybe_distribute_model", checked)
+    state, reason = state_of("transformers-tp-heads-refused")
+    assert state == NOT_NEEDED and "get_kv_heads_per_rank" in reason, reason
+
+
+def _generate_encoder_method():
+    """generate's image encoding before the prefill (transformers 5.18+); skips where there is none."""
+    from shardadopt import upstream
+
+    try:
+        return upstream.upstream_method(upstream.GENERATION_PREPARE_MULTIMODAL_ENCODER, "test").__name__
+    except Undecided:
+        pytest.skip("this transformers encodes no images in generate before the prefill (before 5.18)")
+
+
+@pytest.mark.parametrize(("replacements", "expected", "said"), [
+    ({"f'get_": "f'fetch_"}, UNSUPPORTED, "found neither"),
+    ({"keys_to_pop = set()": "keys_to_pop = set()\n    self.unshard()"},
+     NOT_NEEDED, "unshard"),
+], ids=["no-feature-call", "gathers"])
+def test_generate_encoder_probe_reads_the_encoding(replacements, expected, said, tmp_path, monkeypatch):
+    """A renamed feature call is unknown (unsupported); an encoding that gathers the FSDP units itself (the fix's
+    shape, patches/transformers-fsdp-generate-encoder-unshard.diff) reads as not-needed."""
+    from transformers.generation.utils import GenerationMixin
+
+    name = _generate_encoder_method()
+    monkeypatch.setattr(GenerationMixin, name, renamed(GenerationMixin, name, replacements, tmp_path))
+    state, reason = state_of("transformers-fsdp-generate-encoder-unshard")
+    assert state == expected and said in reason, reason
 
 
 def test_transpose_check_probe_finds_a_check_against_the_local_shard(tmp_path, monkeypatch):

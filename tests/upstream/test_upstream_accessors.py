@@ -659,6 +659,19 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 
     check("fsdp_group_syncs_gradients", syncs_unless_no_sync)
 
+    def lazy_init_keeps_the_root():
+        # a unit run before its root's first forward takes the root role, and the root's forward then raises;
+        # initialised first, the root keeps it
+        outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        fully_shard(outer[0], mesh=mesh)
+        fully_shard(outer, mesh=mesh)
+        upstream.fsdp_lazy_init(outer)
+        with torch.no_grad():
+            outer[0](torch.ones(1, 2))
+            return outer(torch.ones(1, 2)).shape == (1, 2)
+
+    check("fsdp_lazy_init", lazy_init_keeps_the_root)
+
     def functional_all_reduce_waited():
         import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
 
@@ -717,7 +730,8 @@ def distributed_checks(path: str) -> dict[str, str | None]:
 DISTRIBUTED_ACCESSORS = ("default_store", "default_group", "registered_process_groups", "process_group_counter",
                          "set_process_group_counter", "group_timeout",
                          "backend_device_types", "dtensor_local", "clear_sharding_propagation_caches",
-                         "fsdp_param_groups", "fsdp_group_syncs_gradients", "wait_functional_collective",
+                         "fsdp_param_groups", "fsdp_group_syncs_gradients", "fsdp_lazy_init",
+                         "wait_functional_collective",
                          "fsdp_managed_parameters",
                          "model_device_mesh", "model_mesh_manager",
                          "set_model_sharding_sizes",
@@ -793,6 +807,18 @@ def _tensor_parallel_layer(name: str) -> type | None:
     with warnings.catch_warnings():  # some releases re-export their layers from here with a FutureWarning
         warnings.simplefilter("ignore", FutureWarning)
         return getattr(module, name, None)
+
+
+def test_generation_prepare_multimodal_encoder():
+    """generate's image encoding before the prefill: from transformers 5.18 on, taking the model kwargs."""
+    target = upstream.GENERATION_PREPARE_MULTIMODAL_ENCODER
+    if not _transformers_at_least("5.18"):
+        with pytest.raises(Undecided):
+            upstream.upstream_method(target, "test")
+        return
+    method = upstream.upstream_method(target, "test")
+    assert method.__qualname__ == target.qualname
+    assert list(inspect.signature(method).parameters) == ["self", "model_kwargs"]
 
 
 def test_tp_layer_input_hook():
