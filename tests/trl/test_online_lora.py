@@ -15,25 +15,27 @@ import pytest
 
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
 from shardadopt.testing.trl import MODELS, refusal_problem
-from shardadopt.testing.trl_online import RTOL, online_log, tracks
+from shardadopt.testing.trl_online import NUM_GENERATIONS, RTOL, online_log, tracks
 
 pytestmark = pytest.mark.multiproc
 
 
 @pytest.fixture(scope="module")
 def reference(pool2, tiny_models, trl_tokenizer):
-    """``get(kind, layout, dp, pool)``: the LoRA run on the plain checkpoint of ``layout``'s model in this process
-    (``dp=1``) or under DDP on ``pool`` (every rank's result), once per argument set."""
+    """``get(kind, layout, dp, pool, **config)``: the LoRA run on the plain checkpoint of ``layout``'s model in this
+    process (``dp=1``) or under DDP on ``pool`` (every rank's result), ``config`` added to the trainer's config, once
+    per argument set."""
     cache: dict[tuple, list[dict]] = {}
 
-    def get(kind: str, layout: str, dp: int, pool=None) -> list[dict]:
-        key = (kind, MODELS[layout], dp)
+    def get(kind: str, layout: str, dp: int, pool=None, **config) -> list[dict]:
+        key = (kind, MODELS[layout], dp, tuple(sorted(config.items())))
         if key not in cache:
             if dp == 1:
-                cache[key] = [online_log(tiny_models, trl_tokenizer, kind, None, MODELS[layout], world=1, lora=True)]
+                cache[key] = [online_log(tiny_models, trl_tokenizer, kind, None, MODELS[layout], world=1, lora=True,
+                                         **config)]
             else:
                 cache[key] = pool.run(online_log, tiny_models, trl_tokenizer, kind, None, MODELS[layout], world=dp,
-                                      lora=True, timeout=400)
+                                      lora=True, timeout=400, **config)
             assert all("log" in run for run in cache[key]), cache[key]
         return cache[key]
 
@@ -79,3 +81,34 @@ def test_hsdp_lora_tracks_ddp(request, tiny_models, trl_tokenizer, reference, ki
     results = pool.run(online_log, tiny_models, trl_tokenizer, kind, "hsdp", MODELS["hsdp"], world=4, lora=True,
                        timeout=600)
     check(results, reference(kind, "hsdp", 4, pool), kind, "hsdp")
+
+
+def test_ep_grpo_lora_tracks_reference(pool2, tiny_models, trl_tokenizer, reference):
+    """GRPO with adapters on the attention of Qwen3-MoE loaded with ``ep_size=2, fsdp_size=2`` (2 data-parallel
+    ranks) against DDP over 2; before transformers 5.21 EP runs on the TP mesh, where LoRA on plain TP shards
+    (before 5.17) is refused."""
+    from shardadopt.adapters import dtensor_tensor_parallel
+
+    sizes, dp = distributed_sizes("ep", 2)
+    results = pool2.run(online_log, tiny_models, trl_tokenizer, "grpo", "ep", MODELS["ep"], lora=True, timeout=400)
+    if "tp_size" in sizes and not dtensor_tensor_parallel():
+        for rank, result in enumerate(results):
+            assert refusal_problem(result, "lora-tp") is None, f"grpo ep lora rank {rank}: {result}"
+        return
+    expected = reference("grpo", "ep", 1) * 2 if dp == 1 else reference("grpo", "ep", dp, pool2)
+    check(results, expected, "grpo", "ep")
+
+
+def test_2d_grpo_lora_tracks_ddp(request, pool2, tiny_models, trl_tokenizer, reference):
+    """GRPO with LoRA on ``fsdp_size=2, tp_size=2`` (4 ranks, 2 data-parallel ranks) against DDP over 2: TP group k
+    (ranks 2k, 2k+1) scores DDP's process k completions; whole groups per process (per-device batch 4)."""
+    try:
+        distributed_sizes("2d", 4)
+    except LayoutUnsupported as exc:
+        pytest.skip(f"2d: {exc}")
+    pool = request.getfixturevalue("pool4")
+    config = {"per_device_train_batch_size": NUM_GENERATIONS}
+    results = pool.run(online_log, tiny_models, trl_tokenizer, "grpo", "2d", MODELS["2d"], world=4, lora=True,
+                       timeout=600, **config)
+    ddp = reference("grpo", "2d", 2, pool2, **config)
+    check(results, [ddp[rank // 2] for rank in range(4)], "grpo", "2d")
