@@ -61,6 +61,22 @@ def test_docs_coverage_section_is_what_the_matrices_derive(task):
         "`python tools/arch_sweep.py --docs`")
 
 
+def test_readme_vision_language_counts_are_the_recorded_ones():
+    """The README's "Models:" line states how many image-text-to-text types are verified per layout on the newest
+    recorded release: the numbers the matrix holds."""
+    import re
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    found = re.search(r"\((\d+) image-text-to-text types verified on `fsdp`, (\d+) on `tp`, (\d+) MoE types on `ep`, "
+                      r"(\d+) on 2-D and (\d+) on HSDP, transformers (\d+\.\d+)\)", text)
+    assert found, "README.md's Models line no longer states the vision-language counts in the form this test reads"
+    newest = load_tool("arch_sweep").load_matrices("image-text-to-text")[-1]
+    assert newest["transformers"].startswith(f"{found[6]}."), (newest["transformers"], found[6])
+    verified = {layout: sum(cells.get(layout, {}).get("verdict") == "verified" for cells in newest["cells"].values())
+                for layout in ("fsdp", "tp", "ep", "2d", "hsdp")}
+    assert [int(n) for n in found.groups()[:5]] == list(verified.values()), verified
+
+
 @pytest.mark.parametrize("task", ["causal-lm", "image-text-to-text"])
 def test_every_recorded_cell_has_a_known_verdict_and_a_reason(task):
     from shardadopt.testing.sweep import VERDICTS, VERIFIED
