@@ -168,16 +168,13 @@ def model_init_sharding(args: Any) -> dict[str, int]:
     Returns:
         ``{"tp_size": 2, ...}``: every ``*_size`` above 1.
     """
-    import dataclasses
+    from shardadopt.loadtime.sizes import config_sizes
 
     init = getattr(args, "model_init_kwargs", None)
     config = init.get("distributed_config") if isinstance(init, Mapping) else None
     if config is None:
         return {}
-    sizes = config if isinstance(config, Mapping) else (
-        {f.name: getattr(config, f.name) for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config)
-        else vars(config))
-    return {name: value for name, value in sizes.items()
+    return {name: value for name, value in config_sizes(config).items()
             if name.endswith("_size") and isinstance(value, int) and value > 1}
 
 
@@ -201,8 +198,8 @@ def refuse_vllm(args: Any, model: Any) -> None:
     layout = sharded_layout(model)
     if layout is not None:
         described = layout.describe()
-    elif isinstance(model, str) and model_init_sharding(args):
-        sizes = ", ".join(f"{name}={value}" for name, value in model_init_sharding(args).items())
+    elif isinstance(model, str) and (sizes := model_init_sharding(args)):
+        sizes = ", ".join(f"{name}={value}" for name, value in sizes.items())
         described = f"{model!r} loaded by TRL with model_init_kwargs distributed_config {sizes}"
     else:
         return
@@ -308,35 +305,44 @@ def refuse_accumulated_generation(args: Any, layout: Topology) -> None:
         f"DistributedConfig(fsdp_size=...) only.")
 
 
-def before_distillation_init(model: Any, config: Any) -> None:
+def before_distillation_init(model: Any, config: Any) -> bool:
     """What DistillationTrainer's ``__init__`` needs before it runs on ``model`` with ``config`` (the user's
-    arguments; either may be None): refusals. Local.
+    arguments; either may be None, ``model`` a path): refusals. Local.
 
     Args:
         model: the trainer's ``model`` argument (the student).
         config: its ``args`` argument.
+
+    Returns:
+        Whether ``config`` was checked against the model's layout here (a given config and a loaded student);
+        otherwise :func:`after_distillation_init` checks the config TRL holds against the student TRL holds.
     """
+    from torch import nn
+
     if config is None:
-        return
+        return False
     refuse_vllm(config, model)
+    if not isinstance(model, nn.Module):  # a path: TRL loads it (sharded per model_init_kwargs) in __init__
+        return False
     layout = online_layout(model)
     if layout is not None:
         refuse_accumulated_generation(config, layout)
+    return True
 
 
-def after_distillation_init(trainer: Any, config_given: bool) -> None:
+def after_distillation_init(trainer: Any, checked: bool) -> None:
     """After DistillationTrainer's ``__init__`` seeded every process as a data-parallel rank: where its student's
-    TP ranks share batches, check the config TRL built (``config_given`` False) and seed each process by its
-    data-parallel rank. Local.
+    TP ranks share batches, check the config unless :func:`before_distillation_init` did (a config TRL built, or a
+    student TRL loaded from a path) and seed each process by its data-parallel rank. Local.
 
     Args:
         trainer: the trainer, initialised.
-        config_given: whether the user passed ``args`` (checked by :func:`before_distillation_init` already).
+        checked: what :func:`before_distillation_init` returned.
     """
     layout = online_layout(trainer.model)
     if layout is None:
         return
-    if not config_given:
+    if not checked:
         refuse_accumulated_generation(trainer.args, layout)
     seed_by_data_parallel_rank(trainer.args.seed, layout)
 

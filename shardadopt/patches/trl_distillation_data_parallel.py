@@ -33,9 +33,9 @@ def trainer_init(wrapped, instance, args, kwargs):
     from shardadopt.online import after_distillation_init, before_distillation_init
 
     bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
-    before_distillation_init(bound.get("model"), bound.get("args"))
+    checked = before_distillation_init(bound.get("model"), bound.get("args"))
     result = wrapped(*args, **kwargs)
-    after_distillation_init(instance, bound.get("args") is not None)
+    after_distillation_init(instance, checked)
     return result
 
 

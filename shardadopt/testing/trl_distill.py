@@ -25,13 +25,14 @@ STUDENT, TEACHER = "qwen3", "llama"  # keys of the tiny checkpoints: two archite
 
 @keeps_patch_state
 def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, student: str, teacher: str, *,
-                teacher_layout: str | None, world: int = 2, exclude: tuple[str, ...] = (),
+                teacher_layout: str | None, world: int = 2, exclude: tuple[str, ...] = (), from_path: bool = False,
                 **config: Any) -> dict[str, Any]:
     """DistillationTrainer for :data:`STEPS` steps, full fine-tuning in fp32, of ``student`` sharded per ``layout``
     over ``world`` ranks, or plain (``layout=None``: one process, or DDP over the process group it runs in), with
     ``teacher`` loaded sharded per ``teacher_layout`` (the student's, or another where the teacher cannot take the
     student's) or plain (``None``), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's
-    config. Returns ``{"log": [{"loss",
+    config. ``from_path``: TRL loads the student itself (``model=<path>``, ``model_init_kwargs={"dtype": "float32",
+    "distributed_config": DistributedConfig(...)}`` for a ``layout``). Returns ``{"log": [{"loss",
     "grad_norm"} per step], "dp": data-parallel size, "plain_head_shard": ...}`` or ``{"refused": shardadopt's
     error, ...}``."""
     import tempfile
@@ -45,16 +46,28 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
 
     shardadopt.enable(exclude=exclude)
     try:
-        network, dp = _load(models[student], layout, world)
+        init: dict[str, Any] = {}
+        if from_path:
+            from transformers.distributed import DistributedConfig
+
+            from shardadopt.testing.layouts import distributed_sizes
+
+            network, dp, init["dtype"] = models[student], world, "float32"
+            if layout is not None:
+                sizes, dp = distributed_sizes(layout, world)
+                init["distributed_config"] = DistributedConfig(**sizes)
+        else:
+            network, dp = _load(models[student], layout, world)
         teacher_model, _ = _load(models[teacher], teacher_layout, world)
-        result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network), "dp": dp}
+        result: dict[str, Any] = {"plain_head_shard": not from_path and plain_head_shard(network), "dp": dp}
         processing_class = AutoTokenizer.from_pretrained(tokenizer)
         processing_class.padding_side = "left"  # what DistillationTrainer asks of its processing class
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-distill-") as out:
             common = dict(
                 output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=STEPS, learning_rate=LR,
                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                bf16=False, seed=0, disable_tqdm=True, max_completion_length=MAX_COMPLETION_LENGTH)
+                bf16=False, seed=0, disable_tqdm=True, max_completion_length=MAX_COMPLETION_LENGTH,
+                **({"model_init_kwargs": init} if from_path else {}))
             config = DistillationConfig(**{**common, **config})
             try:
                 trainer = DistillationTrainer(model=network, teacher_model=teacher_model, args=config,

@@ -77,6 +77,17 @@ def test_accumulation_on_tp_refused_by_name(pool2, tiny_models, trl_tokenizer):
         assert problem is None, f"rank {rank}: {problem}"
 
 
+def test_accumulation_on_a_path_loaded_tp_student_refused_by_name(pool2, tiny_models, trl_tokenizer):
+    """The same refusal where TRL loads the student itself from a path (``model_init_kwargs`` with a
+    ``distributed_config``): shardadopt reads the layout once TRL has loaded it (before, a config the user gave was
+    checked only against a student given loaded, and this run trained)."""
+    results = pool2.run(distill_log, tiny_models, trl_tokenizer, "tp", STUDENT, TEACHER, teacher_layout=None,
+                        from_path=True, per_device_train_batch_size=2, gradient_accumulation_steps=2, timeout=300)
+    for rank, result in enumerate(results):
+        problem = refusal_problem(result, "distill-accumulation")
+        assert problem is None, f"rank {rank}: {problem}"
+
+
 def test_teacher_head_without_gradient_backward(pool2):
     """``torch-dtensor-redistribute-no-grad``: backward through a sharded teacher head's ``full_tensor()`` that
     received no gradient (TRL's distillation loss) passes none back, and a real gradient still flows; without the
