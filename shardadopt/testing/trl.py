@@ -112,13 +112,11 @@ def _load(path: str, layout: str | None, world: int, dtype: str = "float32", rew
 
 
 def plain_head_shard(network) -> bool:
-    """Whether the LM head is a plain tensor holding part of the vocabulary (TP on transformers 5.15/5.16)."""
-    from torch.distributed.tensor import DTensor
+    """Whether the LM head is a plain tensor holding part of the vocabulary (TP on transformers 5.15/5.16), as the
+    refusals read it (:func:`shardadopt.adopt.plain_head_shard`); False for a classification head."""
+    from shardadopt.adopt import plain_head_shard as found
 
-    head = network.get_output_embeddings()
-    if head is None:  # a classification head (whole on every rank)
-        return False
-    return not isinstance(head.weight, DTensor) and head.weight.shape[0] < network.config.get_text_config().vocab_size
+    return found(network) is not None
 
 
 def _trainer(kind: str, network, common: dict[str, Any], tokenizer: str, global_batch: int = GLOBAL_BATCH,
