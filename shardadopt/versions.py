@@ -1,9 +1,10 @@
 """The upstream versions shardadopt supports, the newest it was tested on, and what is installed.
 
-The ranges are lower bounds (torch excepted): a newer transformers / accelerate / peft / trl is never refused by
-version number, and pip never downgrades one to install shardadopt. ``TESTED`` names the newest release line CI ran;
-on a newer release each patch's probe decides (applied, not-needed, or unsupported with the reason), and
-``enable()`` / ``shardadopt doctor`` say once that the release is newer than the tested range.
+The ranges are lower bounds only: a newer torch / transformers / accelerate / peft / trl / optuna is never refused by
+version number, and pip never downgrades one to install shardadopt. ``TESTED`` names the newest release line CI ran
+(``.ci/constraints/newest.txt`` pins exactly those releases); on a newer release each patch's probe decides (applied,
+not-needed, or unsupported with the reason), and ``enable()`` / ``shardadopt doctor`` say once that the release is
+newer than the tested range.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from packaging.version import Version
 
 from shardadopt.patchstate import UNSUPPORTED
 
-# Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1). Lower bounds only for
-# the Hugging Face libraries: a release newer than TESTED runs on the probes.
+# Mirrors pyproject.toml's dependency ranges (CI: torch 2.13.0 and 2.15.0, .ci/matrix: 2.14.1). Lower bounds only: a
+# release newer than TESTED runs on the probes, and an installed torch is never replaced to install shardadopt.
 SUPPORTED: dict[str, str] = {
-    "torch": ">=2.13,<2.16",
+    "torch": ">=2.13",
     "transformers": ">=5.15",
     "accelerate": ">=1.13",
-    "optuna": ">=4,<6",
+    "optuna": ">=4",
     "wrapt": ">=2",
 }
 
@@ -32,15 +33,17 @@ SUPPORTED: dict[str, str] = {
 OPTIONAL: dict[str, str] = {
     "peft": ">=0.21.2",
     "trl": ">=1.16",
-    "datasets": ">=5,<6",
+    "datasets": ">=5",
 }
 
-# The newest release line (major.minor) each upstream was tested on: CI's newest dependency set and the release
-# matrix (tests/data/release_matrix.json) end here.
+# The newest release line (major.minor) each upstream was tested on: CI's newest dependency set
+# (.ci/constraints/newest.txt) and the release matrix (tests/data/release_matrix.json) end here.
 TESTED: dict[str, str] = {
+    "torch": "2.15",
     "transformers": "5.25",
     "accelerate": "1.16",
-    "peft": "0.21",
+    "optuna": "5.1",
+    "peft": "0.22",
     "trl": "1.16",
 }
 

@@ -30,17 +30,18 @@ README = REPO / "README.md"
 README_ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<fixes>.*) \| (?P<needed>[^|]*) \|$")
 
 # Every transformers minor of the supported range (the newest patch release of each), with the accelerate release
-# current when it came out; every accelerate minor of the range appears at least once.
-RELEASES: list[tuple[str, str]] = [
-    ("5.15.0", "1.13.0"), ("5.16.1", "1.14.0"), ("5.17.0", "1.14.0"), ("5.18.0", "1.14.0"), ("5.19.0", "1.14.0"),
-    ("5.20.2", "1.15.0"), ("5.21.0", "1.15.0"), ("5.22.2", "1.15.0"), ("5.23.0", "1.15.0"), ("5.24.0", "1.15.0"),
-    ("5.25.0", "1.16.0"),
+# current when it came out; every accelerate minor of the range appears at least once. The peft release each row is
+# recorded with: the oldest supported (0.21.2) on every transformers release, and the newest transformers once more
+# with the newest tested peft (CI's newest set, .ci/constraints/newest.txt), which is the matrix's last row.
+RELEASES: list[tuple[str, str, str]] = [
+    ("5.15.0", "1.13.0", "0.21.2"), ("5.16.1", "1.14.0", "0.21.2"), ("5.17.0", "1.14.0", "0.21.2"),
+    ("5.18.0", "1.14.0", "0.21.2"), ("5.19.0", "1.14.0", "0.21.2"), ("5.20.2", "1.15.0", "0.21.2"),
+    ("5.21.0", "1.15.0", "0.21.2"), ("5.22.2", "1.15.0", "0.21.2"), ("5.23.0", "1.15.0", "0.21.2"),
+    ("5.24.0", "1.15.0", "0.21.2"), ("5.25.0", "1.16.0", "0.21.2"), ("5.25.0", "1.16.0", "0.22.0"),
 ]
 
-
-# The peft and trl releases every row is recorded with (peft-sharded-adapters reads peft, the trl-*-data-parallel
-# patches read trl, not transformers).
-PEFT = "0.21.2"
+# The trl release every row is recorded with (the trl-* patches read trl, not transformers; 1.16 is the whole
+# supported range).
 TRL = "1.16.0"
 
 
@@ -56,13 +57,18 @@ def _ensure_venv(venv: Path) -> Path:
         _run(str(python), "-m", "pip", "install", "-q", "torch==2.13.0")
         _run(str(python), "-m", "pip", "install", "-q", "-e", str(REPO))
     # every time: a venv made before a pin was added (or changed) must not record that patch as unsupported
-    _run(str(python), "-m", "pip", "install", "-q", "--no-deps", f"peft=={PEFT}")
     _run(str(python), "-m", "pip", "install", "-q", f"trl=={TRL}")  # with its dependencies (datasets)
     return python
 
 
-def doctor(python: Path, transformers: str, accelerate: str) -> dict:
+def row_key(row: dict) -> tuple[str, str]:
+    """A matrix row's identity: its transformers and peft releases."""
+    return row["transformers"], row["peft"]
+
+
+def doctor(python: Path, transformers: str, accelerate: str, peft: str) -> dict:
     _run(str(python), "-m", "pip", "install", "-q", f"transformers=={transformers}", f"accelerate=={accelerate}")
+    _run(str(python), "-m", "pip", "install", "-q", "--no-deps", f"peft=={peft}")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([str(python), "-m", "shardadopt", "doctor", "--json"], capture_output=True, text=True,
                          env=env, cwd=REPO)
@@ -71,9 +77,11 @@ def doctor(python: Path, transformers: str, accelerate: str) -> dict:
     except json.JSONDecodeError:
         raise RuntimeError(f"shardadopt doctor failed on transformers {transformers}:\n{out.stderr}") from None
     installed = {row["name"]: row["installed"] for row in report["versions"]}
-    if (installed["transformers"], installed["accelerate"]) != (transformers, accelerate):
-        raise RuntimeError(f"asked for transformers {transformers} / accelerate {accelerate}, doctor saw {installed}")
-    return {"transformers": transformers, "accelerate": accelerate, "peft": PEFT, "trl": TRL,
+    integrations = {row["name"]: row["installed"] for row in report["integrations"]}
+    if (installed["transformers"], installed["accelerate"], integrations["peft"]) != (transformers, accelerate, peft):
+        raise RuntimeError(f"asked for transformers {transformers} / accelerate {accelerate} / peft {peft}, doctor "
+                           f"saw {installed}, peft {integrations['peft']}")
+    return {"transformers": transformers, "accelerate": accelerate, "peft": peft, "trl": TRL,
             "torch": installed["torch"], "patches": {p["id"]: p["state"] for p in report["patches"]},
             "reasons": {p["id"]: p["reason"] for p in report["patches"]}}
 
@@ -133,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--venv", type=Path, help="scratch virtual environment (created if missing)")
     parser.add_argument("--readme", action="store_true", help="only rewrite the README's needed-on cells")
-    parser.add_argument("only", nargs="*", help="transformers releases to refresh (default: all)")
+    parser.add_argument("only", nargs="*", help="transformers releases to refresh (default: all; a release with "
+                        "several peft rows refreshes each)")
     args = parser.parse_args(argv)
     if args.readme:
         write_readme()
@@ -141,19 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.venv is None:
         parser.error("--venv is required to run the matrix")
     python = _ensure_venv(args.venv)
-    rows = {r["transformers"]: r for r in json.loads(DATA.read_text())["releases"]} if DATA.exists() else {}
-    ordered = [rows[t] for t, _ in RELEASES if t in rows]
-    for transformers, accelerate in RELEASES:
+    rows = {row_key(r): r for r in json.loads(DATA.read_text())["releases"]} if DATA.exists() else {}
+    ordered = [rows[(t, p)] for t, _, p in RELEASES if (t, p) in rows]
+    for transformers, accelerate, peft in RELEASES:
         if args.only and transformers not in args.only:
             continue
-        print(f"=== transformers {transformers}, accelerate {accelerate}", flush=True)
-        rows[transformers] = doctor(python, transformers, accelerate)
-        for pid, state in rows[transformers]["patches"].items():
+        print(f"=== transformers {transformers}, accelerate {accelerate}, peft {peft}", flush=True)
+        rows[(transformers, peft)] = doctor(python, transformers, accelerate, peft)
+        for pid, state in rows[(transformers, peft)]["patches"].items():
             print(f"  {pid:<46} {state}")
-        ordered = [rows[t] for t, _ in RELEASES if t in rows]
+        ordered = [rows[(t, p)] for t, _, p in RELEASES if (t, p) in rows]
         DATA.parent.mkdir(parents=True, exist_ok=True)  # written after each release: a long run keeps its progress
         DATA.write_text(json.dumps({"generated_by": "tools/release_matrix.py", "releases": ordered}, indent=1) + "\n")
-    bad = [(r["transformers"], pid) for r in ordered for pid, state in r["patches"].items()
+    bad = [(row_key(r), pid) for r in ordered for pid, state in r["patches"].items()
            if state not in ("applied", "not-needed")]
     print(f"wrote {DATA.relative_to(REPO)}; " + (f"NOT DECIDED: {bad}" if bad else "every patch decided everywhere"))
     return 1 if bad else 0

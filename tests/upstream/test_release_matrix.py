@@ -72,16 +72,20 @@ def test_readme_needed_on_column_is_what_the_matrix_derives():
                        f"--readme`: {wrong}")
 
 
+# What a matrix row is recorded with, besides the patches' states: the installed release of each must match a row.
+ROW_UPSTREAMS = ("transformers", "accelerate", "peft", "trl")
+
+
 def test_the_installed_release_gets_the_states_its_matrix_row_records():
-    """Run on each CI dependency set: the probes on this installation agree with the recorded row."""
-    installed = {name: installed_version(name) for name in ("transformers", "accelerate")}
+    """Run on each CI dependency set: the probes on this installation agree with the recorded row (the row of the
+    installed transformers, accelerate, peft and trl release lines; peft/trl only where installed)."""
+    installed = {name: v for name in ROW_UPSTREAMS if (v := installed_version(name)) is not None}
     row = next((r for r in DATA if all(Version(r[n]).release[:2] == installed[n].release[:2] for n in installed)),
                None)
     newer = [reason for n in installed if (reason := newer_than_recorded(n, [r[n] for r in DATA]))]
     if row is None and newer:
         pytest.skip("; ".join(newer))
-    assert row is not None, (f"no matrix row for transformers {installed['transformers']} / accelerate "
-                             f"{installed['accelerate']}: add the pair to tools/release_matrix.py and rerun it")
+    assert row is not None, (f"no matrix row for {installed}: add the set to tools/release_matrix.py and rerun it")
     for patch in shardadopt._registry().patches():
         for module in patch.modules:
             importlib.import_module(module)
@@ -90,7 +94,7 @@ def test_the_installed_release_gets_the_states_its_matrix_row_records():
     finally:
         shardadopt.disable()
     differ = {pid: (state, live[pid]) for pid, state in row["patches"].items() if live[pid][0] != state}
-    assert not differ, f"recorded state vs live (state, reason) on transformers {installed['transformers']}: {differ}"
+    assert not differ, f"recorded state vs live (state, reason) on {installed}: {differ}"
 
 
 def test_needed_on_names_runs_of_releases():
