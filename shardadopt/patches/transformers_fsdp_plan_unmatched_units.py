@@ -1,6 +1,6 @@
 """FSDP at load time: the repeated blocks of a vision tower (and other sub-models) become FSDP units of their own.
 
-Upstream: not reported yet (proposal, ``patches/transformers-fsdp-plan-unmatched-units.diff``). A model's FSDP plan
+Upstream: not reported yet (proposal, ``patches/transformers-fsdp-plan-unmatched-units@*.diff``). A model's FSDP plan
 is merged from each sub-model's ``config.base_model_fsdp_plan``, which every config without one of its own inherits
 as ``{"embed_tokens", "layers.*", "norm"}``. Vision towers name their blocks otherwise (Qwen2.5-VL ``blocks``,
 SigLIP/CLIP ``encoder.layers``, Pixtral ``transformer.layers``), so on every release 5.15 .. 5.25 the rules meant
@@ -101,7 +101,7 @@ PATCH = Patch(
     id=ID,
     summary="FSDP at load time: the blocks of a vision tower (and of any sub-model whose FSDP plan rules match "
             "nothing) become FSDP units of their own instead of being gathered whole with the root at every forward",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-fsdp-plan-unmatched-units.diff",
+    upstream="proposal for transformers main (not reported yet); patches/transformers-fsdp-plan-unmatched-units@*.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),

@@ -1,6 +1,6 @@
 """Loading a fused checkpoint tensor into sharded parameters: convert it whole, then shard each result.
 
-Upstream: not reported yet (proposal, ``patches/transformers-fused-weight-sharding.diff``). transformers' weight
+Upstream: not reported yet (proposal, ``patches/transformers-fused-weight-sharding@*.diff``). transformers' weight
 conversions turn one checkpoint tensor into several parameters (``WeightConverter`` with ``Chunk``: HRM stores each
 attention's gate/q/k/v as one ``attn.gqkv_proj`` and its MLP's ``gate_up_proj``). When the model is sharded at load
 time, ``convert_and_load_state_dict_in_model`` slices every checkpoint tensor with the layout of the conversion's
@@ -132,7 +132,7 @@ PATCH = Patch(
     summary="loading a fused checkpoint tensor (HRM's gqkv_proj) into parameters sharded at load time: converted "
             "whole and each result sharded by its own layout (it was sliced with the first target's bounds "
             "before the split, every rank's q/k/v/gate the wrong rows: silently wrong under TP and FSDP)",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-fused-weight-sharding.diff",
+    upstream="proposal for transformers main (not reported yet); patches/transformers-fused-weight-sharding@*.diff",
     requires=supported("transformers"),
     wrappers={Target(SHARDING_MODULE, "DtensorShardOperation.__init__"): _shard_operation_init,
               Target(MODULE, "spawn_materialize"): _spawn_materialize,

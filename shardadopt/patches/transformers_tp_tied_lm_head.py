@@ -1,7 +1,7 @@
 """Tensor parallelism at load time: a vision-language model's tied LM head is sharded and gathered like a causal LM's.
 
 Upstream: fixed in transformers 5.20, which gives each vision-language class ``_tp_plan = {"lm_head":
-"colwise_gather_output"}`` (backport, ``patches/transformers-tp-tied-lm-head.diff``). In 5.15 .. 5.19 most of those
+"colwise_gather_output"}`` (backport, ``patches/transformers-tp-tied-lm-head@*.diff``). In 5.15 .. 5.19 most of those
 classes have no entry, while tying the word embeddings shards the shared table by vocabulary
 (``embedding_rowwise``): on ``tp_size=2`` the head computes logits over this rank's half of the vocabulary and nothing
 gathers them (Gemma 3 on 5.15: the loss raises ``Expected input batch_size (17) to match target batch_size (34)``;
@@ -82,7 +82,7 @@ PATCH = Patch(
     summary="TP at load time: a vision-language model's LM head tied to the vocabulary-sharded embedding is sharded "
             "and gathered as a causal LM's (transformers 5.15-5.19 computed logits over part of the vocabulary)",
     upstream="fixed in transformers 5.20 (lm_head in each vision-language class's _tp_plan); "
-             "patches/transformers-tp-tied-lm-head.diff",
+             "patches/transformers-tp-tied-lm-head@*.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),
