@@ -16,10 +16,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
