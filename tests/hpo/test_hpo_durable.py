@@ -25,14 +25,13 @@ from shardadopt.hpo.provenance import (
     space_version,
 )
 from shardadopt.hpo.storage import StorageError, default_sampler, resolve_storage
-from shardadopt.testing.services import POSTGRES_URL, postgres_available
+from shardadopt.testing.services import POSTGRES_URL, needs_postgres
 
 POSTGRES = POSTGRES_URL
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-needs_postgres = pytest.mark.skipif(not postgres_available(), reason=f"PostgreSQL at {POSTGRES} not running")
 
 
 @pytest.fixture(params=["journal", pytest.param("postgres", marks=needs_postgres)])

@@ -18,7 +18,7 @@ from shardadopt.hpo.durability import requeue
 from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF
 from shardadopt.hpo.storage import resolve_storage
 from shardadopt.testing import RankPool
-from shardadopt.testing.services import POSTGRES_URL, postgres_available
+from shardadopt.testing.services import POSTGRES_URL, needs_postgres
 
 POSTGRES = POSTGRES_URL
 STEPS = 3
@@ -28,7 +28,6 @@ GRACE = 2.0  # seconds without a heartbeat before requeue calls a trial dead
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-needs_postgres = pytest.mark.skipif(not postgres_available(), reason=f"PostgreSQL at {POSTGRES} not running")
 
 
 # -- what every rank of a job runs ---------------------------------------------------------------------------------

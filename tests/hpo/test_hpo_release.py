@@ -28,10 +28,9 @@ from shardadopt.hpo.reseed import (
 )
 from shardadopt.hpo.storage import resolve_storage
 from shardadopt.hpo.warmstart import ATTR_WARM_START_OF
-from shardadopt.testing.services import POSTGRES_URL, postgres_available
+from shardadopt.testing.services import POSTGRES_URL, needs_postgres
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-needs_postgres = pytest.mark.skipif(not postgres_available(), reason=f"PostgreSQL at {POSTGRES_URL} not running")
 
 N_TRIALS, UNPRUNED, STEPS = 12, 6, 5
 
