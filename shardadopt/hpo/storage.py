@@ -119,13 +119,6 @@ def _redacted(url: str) -> str:
     return url
 
 
-def storage_url(storage: BaseStorage) -> str | None:
-    """The URL of an RDB storage (password hidden), for logs and trial attributes."""
-    if isinstance(storage, RDBStorage):
-        return _redacted(str(storage.url))
-    return None
-
-
 def default_sampler(seed: int | None = None) -> optuna.samplers.BaseSampler:
     """TPE with the parallel-friendly settings written out: optuna 4.x and 5.0 differ in their defaults.
 
@@ -136,10 +129,6 @@ def default_sampler(seed: int | None = None) -> optuna.samplers.BaseSampler:
         A ``TPESampler`` (multivariate, constant liar).
     """
     return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True)
-
-
-def supports_heartbeat(storage: BaseStorage) -> bool:
-    return isinstance(storage, RDBStorage) and storage.get_heartbeat_interval() is not None
 
 
 def load_study(storage: str, study_name: str) -> optuna.Study:

@@ -35,14 +35,6 @@ _ONE_TILE = {"do_image_splitting": False, "do_pan_and_scan": False, "max_image_t
 _TEXT_WIDTH_KEYS = ("out_hidden_size", "text_hidden_size", "projection_dim", "output_hidden_size", "text_dim")
 
 
-def image_text_types() -> list[str]:
-    """Model types with an image-text-to-text class in the installed transformers."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    return sorted(t for t in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if t in CONFIG_MAPPING)
-
-
 def shrink_vision(values: dict[str, Any], text_width: int) -> dict[str, Any]:
     """The vision-specific part of the shrink (before :func:`shardadopt.testing.archs.shrink`): each (nested) config
     with a patch size gets an image of ``PATCHES_PER_SIDE`` patches a side; widths meant to be the language
