@@ -49,8 +49,9 @@ KINDS = ("backport", "proposal")
 
 def _sibling(name: str) -> ModuleType:
     """``tools/<name>.py`` as the module ``name``, whether this script runs or is loaded by path (the tests)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    path = Path(__file__).with_name(f"{name}.py")
+    if getattr(sys.modules.get(name), "__file__", None) != str(path):
+        spec = importlib.util.spec_from_file_location(name, path)
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
