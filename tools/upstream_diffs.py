@@ -1,11 +1,13 @@
 """Build and check ``patches/<id>.diff``: each patch's fix written as a change to upstream's own source.
 
 A diff is a build artefact. Its source is ``patches/fixes/<id>.py``, which defines ``FIX`` (a ``Fix``): exact-text
-``Edit``s of upstream files, an upstream-style test (``NewFile`` under ``tests/``), whether it is a backport of a
+``Edit``s of upstream files, an upstream-style test (a ``NewFile`` in its test folder), whether it is a backport of a
 released upstream fix or a proposal for upstream main, and a summary. This script downloads the wheels of the
 releases on which the patch's probe applies it (``tests/data/release_matrix.json``), applies the edits to a
-pristine copy of the oldest one and writes the unified diff, in upstream's repository layout (``src/<package>/``,
-``tests/``), so it applies with ``patch -p1`` in an upstream clone (``-p2`` inside an unpacked wheel).
+pristine copy of the oldest one and writes the unified diff with the paths of upstream's repository
+(``tools/upstream_layout.py``: ``src/transformers/`` and ``tests/``, pytorch's ``torch/`` and ``test/``, ...), so it
+applies with ``patch -p1`` at the top of an upstream clone. ``check`` holds every path to that layout and dry-runs
+each diff at the top of a tree laid out the same way, the release's wheel at the repository's source folder.
 
     python tools/upstream_diffs.py build [ID ...]    # regenerate patches/<id>.diff
     python tools/upstream_diffs.py check [ID ...]    # CI: every diff is what its fix generates, and applies
@@ -32,7 +34,8 @@ import tempfile
 import textwrap
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from types import ModuleType
 
 from packaging.version import Version
 
@@ -41,8 +44,27 @@ PATCHES = REPO / "patches"
 FIXES = PATCHES / "fixes"
 MATRIX = REPO / "tests" / "data" / "release_matrix.json"
 CACHE = Path(os.environ.get("SHARDADOPT_UPSTREAM_CACHE", Path.home() / ".cache" / "shardadopt-upstream"))
-PACKAGES = {"transformers": "transformers", "accelerate": "accelerate", "peft": "peft", "torch": "torch", "trl": "trl"}
 KINDS = ("backport", "proposal")
+
+
+def _sibling(name: str) -> ModuleType:
+    """``tools/<name>.py`` as the module ``name``, whether this script runs or is loaded by path (the tests)."""
+    path = Path(__file__).with_name(f"{name}.py")
+    if getattr(sys.modules.get(name), "__file__", None) != str(path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+_layout = _sibling("upstream_layout")
+UPSTREAMS, layout_problems, source_hunks = _layout.UPSTREAMS, _layout.layout_problems, _layout.source_hunks
+
+
+class FixError(RuntimeError):
+    """A fix that does not build, or a diff that does not apply."""
+
+
 # The header upstream's source and test files open with (transformers and accelerate alike).
 LICENSE_HEADER = """\
 # Copyright 2026 The HuggingFace Team. All rights reserved.
@@ -63,7 +85,8 @@ LICENSE_HEADER = """\
 
 @dataclass(frozen=True)
 class Edit:
-    """Replace ``old`` (which must occur exactly ``count`` times) with ``new`` in ``path`` (``src/<package>/...``)."""
+    """Replace ``old`` (which must occur exactly ``count`` times) with ``new`` in ``path`` (under the package's
+    folder in its upstream repository: ``src/transformers/...``, ``torch/...``)."""
 
     path: str
     old: str
@@ -73,7 +96,8 @@ class Edit:
 
 @dataclass(frozen=True)
 class NewFile:
-    """A file the fix adds, normally its test: ``path`` in upstream's repository layout (``tests/...``)."""
+    """A file the fix adds, normally its test: ``path`` in upstream's repository layout (``tests/...``, pytorch's
+    ``test/...``)."""
 
     path: str
     text: str
@@ -112,10 +136,6 @@ class Fix:
         return self.variants or (Variant(since="0", edits=self.edits, new_files=self.new_files),)
 
 
-class FixError(RuntimeError):
-    """A fix that does not build, or a diff that does not apply."""
-
-
 def load_fix(path: Path) -> Fix:
     sys.modules.setdefault("upstream_diffs", sys.modules[__name__])  # fixes import the dataclasses from here
     spec = importlib.util.spec_from_file_location(f"fix_{path.stem}", path)
@@ -126,8 +146,8 @@ def load_fix(path: Path) -> Fix:
         raise FixError(f"{path} defines no FIX = Fix(...)")
     if path.stem != fix.id.replace("-", "_"):
         raise FixError(f"{path}: file name and FIX.id {fix.id!r} disagree")
-    if fix.kind not in KINDS or fix.distribution not in PACKAGES:
-        raise FixError(f"{fix.id}: kind must be one of {KINDS}, distribution one of {sorted(PACKAGES)}")
+    if fix.kind not in KINDS or fix.distribution not in UPSTREAMS:
+        raise FixError(f"{fix.id}: kind must be one of {KINDS}, distribution one of {sorted(UPSTREAMS)}")
     return fix
 
 
@@ -189,11 +209,14 @@ def committed_diffs(fix: Fix) -> list[Path]:
 
 
 def fetch(distribution: str, version: str) -> Path:
-    """A pristine upstream tree for ``distribution==version``: ``<root>/src/<package>/`` from the published wheel."""
+    """A pristine tree of ``distribution==version`` laid out like its upstream repository: the published wheel's
+    ``<package>/`` at the repository's source folder (``src/transformers/``, ``torch/``); no test folder."""
+    upstream = UPSTREAMS[distribution]
     root = CACHE / f"{distribution}-{version}"
-    package = root / "src" / PACKAGES[distribution]
-    if package.is_dir():
+    if (root / upstream.source).is_dir():
         return root
+    if root.exists():  # unpacked in another layout (before the layout of this repository was known)
+        shutil.rmtree(root)
     wheels = CACHE / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     found = sorted(wheels.glob(f"{distribution}-{version}-*.whl"))  # torch's wheels are per platform
@@ -204,8 +227,8 @@ def fetch(distribution: str, version: str) -> Path:
     name = found[0].name
     staging = Path(tempfile.mkdtemp(dir=CACHE))
     with zipfile.ZipFile(wheels / name) as wheel:
-        members = [m for m in wheel.namelist() if m.startswith(PACKAGES[distribution] + "/")]
-        wheel.extractall(staging / "src", members)
+        members = [m for m in wheel.namelist() if m.startswith(upstream.package + "/")]
+        wheel.extractall(staging / PurePosixPath(upstream.source).parent, members)
     if root.exists():  # another process unpacked it meanwhile
         shutil.rmtree(staging)
     else:
@@ -216,9 +239,11 @@ def fetch(distribution: str, version: str) -> Path:
 def apply_edits(fix: Fix, variant: Variant, tree: Path, version: str) -> dict[str, tuple[str, str]]:
     """path -> (pristine text, changed text) for every file the variant touches."""
     files: dict[str, tuple[str, str]] = {}
+    upstream = UPSTREAMS[fix.distribution]
     for edit in variant.edits:
-        if not edit.path.startswith("src/"):
-            raise FixError(f"{fix.id}: edit path {edit.path!r} must be in upstream's layout (src/<package>/...)")
+        if upstream.part(edit.path) != "source":
+            raise FixError(f"{fix.id}: edit path {edit.path!r} is not under {upstream.source}/, the source folder in "
+                           f"{upstream.layout()}")
         pristine, text = files.get(edit.path) or ((tree / edit.path).read_text(),) * 2
         found = text.count(edit.old)
         if found != edit.count:
@@ -227,8 +252,8 @@ def apply_edits(fix: Fix, variant: Variant, tree: Path, version: str) -> dict[st
                            f"occurrence(s) of the text starting {first!r}, found {found}")
         files[edit.path] = (pristine, text.replace(edit.old, edit.new))
     for new in variant.new_files:
-        if not new.path.startswith(("src/", "tests/")):
-            raise FixError(f"{fix.id}: new file {new.path!r} must be in upstream's layout (src/ or tests/)")
+        if upstream.part(new.path) is None:
+            raise FixError(f"{fix.id}: new file {new.path!r} is outside {upstream.layout()}")
         if (tree / new.path).exists():
             raise FixError(f"{fix.id}: {new.path} already exists upstream")
         files[new.path] = ("", new.text)
@@ -238,9 +263,11 @@ def apply_edits(fix: Fix, variant: Variant, tree: Path, version: str) -> dict[st
 def _header(fix: Fix, releases: list[str]) -> str:
     span = releases[0] if len(releases) == 1 else f"{releases[0]} .. {releases[-1]}"
     kind = (f"backport of {fix.upstream}" if fix.kind == "backport" else f"proposal for {fix.upstream}")
+    upstream = UPSTREAMS[fix.distribution]
     lines = [f"shardadopt patch {fix.id}: {kind}",
-             f"Applies to: {fix.distribution} {span} (every release on which its probe applies the patch;",
-             "checked with `patch -p1 --dry-run -F0` in an upstream checkout, -p2 inside an unpacked wheel).",
+             f"Applies to: {fix.distribution} {span} (every release on which its probe applies the patch).",
+             f"Paths as in {upstream.repository}: source under {upstream.source}/, tests under {upstream.tests}/.",
+             "Checked with `patch -p1 --dry-run -F0` in a tree laid out that way from each release's wheel.",
              f"Generated by tools/upstream_diffs.py from patches/fixes/{fix.id.replace('-', '_')}.py; do not edit.",
              ""]
     for paragraph in textwrap.dedent(fix.summary).strip().split("\n\n"):
@@ -254,28 +281,18 @@ def render(fix: Fix, variant: Variant, releases: list[str]) -> str:
     tree = fetch(fix.distribution, releases[0])
     files = apply_edits(fix, variant, tree, releases[0])
     new_paths = {new.path for new in variant.new_files}
-    if not any(before != after for path, (before, after) in files.items() if path.startswith("src/")):
+    part = UPSTREAMS[fix.distribution].part
+    if not any(before != after for path, (before, after) in files.items() if part(path) == "source"):
         raise FixError(f"{fix.id}: the fix changes nothing in upstream's source")
     body = []
-    for path in sorted(files, key=lambda p: (p.startswith("tests/"), p)):
+    for path in sorted(files, key=lambda p: (part(p) == "tests", p)):
         before, after = files[path]
         body += difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
                                      "/dev/null" if path in new_paths else f"a/{path}", f"b/{path}")
-    if not any(p.startswith("tests/") for p in files):
-        raise FixError(f"{fix.id}: the fix has no test hunk (a NewFile under tests/)")
+    if not any(part(p) == "tests" for p in files):
+        raise FixError(f"{fix.id}: the fix has no test hunk (a NewFile under {UPSTREAMS[fix.distribution].tests}/)")
     return _header(fix, releases) + "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n"
                                             for line in body)
-
-
-def source_hunks(diff: str) -> str:
-    """The part of a diff that changes ``src/`` (without its header and test files)."""
-    sections, keep = [], False
-    for line in diff.splitlines(keepends=True):
-        if line.startswith("--- "):
-            keep = line.startswith("--- a/src/")
-        if keep:
-            sections.append(line)
-    return "".join(sections)
 
 
 def dry_run(diff: str, tree: Path, strip: int = 1) -> subprocess.CompletedProcess:
@@ -307,6 +324,7 @@ def check(fixes: dict[str, Fix]) -> list[str]:
                 problems.append(f"{path.relative_to(REPO)} is missing: run tools/upstream_diffs.py build {fix.id}")
                 continue
             committed = path.read_text()
+            problems += [f"{path.name}: {problem}" for problem in layout_problems(committed, fix.distribution)]
             try:
                 if committed != render(fix, variant, releases):
                     problems.append(f"{path.relative_to(REPO)} differs from what patches/fixes generates: "
@@ -336,6 +354,7 @@ def verify(fix: Fix, python: str, release: str | None = None) -> list[str]:
         return [f"{fix.id}: {fix.distribution} {installed} is not a release its probe applies it on"]
     variant, releases = chosen
     problems = []
+    upstream = UPSTREAMS[fix.distribution]
     with tempfile.TemporaryDirectory() as work:
         upstream_tree = fetch(fix.distribution, installed)
         trees = {label: Path(work) / label for label in ("pristine", "patched")}
@@ -348,7 +367,7 @@ def verify(fix: Fix, python: str, release: str | None = None) -> list[str]:
             (trees["pristine"] / new.path).parent.mkdir(parents=True, exist_ok=True)
             (trees["pristine"] / new.path).write_text(new.text)
         for label, want_pass in (("pristine", False), ("patched", True)):
-            env = {**os.environ, "PYTHONPATH": str(trees[label] / "src")}
+            env = {**os.environ, "PYTHONPATH": str(trees[label] / PurePosixPath(upstream.source).parent)}
             result = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
                                     cwd=trees[label], env=env, capture_output=True, text=True)
             tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-3:])

@@ -86,6 +86,6 @@ FIX = Fix(
         A real gradient of a DTensor output is a DTensor (to_local's backward wraps it), so a plain one can only be
         that made-up zero: return no gradient for it. Gradients that are DTensors are redistributed as before.
     """,
-    edits=(Edit("src/torch/distributed/tensor/_redistribute.py", OLD, NEW),),
-    new_files=(NewFile("tests/distributed/tensor/test_redistribute_without_gradient.py", TEST),),
+    edits=(Edit("torch/distributed/tensor/_redistribute.py", OLD, NEW),),
+    new_files=(NewFile("test/distributed/tensor/test_redistribute_without_gradient.py", TEST),),
 )

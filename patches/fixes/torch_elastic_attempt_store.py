@@ -120,10 +120,10 @@ if __name__ == "__main__":
 
 _OLD_213, _NEW_213 = _branch("_torchelastic_use_agent_store()")
 _OLD_215, _NEW_215 = _branch("_agent_store_serves(hostname, port)")
-_IMPORT = Edit("src/torch/distributed/rendezvous.py", "from torch.distributed import FileStore, Store, TCPStore\n",
+_IMPORT = Edit("torch/distributed/rendezvous.py", "from torch.distributed import FileStore, Store, TCPStore\n",
                "from torch.distributed import FileStore, PrefixStore, Store, TCPStore\n")
-_HELPER = Edit("src/torch/distributed/rendezvous.py", "def _create_c10d_store(", HELPER)
-_NEW_TEST = NewFile("tests/distributed/elastic/test_restarted_attempt_store.py", TEST)
+_HELPER = Edit("torch/distributed/rendezvous.py", "def _create_c10d_store(", HELPER)
+_NEW_TEST = NewFile("test/distributed/elastic/test_restarted_attempt_store.py", TEST)
 
 FIX = Fix(
     id="torch-elastic-attempt-store",
@@ -143,9 +143,9 @@ FIX = Fix(
         used: it counts one agent's restarts, and nodes disagree once one agent restarted alone.
     """,
     variants=(
-        Variant(since="2.13.0", edits=(_IMPORT, _HELPER, Edit("src/torch/distributed/rendezvous.py", _OLD_213,
+        Variant(since="2.13.0", edits=(_IMPORT, _HELPER, Edit("torch/distributed/rendezvous.py", _OLD_213,
                                                               _NEW_213)), new_files=(_NEW_TEST,)),
-        Variant(since="2.15.0", edits=(_IMPORT, _HELPER, Edit("src/torch/distributed/rendezvous.py", _OLD_215,
+        Variant(since="2.15.0", edits=(_IMPORT, _HELPER, Edit("torch/distributed/rendezvous.py", _OLD_215,
                                                               _NEW_215)), new_files=(_NEW_TEST,)),
     ),
 )

@@ -94,7 +94,7 @@ def _blocks(indent: str) -> Edit:
     ranks."""
     old = (f"{indent}self.args.per_device_train_batch_size\n{indent}* self.accelerator.num_processes\n"
            f"{indent}* self.args.gradient_accumulation_steps\n")
-    return Edit("src/trl/trainer/distillation_trainer.py", old, old.replace("self.accelerator.num_processes",
+    return Edit("trl/trainer/distillation_trainer.py", old, old.replace("self.accelerator.num_processes",
                                                                             "self.data_parallel_size"))
 
 
@@ -120,7 +120,7 @@ FIX = Fix(
         ranks and checks both ranks leave __init__ with one random state and sampler blocks of one data-parallel
         rank.
     """,
-    edits=(Edit("src/trl/trainer/distillation_trainer.py", SEED, SEED_BY_DATA_PARALLEL_RANK),
+    edits=(Edit("trl/trainer/distillation_trainer.py", SEED, SEED_BY_DATA_PARALLEL_RANK),
            _blocks(" " * 16), _blocks(" " * 12)),
     new_files=(NewFile("tests/test_distillation_model_parallel.py", TEST),),
 )

@@ -107,6 +107,6 @@ FIX = Fix(
         tp_size=2 student and teacher on 2 gloo ranks and checks that the trainer refuses them where the head is a
         plain shard and builds where it is a DTensor.
     """,
-    edits=(Edit("src/trl/trainer/distillation_trainer.py", ANCHOR, CHECK),),
+    edits=(Edit("trl/trainer/distillation_trainer.py", ANCHOR, CHECK),),
     new_files=(NewFile("tests/test_distillation_tensor_parallel.py", TEST),),
 )

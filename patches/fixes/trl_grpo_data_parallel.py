@@ -134,7 +134,7 @@ def fix(trainer: str, config: str, module: str, summary_extra: str) -> Fix:
             groups. {summary_extra}The test loads a tp_size=2 model on 2 gloo ranks and checks both ranks leave
             __init__ with one random state and a one-rank generation batch, and that half a group is refused.
         """,
-        edits=(Edit(f"src/trl/trainer/{module}_trainer.py", SEED, SEED_BY_DATA_PARALLEL_RANK),),
+        edits=(Edit(f"trl/trainer/{module}_trainer.py", SEED, SEED_BY_DATA_PARALLEL_RANK),),
         new_files=(NewFile(f"tests/test_{module}_model_parallel.py",
                            TEST.replace("__TRAINER_CONFIG__", config).replace("__TRAINER__", trainer)),),
     )

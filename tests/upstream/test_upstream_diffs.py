@@ -2,7 +2,8 @@
 
 CI's ``tools/upstream_diffs.py check`` downloads every release of each range and dry-runs the diffs there; these
 tests need no download: every patch has its fix and diffs, each diff says whether it backports a released fix or
-proposes one, and the diffs of the patches applied on the installed release apply to its installed source.
+proposes one and keeps to its upstream repository's layout (pytorch's ``torch/`` and ``test/``, trl's ``trl/``,
+``src/transformers/``), and the diffs of the patches applied on the installed release apply to its installed source.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -58,7 +60,9 @@ def test_each_diff_says_what_it_is_and_carries_a_test(pid):
             assert re.search(r"backport of .*(#\d+|PRs? not identified).*released in \d+\.\d+", first), first
         else:
             assert first.startswith(f"shardadopt patch {pid}: proposal for "), first
-        assert re.search(r"^\+\+\+ b/tests/.+\.py$", text, re.M), f"{pid}: no upstream-style test hunk"
+        tests = tool.UPSTREAMS[fix.distribution].tests
+        assert re.search(rf"^\+\+\+ b/{tests}/.+\.py$", text, re.M), f"{pid}: no upstream-style test hunk"
+        assert not tool.layout_problems(text, fix.distribution), tool.layout_problems(text, fix.distribution)
 
 
 def test_the_diffs_of_the_applied_patches_apply_to_the_installed_release():
@@ -70,8 +74,10 @@ def test_the_diffs_of_the_applied_patches_apply_to_the_installed_release():
             continue
         version = str(installed_version(fix.distribution))
         diff = tool.diff_for(fix, version)
-        package_dir = Path(importlib.import_module(tool.PACKAGES[fix.distribution]).__file__).parent
-        result = tool.dry_run(tool.source_hunks(diff.read_text()), package_dir.parent, strip=2)
+        upstream = tool.UPSTREAMS[fix.distribution]
+        package_dir = Path(importlib.import_module(upstream.package).__file__).parent
+        result = tool.dry_run(tool.source_hunks(diff.read_text()), package_dir.parent,
+                              strip=upstream.site_packages_strip())
         checked.append(diff.name)
         recorded = [row[fix.distribution] for row in json.loads(tool.MATRIX.read_text())["releases"]]
         if result.returncode and (newer := newer_than_recorded(fix.distribution, recorded)):
@@ -97,3 +103,56 @@ def test_an_edit_whose_text_moved_fails_naming_file_and_release(tmp_path):
     files = tool.apply_edits(fix, tool.Variant("0", (changed,), fix.new_files), tmp_path, "9.9.9")
     assert files["src/transformers/mixin.py"][1].endswith("    _x = 1\n")
     assert files["tests/test_example.py"] == ("", "def test_x():\n    pass\n")
+
+
+def test_a_path_outside_the_repository_layout_is_named():
+    """pytorch has torch/ and test/, trl has trl/ and tests/, transformers src/transformers/ and tests/: a diff with
+    another repository's layout fails, file by file. A removed line that reads `--- ` is not taken for a file."""
+    def diff(source: str, test: str) -> str:
+        return (f"header\n--- a/{source}\n+++ b/{source}\n@@ -1,2 +1,2 @@\n--- a removed line\n+++ an added one\n"
+                f" kept\n--- /dev/null\n+++ b/{test}\n@@ -0,0 +1 @@\n+def test_x(): pass\n")
+
+    assert tool.layout_problems(diff("torch/distributed/x.py", "test/distributed/test_x.py"), "torch") == []
+    assert tool.layout_problems(diff("src/torch/distributed/x.py", "tests/distributed/test_x.py"), "torch") == [
+        f"src/torch/distributed/x.py is outside {tool.UPSTREAMS['torch'].layout()}",
+        f"tests/distributed/test_x.py is outside {tool.UPSTREAMS['torch'].layout()}"]
+    assert tool.layout_problems(diff("trl/trainer/x.py", "tests/test_x.py"), "trl") == []
+    assert [p.split()[0] for p in tool.layout_problems(diff("src/trl/trainer/x.py", "tests/test_x.py"), "trl")] == [
+        "src/trl/trainer/x.py"]
+    assert tool.layout_problems(diff("src/transformers/x.py", "tests/test_x.py"), "transformers") == []
+    assert [p.split()[0] for p in tool.layout_problems(diff("transformers/x.py", "test/test_x.py"), "transformers")
+            ] == ["transformers/x.py", "test/test_x.py"]
+    assert tool.layout_problems("--- a/torch/x.py\n+++ b/torch/y.py\n@@ -1 +1 @@\n-a\n+b\n", "torch") == [
+        "--- a/torch/x.py and +++ b/torch/y.py do not name one file"]
+    assert tool.layout_problems("no file here\n", "torch") == ["the diff changes no file"]
+    assert tool.source_hunks(diff("torch/x.py", "test/test_x.py")).count("\n--- ") == 1  # the removed line
+
+
+def test_a_fix_is_built_and_applied_in_its_repository_layout(tmp_path, monkeypatch):
+    """A torch fix: the wheel's torch/ lands at the top (no src/), the test under test/, and the diff applies with
+    patch -p1 there; a fix that puts pytorch's test under tests/ does not build. No download: a wheel made here."""
+    monkeypatch.setattr(tool, "CACHE", tmp_path)
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "torch-9.9.9-cp311-cp311-linux_x86_64.whl", "w") as wheel:
+        wheel.writestr("torch/distributed/x.py", "def f():\n    return 1\n")
+        wheel.writestr("torch-9.9.9.dist-info/METADATA", "Name: torch\n")
+    (tmp_path / "torch-9.9.9" / "src" / "torch").mkdir(parents=True)  # unpacked in the old src/ layout: rebuilt
+    test = tool.NewFile("test/distributed/test_x.py", "def test_x():\n    pass\n")
+    fix = tool.Fix(id="example", distribution="torch", kind="proposal", upstream="pytorch main", summary="x",
+                   edits=(tool.Edit("torch/distributed/x.py", "return 1", "return 2"),), new_files=(test,))
+    text = tool.render(fix, fix.all_variants()[0], ["9.9.9"])
+    tree = tmp_path / "torch-9.9.9"
+    assert sorted(p.name for p in tree.iterdir()) == ["torch"]
+    assert "+++ b/torch/distributed/x.py\n" in text and "+++ b/test/distributed/test_x.py\n" in text
+    assert "Paths as in pytorch/pytorch: source under torch/, tests under test/." in text
+    assert tool.layout_problems(text, "torch") == []
+    result = tool.dry_run(text, tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    misplaced = tool.Fix(id="example", distribution="torch", kind="proposal", upstream="pytorch main", summary="x",
+                         edits=fix.edits, new_files=(tool.NewFile("tests/distributed/test_x.py", test.text),))
+    with pytest.raises(tool.FixError, match=r"new file 'tests/distributed/test_x.py' is outside pytorch/pytorch"):
+        tool.render(misplaced, misplaced.all_variants()[0], ["9.9.9"])
+    src_edit = tool.Fix(id="example", distribution="torch", kind="proposal", upstream="pytorch main", summary="x",
+                        edits=(tool.Edit("src/torch/distributed/x.py", "return 1", "return 2"),), new_files=(test,))
+    with pytest.raises(tool.FixError, match=r"edit path 'src/torch/distributed/x.py' is not under torch/"):
+        tool.render(src_edit, src_edit.all_variants()[0], ["9.9.9"])
