@@ -82,7 +82,7 @@ def rdb_storage(url: str, *, heartbeat_interval: int | None = DEFAULT_HEARTBEAT_
         engine_kwargs.update(pool_size=2, max_overflow=2, pool_recycle=1800)
     try:
         return RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval,
-                          grace_period=grace_period, heartbeat_stale_trial_callback=mark_preempted)
+                          grace_period=grace_period, **{upstream.stale_trial_callback_keyword(): mark_preempted})
     except Exception as exc:  # SQLAlchemy/driver errors: say which database and what to check
         raise StorageError(f"cannot open the study database {_redacted(url)}: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}; check the host, port, database name "

@@ -40,6 +40,7 @@ from shardadopt.upstream.base import (
     upstream_method,
 )
 from shardadopt.upstream.optuna import (
+    stale_trial_callback_keyword,
     study_storage,
     trial_id,
 )

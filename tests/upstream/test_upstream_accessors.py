@@ -569,6 +569,22 @@ def test_study_storage_and_trial_id():
     assert upstream.trial_id(other.trials[0]) != trial_id, "ids are unique across the studies of a storage"
 
 
+def test_stale_trial_callback_keyword_reaches_the_storage_without_a_deprecation():
+    import warnings
+
+    import optuna
+
+    def callback(study, trial):
+        return None
+
+    keyword = upstream.stale_trial_callback_keyword()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # optuna's deprecations are FutureWarnings
+        storage = optuna.storages.RDBStorage("sqlite://", heartbeat_interval=60, **{keyword: callback})
+        getter = getattr(storage, "get_heartbeat_stale_trial_callback", None) or storage.get_failed_trial_callback
+        assert getter() is callback, keyword
+
+
 # -- torch and transformers on two ranks -----------------------------------------------------------------------------
 
 def distributed_checks(path: str) -> dict[str, str | None]:
