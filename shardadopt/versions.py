@@ -24,7 +24,9 @@ SUPPORTED: dict[str, str] = {
     "torch": ">=2.13",
     "transformers": ">=5.15",
     "accelerate": ">=1.13",
-    "optuna": ">=4",
+    # 4.0-4.4 fail Study.best_trial on PostgreSQL with SQLAlchemy 2.1 (an enum compared with a VARCHAR in
+    # get_best_trial's query); 4.5 is the oldest release whose storage works with today's SQLAlchemy.
+    "optuna": ">=4.5",
     "wrapt": ">=2",
 }
 

@@ -4,8 +4,7 @@
 the same answer on any day. These tests keep the locks honest:
 
 - the newest lock pins exactly the releases ``versions.TESTED`` names, and the matrix's last row was recorded on them;
-- the oldest lock pins the lower bounds of ``versions.SUPPORTED`` / ``OPTIONAL`` for every upstream with a tested line
-  (optuna: the last release of its oldest supported major line, 4.x);
+- the oldest lock pins the lower bounds of ``versions.SUPPORTED`` / ``OPTIONAL`` for every upstream with a tested line;
 - every pin in both locks satisfies the project's own requirements (a lock cannot fall out of pyproject's ranges);
 - on an environment installed from a lock (each CI set), nothing installed is missing from it or differs from it:
   no dependency floated to whatever was published that day.
@@ -63,10 +62,7 @@ def test_the_oldest_lock_is_the_oldest_supported_set():
     ranges = {**versions.SUPPORTED, **versions.OPTIONAL}
     for name in versions.TESTED:  # datasets (trl's, not patched) is whatever trl 1.16.0 resolved to
         (lower,) = [spec.version for spec in Requirement(f"{name}{ranges[name]}").specifier if spec.operator == ">="]
-        if name == "optuna":  # the last release of the oldest supported major line
-            assert oldest[name].major == Version(lower).major, oldest[name]
-        else:
-            assert oldest[name].release == Version(lower).release + (0,) * (3 - len(Version(lower).release)), name
+        assert oldest[name].release == Version(lower).release + (0,) * (3 - len(Version(lower).release)), name
     first = MATRIX[0]
     for name in ("transformers", "accelerate", "peft", "trl"):
         assert Version(first[name]) == oldest[name], f"the matrix's first row has {name} {first[name]}"
