@@ -778,9 +778,12 @@ def test_patch_targets(target):
     assert callable(method) and method.__qualname__ == target.qualname
 
 
-def test_trl_patch_targets():
+@pytest.mark.parametrize("target", ["DISTILLATION_COMPUTE_LOSS", "DISTILLATION_PREPARE_INPUTS",
+                                    "DISTILLATION_TRAIN_SAMPLER", "GRPO_PREPARE_INPUTS", "GRPO_SCORE",
+                                    "RLOO_PREPARE_INPUTS", "RLOO_SCORE"])
+def test_trl_patch_targets(target):
     pytest.importorskip("trl")
-    target = upstream.DISTILLATION_COMPUTE_LOSS
+    target = getattr(upstream, target)
     method = upstream.upstream_method(target, "test")
     assert callable(method) and method.__qualname__ == target.qualname
 
