@@ -55,13 +55,11 @@ def seeding_probe(trainer: str, sizer: str, init: Target, counts: Target, counte
             return Probe(False, f"{trainer} seeds and counts by data-parallel rank")
         gaps = []
         if found == "process":
-            gaps.append(f"seeds every process as a data-parallel rank (set_seed(..., device_specific=True)) and "
-                        f"{sizer} sizes the generation batch by world_size")
+            gaps.append(f"{trainer} seeds every process as a data-parallel rank (set_seed(..., device_specific=True)) "
+                        f"and {sizer} sizes the generation batch by world_size")
         if by_process:
-            gaps.append(f"{counts.qualname.split('.')[-1]} counts by accelerator.{counted} over gathers of every "
-                        f"process")
-        return Probe(True, f"{trainer} {'; it '.join(gaps)}: the ranks of a tensor-parallel group count as "
-                           f"data-parallel ranks")
+            gaps.append(f"{counts.qualname} counts by accelerator.{counted} (over every process)")
+        return Probe(True, f"{'; '.join(gaps)}: the ranks of a tensor-parallel group count as data-parallel ranks")
 
     return probe
 
