@@ -45,6 +45,8 @@ class DataParallelView:
     owners: tuple[int, ...]
 
     def _keep_owners(self, tensor: Any) -> Any:
+        if tensor.shape[0] == 0:  # every process gathered nothing (TRL checks for it, e.g. no entropies to rank)
+            return tensor
         chunks = tensor.chunk(self.layout.world_size)
         if len(chunks) != self.layout.world_size:
             raise ValueError(f"a gathered tensor of shape {tuple(tensor.shape)} does not split into "
