@@ -79,7 +79,7 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
-        per_device_train_batch_size=4,  # a multiple of num_generations: each rank holds whole prompt groups
+        per_device_train_batch_size=4,  # x data-parallel ranks: whole groups of num_generations (tp_size=2: one rank)
         num_generations=4,
         max_completion_length=16,
         learning_rate=1e-4,

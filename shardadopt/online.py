@@ -10,21 +10,19 @@ with ``num_iterations > 1`` or ``steps_per_generation > 1`` the repeat sampler's
 do (other prompts trained at each step). :func:`count_data_parallel_ranks` and :func:`seed_by_data_parallel_rank`
 give the trainer the numbers DDP's process of the same data-parallel rank has.
 
-TRL also gathers rewards over every process and groups them by ``num_generations`` consecutive rows: the TP ranks'
-copies of a batch are then grouped as one. That is right when each process's generation batch holds whole groups
-and the statistics are per group; :func:`refuse_split_groups` and :func:`refuse_batch_statistics` refuse the
-configurations where they are not, and :func:`refuse_vllm` refuses vLLM generation, whose weight sync cannot read a
-model sharded at load time. :func:`before_trainer_init` / :func:`after_trainer_init` are what the patches call.
-
-DistillationTrainer (on-policy: the student samples) seeds the same way and sizes its repeat sampler's blocks by the
-process count inline (no config field to resize): :func:`before_distillation_init` /
-:func:`after_distillation_init` seed by data-parallel rank and refuse ``gradient_accumulation_steps > 1`` where TP
-ranks share batches (:func:`refuse_accumulated_generation`).
+TRL also gathers rewards, counts and statistics over every process, slices by process index and sizes its sampler
+by the process count, where the ranks of a TP group contribute copies of the same rows: after ``__init__``
+:func:`after_trainer_init` / :func:`after_distillation_init` give the trainer a data-parallel view
+(:mod:`shardadopt.online_view`) under which its methods gather, slice and count by data-parallel rank, so groups
+that span processes, batch-wide advantage statistics and DistillationTrainer's accumulation train as under DDP.
+:func:`refuse_partial_groups` and :func:`refuse_split_eval_groups` refuse a generation or evaluation batch of
+partial groups that DDP's check would refuse (TRL checks it by process count), and :func:`refuse_vllm` vLLM
+generation, whose weight sync cannot read a model sharded at load time. :func:`before_trainer_init` /
+:func:`after_trainer_init` are what the patches call.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,8 +31,8 @@ from shardadopt.topology import Topology, TopologyError, topology
 
 __all__ = ["GIVEN_BATCH_ATTR", "after_distillation_init", "after_trainer_init", "before_distillation_init",
            "before_trainer_init", "count_data_parallel_ranks", "model_init_sharding", "online_layout",
-           "record_given_generation_batch", "refuse_accumulated_generation", "refuse_batch_statistics",
-           "refuse_split_groups", "refuse_vllm", "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
+           "record_given_generation_batch", "refuse_partial_groups", "refuse_split_eval_groups", "refuse_vllm",
+           "seed_by_data_parallel_rank", "seeding", "sharded_layout"]
 
 # On a GRPOConfig/RLOOConfig: (generation_batch_size, steps_per_generation) as the user gave them, before TRL's
 # __post_init__ derived the missing one from the process count (shardadopt.enable() records it).
@@ -97,64 +95,6 @@ def count_data_parallel_ranks(args: Any, layout: Topology) -> None:
                 f"steps_per_generation instead.")
         args.steps_per_generation = given_batch // global_batch
     args.generation_batch_size = global_batch * args.steps_per_generation
-
-
-def refuse_split_groups(args: Any, layout: Topology) -> None:
-    """Refuse (:class:`AdoptionError`) a config whose per-process generation batch does not hold whole groups of
-    ``num_generations`` completions, on a model whose TP ranks share batches.
-
-    TRL gathers the rewards of every process and groups ``num_generations`` consecutive rows; the ranks of a TP
-    group contribute the same rows, so a group that spans processes (``per_device_train_batch_size=2,
-    num_generations=4``) is built from copies of the TP group's rows, not from ``num_generations`` completions:
-    wrong advantages, no error (TRL's own check counts the TP ranks as data-parallel and passes). Local.
-
-    Args:
-        args: the trainer's config.
-        layout: the model's topology (:func:`online_layout`).
-    """
-    rows = args.per_device_train_batch_size * args.steps_per_generation
-    generations = args.num_generations
-    if rows % generations == 0:
-        return
-    per_device = generations * -(-args.per_device_train_batch_size // generations)
-    steps = generations // math.gcd(rows, generations) * args.steps_per_generation
-    raise AdoptionError(
-        f"each process's generation batch (per_device_train_batch_size x steps_per_generation = "
-        f"{args.per_device_train_batch_size} x {args.steps_per_generation} = {rows} rows) does not hold whole groups "
-        f"of num_generations={generations} completions, and this model's tensor-parallel ranks share their batch "
-        f"({layout.describe()}): TRL groups the rewards it gathers over every process, so each group would be built "
-        f"from copies of the same rows and the advantages would be wrong. Use per_device_train_batch_size="
-        f"{per_device} (a multiple of num_generations), or steps_per_generation={steps} so that "
-        f"per_device_train_batch_size x steps_per_generation is a multiple of num_generations.")
-
-
-def refuse_batch_statistics(args: Any, layout: Topology) -> None:
-    """Refuse (:class:`AdoptionError`) advantages scaled by statistics over the whole gathered batch, on a model
-    whose TP ranks share batches.
-
-    TRL gathers the rewards of every process: the TP ranks' copies of a batch appear ``tp`` times, which leaves
-    per-group means and standard deviations exact (each group is whole on one process, see
-    :func:`refuse_split_groups`) but changes a standard deviation over the whole batch (Bessel's correction counts
-    the copies): ``GRPOConfig(scale_rewards="batch")``, ``multi_objective_aggregation="normalize_then_sum"`` and
-    ``RLOOConfig(normalize_advantages=True)`` would scale the advantages unlike DDP. Local.
-
-    Args:
-        args: the trainer's config.
-        layout: the model's topology (:func:`online_layout`).
-    """
-    options = {
-        "scale_rewards": ("batch", 'scale_rewards="group"'),
-        "multi_objective_aggregation": ("normalize_then_sum", 'multi_objective_aggregation="sum_then_normalize"'),
-        "normalize_advantages": (True, "normalize_advantages=False"),
-    }
-    for name, (value, fix) in options.items():
-        if getattr(args, name, None) == value:
-            raise AdoptionError(
-                f"{name}={value!r} scales the advantages by a standard deviation over the whole batch TRL gathers "
-                f"from every process, and this model's tensor-parallel ranks contribute copies of the same rows "
-                f"({layout.describe()}): the statistic would count each row {layout.world_size // layout.dp_size} "
-                f"times and differ from DDP's. Use {fix} (per-group statistics, exact here), or load the model "
-                f"with DistributedConfig(fsdp_size=...) only.")
 
 
 def model_init_sharding(args: Any) -> dict[str, int]:
@@ -263,9 +203,10 @@ def before_trainer_init(model: Any, config: Any) -> bool:
 
 def after_trainer_init(trainer: Any, fitted: bool) -> None:
     """After a GRPO/RLOO trainer's ``__init__`` seeded every process as a data-parallel rank: where its model's TP
-    ranks share batches, check the config unless :func:`before_trainer_init` did (a config TRL built, or a model TRL
-    loaded from a path with a ``distributed_config`` in ``model_init_kwargs``) and seed each process by its
-    data-parallel rank. Local.
+    ranks share batches, fit the config unless :func:`before_trainer_init` did (a config TRL built, or a model TRL
+    loaded from a path with a ``distributed_config`` in ``model_init_kwargs``), seed each process by its
+    data-parallel rank and give the trainer its data-parallel view (:func:`shardadopt.online_view.attach_view`).
+    A collective where the TP ranks share batches (every rank builds the trainer).
 
     Args:
         trainer: the trainer, initialised.
@@ -276,83 +217,97 @@ def after_trainer_init(trainer: Any, fitted: bool) -> None:
         return
     if not fitted:
         _fit_config(trainer.args, layout)
-    seed_by_data_parallel_rank(trainer.args.seed, layout)
+    _count_by_data_parallel_rank(trainer, layout)
 
 
-def refuse_accumulated_generation(args: Any, layout: Topology) -> None:
-    """Refuse (:class:`AdoptionError`) ``gradient_accumulation_steps > 1`` for DistillationTrainer on a model whose
-    TP ranks share batches.
-
-    DistillationTrainer generates once per optimizer step on the first of its ``gradient_accumulation_steps``
-    dataloader batches and reuses it; its repeat sampler repeats blocks of ``per_device_train_batch_size x processes
-    x gradient_accumulation_steps`` prompts that many times so that the skipped batches are the repeats. Counted by
-    processes, a block holds ``tp`` data-parallel windows: the step after the first trains the first window's
-    prompts again where DDP moves on. Local.
-
-    Args:
-        args: the trainer's config.
-        layout: the model's topology (:func:`online_layout`).
-    """
-    steps = args.gradient_accumulation_steps
-    if steps <= 1:
-        return
-    raise AdoptionError(
-        f"DistillationTrainer with gradient_accumulation_steps={steps} on a model whose tensor-parallel ranks share "
-        f"their batch ({layout.describe()}): TRL sizes the blocks its sampler repeats by the process count, so the "
-        f"ranks of a tensor-parallel group would count as data-parallel ranks and train some prompts again where "
-        f"DDP moves on. Use gradient_accumulation_steps=1 with per_device_train_batch_size="
-        f"{args.per_device_train_batch_size * steps} (the same batch per optimizer step), or load the model with "
-        f"DistributedConfig(fsdp_size=...) only.")
-
-
-def before_distillation_init(model: Any, config: Any) -> bool:
+def before_distillation_init(model: Any, config: Any) -> None:
     """What DistillationTrainer's ``__init__`` needs before it runs on ``model`` with ``config`` (the user's
-    arguments; either may be None, ``model`` a path): refusals. Local.
+    arguments; either may be None, ``model`` a path): the vLLM refusal. Local.
 
     Args:
         model: the trainer's ``model`` argument (the student).
         config: its ``args`` argument.
-
-    Returns:
-        Whether ``config`` was checked against the model's layout here (a given config and a loaded student);
-        otherwise :func:`after_distillation_init` checks the config TRL holds against the student TRL holds.
     """
-    from torch import nn
-
-    if config is None:
-        return False
-    refuse_vllm(config, model)
-    if not isinstance(model, nn.Module):  # a path: TRL loads it (sharded per model_init_kwargs) in __init__
-        return False
-    layout = online_layout(model)
-    if layout is not None:
-        refuse_accumulated_generation(config, layout)
-    return True
+    if config is not None:
+        refuse_vllm(config, model)
 
 
-def after_distillation_init(trainer: Any, checked: bool) -> None:
+def after_distillation_init(trainer: Any) -> None:
     """After DistillationTrainer's ``__init__`` seeded every process as a data-parallel rank: where its student's
-    TP ranks share batches, check the config unless :func:`before_distillation_init` did (a config TRL built, or a
-    student TRL loaded from a path) and seed each process by its data-parallel rank. Local.
+    TP ranks share batches (given loaded, or loaded by TRL from a path), seed each process by its data-parallel rank
+    and give the trainer its data-parallel view, under which its sampler's blocks, gathers and loss normalisation
+    count data-parallel ranks (``gradient_accumulation_steps > 1`` included). A collective there.
 
     Args:
         trainer: the trainer, initialised.
-        checked: what :func:`before_distillation_init` returned.
     """
     layout = online_layout(trainer.model)
-    if layout is None:
+    if layout is not None:
+        _count_by_data_parallel_rank(trainer, layout)
+
+
+def refuse_split_eval_groups(args: Any, layout: Topology) -> None:
+    """Refuse (:class:`AdoptionError`) an evaluation batch that does not hold whole groups of evaluation
+    generations over the data-parallel ranks, as TRL's config check refuses it under DDP (TRL checks
+    ``per_device_eval_batch_size x processes``, which counts the TP ranks, and would pass). Local.
+
+    Args:
+        args: a ``GRPOConfig``/``RLOOConfig`` that evaluates (``do_eval`` and an ``eval_strategy``).
+        layout: the model's topology (:func:`online_layout`).
+    """
+    if not (args.do_eval and args.eval_strategy != "no"):  # TRL's own condition
         return
-    if not checked:
-        refuse_accumulated_generation(trainer.args, layout)
-    seed_by_data_parallel_rank(trainer.args.seed, layout)
+    generations = getattr(args, "num_generations_eval", None) or args.num_generations
+    rows = args.per_device_eval_batch_size * layout.dp_size
+    if rows % generations:
+        raise AdoptionError(
+            f"the global eval batch per_device_eval_batch_size x data-parallel ranks = "
+            f"{args.per_device_eval_batch_size} x {layout.dp_size} ({layout.describe()}; the ranks of a "
+            f"tensor-parallel group share one batch) does not hold whole groups of {generations} evaluation "
+            f"generations (TRL refuses this under DDP over {layout.dp_size} processes). Use a "
+            f"per_device_eval_batch_size whose product with {layout.dp_size} is a multiple of {generations}.")
+
+
+def refuse_partial_groups(args: Any, layout: Topology) -> None:
+    """Refuse (:class:`AdoptionError`) a generation batch that, counted over the data-parallel ranks, does not hold
+    whole groups of ``num_generations``, as TRL's config check refuses it under DDP (TRL checks the batch counted
+    over every process, which the TP ranks pass: ``tp_size=2``, ``per_device_train_batch_size=2``,
+    ``num_generations=4`` is one data-parallel rank's 2 rows, half a group). Local.
+
+    Args:
+        args: the trainer's config, its generation batch counted by :func:`count_data_parallel_ranks`.
+        layout: the model's topology (:func:`online_layout`).
+    """
+    generations = args.num_generations
+    if args.generation_batch_size % generations == 0:
+        return
+    import math
+
+    global_batch = args.per_device_train_batch_size * layout.dp_size
+    steps = generations // math.gcd(global_batch, generations)
+    raise AdoptionError(
+        f"the generation batch per_device_train_batch_size x data-parallel ranks x steps_per_generation = "
+        f"{args.per_device_train_batch_size} x {layout.dp_size} x {args.steps_per_generation} = "
+        f"{args.generation_batch_size} rows does not hold whole groups of num_generations={generations} "
+        f"completions ({layout.describe()}; the ranks of a tensor-parallel group share one batch): TRL refuses it "
+        f"under DDP over {layout.dp_size} process(es). Use steps_per_generation={steps * args.steps_per_generation}"
+        f" or a per_device_train_batch_size whose product with {layout.dp_size} x steps_per_generation is a "
+        f"multiple of {generations}.")
 
 
 def _fit_config(config: Any, layout: Topology) -> None:
-    """The generation batch by data-parallel ranks (first: a given ``generation_batch_size`` sets
-    ``steps_per_generation``), then the refusals that read it."""
+    """The generation batch by data-parallel ranks (a given ``generation_batch_size`` sets
+    ``steps_per_generation``), and the groups checked over them."""
     count_data_parallel_ranks(config, layout)
-    refuse_split_groups(config, layout)
-    refuse_batch_statistics(config, layout)
+    refuse_partial_groups(config, layout)
+    refuse_split_eval_groups(config, layout)
+
+
+def _count_by_data_parallel_rank(trainer: Any, layout: Topology) -> None:
+    from shardadopt.online_view import attach_view
+
+    seed_by_data_parallel_rank(trainer.args.seed, layout)
+    attach_view(trainer, layout)
 
 
 def seeding(function: Any) -> str | None:

@@ -77,16 +77,35 @@ SEED_BY_DATA_PARALLEL_RANK = """\
         # sample alike, so they count as one data-parallel rank (accelerate's device mesh puts the model-parallel
         # dimensions innermost), here and in the sampler's generation batch.
         parallelism_config = self.accelerator.parallelism_config
-        model_parallel_size = parallelism_config.non_data_parallel_size if parallelism_config is not None else 1
-        if model_parallel_size > 1 and args.use_vllm:
+        self.model_parallel_size = parallelism_config.non_data_parallel_size if parallelism_config is not None else 1
+        if self.model_parallel_size > 1 and args.use_vllm:
             raise ValueError(
                 "`use_vllm=True` does not support a model-parallel (tensor-parallel) student: the weight sync to "
                 "vLLM gathers parameters only through FSDP or DeepSpeed ZeRO-3. Set `use_vllm=False`."
             )
-        self.data_parallel_size = self.accelerator.num_processes // model_parallel_size
-        dp_rank = self.accelerator.process_index // model_parallel_size
+        self.data_parallel_size = self.accelerator.num_processes // self.model_parallel_size
+        dp_rank = self.accelerator.process_index // self.model_parallel_size
         set_seed(args.seed + dp_rank)
 """
+
+GATHER_HELPER = """\
+    def _gather_data_parallel(self, tensor: torch.Tensor) -> torch.Tensor:
+        # `accelerator.gather`, keeping one copy of each row per model replica: the ranks of a model-parallel group
+        # (tensor parallelism) hold copies of the same rows, which would otherwise be counted as other data-parallel
+        # ranks' rows.
+        gathered = self.accelerator.gather(tensor)
+        if self.model_parallel_size == 1:
+            return gathered
+        return torch.cat(gathered.chunk(self.accelerator.num_processes)[:: self.model_parallel_size])
+
+    def _generate(self, prompts: list):
+"""
+
+LENGTHS = """\
+        agg_prompt_lengths = self.accelerator.gather(prompt_lengths)
+        agg_completion_lengths = self.accelerator.gather(completion_lengths)
+"""
+SOURCE = "trl/trainer/distillation_trainer.py"
 
 
 def _blocks(indent: str) -> Edit:
@@ -94,8 +113,7 @@ def _blocks(indent: str) -> Edit:
     ranks."""
     old = (f"{indent}self.args.per_device_train_batch_size\n{indent}* self.accelerator.num_processes\n"
            f"{indent}* self.args.gradient_accumulation_steps\n")
-    return Edit("trl/trainer/distillation_trainer.py", old, old.replace("self.accelerator.num_processes",
-                                                                            "self.data_parallel_size"))
+    return Edit(SOURCE, old, old.replace("self.accelerator.num_processes", "self.data_parallel_size"))
 
 
 FIX = Fix(
@@ -105,8 +123,9 @@ FIX = Fix(
     upstream="huggingface/trl main (not reported upstream yet; still present in 1.16.0)",
     summary="""
         DistillationTrainer (on-policy: the student samples its completions) treats every process as a data-parallel
-        rank: __init__ seeds process i with seed + i (set_seed(args.seed, device_specific=True)) and the repeat
-        sampler's blocks are sized by accelerator.num_processes. The ranks of a tensor-parallel group hold one model
+        rank: __init__ seeds process i with seed + i (set_seed(args.seed, device_specific=True)), the repeat
+        sampler's blocks are sized by accelerator.num_processes, and the loss is normalised by a token count
+        gathered over every process divided by the process count. The ranks of a tensor-parallel group hold one model
         replica and get the same batch, so on 2 x 2 ranks (fsdp_size=2, tp_size=2) the second group samples with
         seed + 2 where a data-parallel run's second process has seed + 1, and with gradient_accumulation_steps > 1
         a block holds the prompts of several data-parallel windows: the step after the first trains the first
@@ -114,13 +133,24 @@ FIX = Fix(
         through FSDP or DeepSpeed ZeRO-3.
 
         Count the ranks of a model-parallel group as one data-parallel rank: seed by data-parallel rank, size the
-        sampler's blocks by data-parallel ranks, and refuse use_vllm on a model-parallel student. shardadopt's
-        runtime patch cannot resize the sampler (its size is computed inline) and refuses
-        gradient_accumulation_steps > 1 on such students instead. The test loads a tp_size=2 student on 2 gloo
+        sampler's blocks by data-parallel ranks, gather the token counts and completion lengths once per model
+        replica (the normaliser by data-parallel ranks), and refuse use_vllm on a model-parallel student.
+        shardadopt's runtime patch runs the sampler, generation and loss with the accelerator's process index,
+        process count and gathers answered by data-parallel rank (the logged completion tables included). The
+        test loads a tp_size=2 student on 2 gloo
         ranks and checks both ranks leave __init__ with one random state and sampler blocks of one data-parallel
         rank.
     """,
-    edits=(Edit("trl/trainer/distillation_trainer.py", SEED, SEED_BY_DATA_PARALLEL_RANK),
-           _blocks(" " * 16), _blocks(" " * 12)),
+    edits=(Edit(SOURCE, SEED, SEED_BY_DATA_PARALLEL_RANK), _blocks(" " * 16), _blocks(" " * 12),
+           Edit(SOURCE, "    def _generate(self, prompts: list):\n", GATHER_HELPER),
+           Edit(SOURCE, LENGTHS, LENGTHS.replace("self.accelerator.gather", "self._gather_data_parallel")),
+           Edit(SOURCE, "        agg_is_truncated = self.accelerator.gather(is_truncated)\n",
+                "        agg_is_truncated = self._gather_data_parallel(is_truncated)\n"),
+           Edit(SOURCE, "        num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()\n",
+                "        num_items_in_batch = self._gather_data_parallel(loss_mask.sum()).sum()\n"),
+           Edit(SOURCE, '            num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0) / '
+                        'self.accelerator.num_processes\n',
+                '            num_items_in_batch = inputs["num_items_in_batch"].clamp(min=1.0) / '
+                'self.data_parallel_size\n')),
     new_files=(NewFile("tests/test_distillation_model_parallel.py", TEST),),
 )

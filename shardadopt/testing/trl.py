@@ -42,12 +42,9 @@ BF16_RTOL = 2e-2  # bf16 autocast: ~3 significant digits per matmul
 REFUSALS = {"fused-head": ("TRL's fused LM head", "Upgrade transformers to 5.17"),
             "lora-tp": ("tensor parallelism on transformers before 5.17", "Upgrade transformers to 5.17"),
             "experts-tp-mesh": ("not sharded by expert on an ep mesh", "transformers 5.21 or newer"),
-            "split-groups": ("does not hold whole groups of num_generations=4", "per_device_train_batch_size=4",
-                             "steps_per_generation=2"),
-            "batch-std": ("a standard deviation over the whole batch", "per-group statistics, exact here"),
+            "partial-groups": ("does not hold whole groups of num_generations=4",
+                               "TRL refuses it under DDP over 1 process", "steps_per_generation=2"),
             "vllm": ("use_vllm=True cannot train a model sharded at load time", "Set use_vllm=False"),
-            "distill-accumulation": ("DistillationTrainer with gradient_accumulation_steps=2",
-                                     "gradient_accumulation_steps=1 with per_device_train_batch_size=4"),
             "distill-head": ("DistillationTrainer reads the student's lm_head.weight directly",
                              "Upgrade transformers to 5.17", "DistributedConfig(fsdp_size=...)")}
 

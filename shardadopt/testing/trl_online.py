@@ -57,9 +57,10 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
     in), with shardadopt enabled minus ``exclude``; ``config`` adds to the trainer's config. ``from_path``: TRL
     loads the model itself (``model=<path>``, ``model_init_kwargs={"dtype": ..., "distributed_config":
     DistributedConfig(...)}`` for a ``layout``). Returns ``{"log":
-    [{"loss", "grad_norm", "reward"} per step], "completions": [the completions this rank's reward function scored,
-    per call], "dp": data-parallel size, "plain_head_shard": ...}``, or ``{"refused": shardadopt's error, ...}``; a
-    step that generated nothing (``steps_per_generation``/``num_iterations`` > 1) logs reward None."""
+    [{"loss", "grad_norm", "reward", "reward_std"} per step], "completions": [the completions this rank's reward
+    function scored, per call], "dp": data-parallel size, "plain_head_shard": ...}``, or ``{"refused": shardadopt's
+    error, ...}``; a step that generated nothing (``steps_per_generation``/``num_iterations`` > 1) logs reward
+    None."""
     import tempfile
 
     import torch
@@ -120,7 +121,8 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
                 trainer.train()
             except (AdapterLayoutError, AdoptionError) as exc:
                 return {**result, "refused": f"{type(exc).__name__}: {exc}"}
-        result.update(log=[{"loss": row["loss"], "grad_norm": float(row["grad_norm"]), "reward": row.get("reward")}
+        result.update(log=[{"loss": row["loss"], "grad_norm": float(row["grad_norm"]), "reward": row.get("reward"),
+                            "reward_std": row.get("reward_std")}
                            for row in trainer.state.log_history if "loss" in row and "grad_norm" in row],
                       completions=seen)
         return result
@@ -130,14 +132,15 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
 
 def tracks(result: dict[str, Any], reference: dict[str, Any], rtol: float) -> str | None:
     """What differs between an :func:`online_log` run's log and the reference's, step by step (None: every step's
-    loss, grad norm and reward within ``rtol``; a step that logged no reward must log none on both)."""
+    loss, grad norm, reward and logged reward standard deviation within ``rtol``; a step that logged no reward must
+    log none on both)."""
     if "log" not in result:
         return f"not trained: {result.get('refused')}"
     got, want = result["log"], reference["log"]
     if len(got) != len(want) or len(want) != STEPS:
         return f"{len(got)} logged steps, the reference logged {len(want)} (of {STEPS})"
     for step, (have, expected) in enumerate(zip(got, want), start=1):
-        for key in ("loss", "grad_norm", "reward"):
+        for key in ("loss", "grad_norm", "reward", "reward_std"):
             if have[key] is None or expected[key] is None:
                 if have[key] is not expected[key]:
                     return f"step {step}: {key} {have[key]!r} vs reference {expected[key]!r}"

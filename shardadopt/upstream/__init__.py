@@ -138,4 +138,10 @@ from shardadopt.upstream.transformers import (
 )
 from shardadopt.upstream.trl import (
     DISTILLATION_COMPUTE_LOSS,
+    DISTILLATION_PREPARE_INPUTS,
+    DISTILLATION_TRAIN_SAMPLER,
+    GRPO_PREPARE_INPUTS,
+    GRPO_SCORE,
+    RLOO_PREPARE_INPUTS,
+    RLOO_SCORE,
 )

@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "shardadopt.torchprobe", "shardadopt.trainer_parallelism", "shardadopt.fence",
                     "shardadopt.worldbound", "shardadopt.sampling", "shardadopt.restarts", "shardadopt.dtensor_grads",
                     "shardadopt.fsdpunits")),
-    ("adoption", ("shardadopt.adapters", "shardadopt.adopt", "shardadopt.online")),
+    ("adoption", ("shardadopt.adapters", "shardadopt.adopt", "shardadopt.online", "shardadopt.online_view")),
     ("checkpoint", ("shardadopt.checkpoint",)),
     ("hpo", ("shardadopt.hpo",)),
     # the patch contract: what a patch is, the registry that applies patches, the refusal where one could not apply

@@ -84,6 +84,9 @@ TP_CASES = [
     ("grpo", {"beta": 0.04, "num_iterations": 2}),
     # a per-device batch of half a group: whole groups per generation batch through steps_per_generation
     ("grpo", {"per_device_train_batch_size": 2, "steps_per_generation": 2}),
+    # advantages scaled over the whole gathered batch: the TP ranks' copies counted once (trl-*-data-parallel)
+    ("grpo", {"scale_rewards": "batch"}),
+    ("rloo", {"normalize_advantages": True}),
 ]
 
 
@@ -91,7 +94,7 @@ TP_CASES = [
                          if isinstance(c, dict) else c)
 def test_tp_ranks_sample_alike_and_track_one_process(pool2, tiny_models, trl_tokenizer, one_process, kind, config):
     """tp_size=2: both ranks score the same completions, the ones one process samples, and every step's loss,
-    grad norm and reward match one process with the same config."""
+    grad norm, reward and logged reward standard deviation match one process with the same config."""
     results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, "tp", MODELS["tp"], timeout=400, **config)
     if refused_everywhere(results, f"{kind} tp"):
         return
@@ -146,22 +149,21 @@ def test_user_loop_samples_alike_on_tp_ranks(pool2, tiny_models):
 
 
 REFUSED = [
-    # TRL accepts these on a TP load (its own checks count the TP ranks as data-parallel ranks)
-    ("grpo", "tp", {"per_device_train_batch_size": 2}, "split-groups"),
-    ("rloo", "tp", {"per_device_train_batch_size": 2}, "split-groups"),
-    ("grpo", "tp", {"scale_rewards": "batch"}, "batch-std"),
-    ("rloo", "tp", {"normalize_advantages": True}, "batch-std"),
+    # TRL accepts this on a TP load (its own check counts the TP ranks as data-parallel ranks) and refuses it under
+    # DDP over the one data-parallel rank: half a group per generation batch
+    ("grpo", "tp", {"per_device_train_batch_size": 2}, "partial-groups"),
+    ("rloo", "tp", {"per_device_train_batch_size": 2}, "partial-groups"),
     ("grpo", "fsdp", {"use_vllm": True}, "vllm"),
     ("rloo", "fsdp", {"use_vllm": True}, "vllm"),
 ]
 
 
 def test_refused_by_name(pool2, tiny_models, trl_tokenizer):
-    """What TRL accepts but cannot train right on a sharded load is refused when the trainer is built, on every
-    rank, naming the fix: on tp_size=2 a per-device batch of half a group (per_device_train_batch_size=2,
-    num_generations=4: the TP ranks' copies of 2 completions would be grouped as 4) and advantages scaled over the
-    whole gathered batch (the copies counted in the standard deviation); use_vllm=True on fsdp_size=2 (vLLM's
-    weight sync would send DTensor shards)."""
+    """What TRL accepts on a sharded load but cannot train as DDP is refused when the trainer is built, on every
+    rank, naming the fix: on tp_size=2 (one data-parallel rank) a generation batch of half a group
+    (per_device_train_batch_size=2, num_generations=4: TRL refuses it under DDP over one process, and counting the
+    TP ranks as processes passes its check); use_vllm=True on fsdp_size=2 (vLLM's weight sync would send DTensor
+    shards)."""
     for kind, layout, config, cause in REFUSED:
         results = pool2.run(online_log, tiny_models, trl_tokenizer, kind, layout, MODELS[layout], timeout=300,
                             **config)
@@ -177,16 +179,28 @@ def _sizes_or_skip(layout: str) -> None:
         pytest.skip(f"{layout}: {exc}")
 
 
-@pytest.mark.parametrize("kind", ["grpo", "rloo"])
-def test_2d_tracks_ddp(request, tiny_models, trl_tokenizer, ddp, kind):
+CASES_2D = [
+    ("grpo", {"per_device_train_batch_size": PER_DEVICE_2D}),
+    ("rloo", {"per_device_train_batch_size": PER_DEVICE_2D}),
+    # each group of 4 completions spans the two data-parallel ranks (2 rows each), with advantages scaled over the
+    # whole batch, and a second pass over each generation batch (old log-probs reused)
+    ("grpo", {"per_device_train_batch_size": 2, "scale_rewards": "batch", "num_iterations": 2}),
+    ("rloo", {"per_device_train_batch_size": 2, "normalize_advantages": True}),
+]
+
+
+@pytest.mark.parametrize(("kind", "config"), CASES_2D, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items())
+                         if isinstance(c, dict) else c)
+def test_2d_tracks_ddp(request, tiny_models, trl_tokenizer, ddp, kind, config):
     """fsdp_size=2, tp_size=2 on 4 ranks against DDP on 2: the two ranks of each TP group score the same
     completions, TP group k the ones DDP's process k samples (seeded by data-parallel rank), and every step's loss,
-    grad norm and reward match DDP."""
+    grad norm, reward and logged reward standard deviation match DDP, groups that span the data-parallel ranks and
+    batch-wide advantage statistics included (the TP ranks' copies gathered once, trl-*-data-parallel)."""
     _sizes_or_skip("2d")
     pool = request.getfixturevalue("pool4")
-    results = pool.run(online_log, tiny_models, trl_tokenizer, kind, "2d", MODELS["2d"], world=4,
-                       per_device_train_batch_size=PER_DEVICE_2D, timeout=600)
-    reference = ddp(kind, per_device_train_batch_size=PER_DEVICE_2D)
+    results = pool.run(online_log, tiny_models, trl_tokenizer, kind, "2d", MODELS["2d"], world=4, timeout=600,
+                       **config)
+    reference = ddp(kind, **config)
     assert reference[0]["log"] == reference[1]["log"], "DDP ranks log the same values"
     for group, (first, second) in enumerate([(0, 1), (2, 3)]):
         assert results[first].get("completions") == results[second].get("completions"), (

@@ -10,7 +10,11 @@ import pytest
 pytest.importorskip("trl")
 
 from shardadopt.adopt import AdoptionError  # noqa: E402
-from shardadopt.online import count_data_parallel_ranks, refuse_batch_statistics, refuse_split_groups  # noqa: E402
+from shardadopt.online import (  # noqa: E402
+    count_data_parallel_ranks,
+    refuse_partial_groups,
+    refuse_split_eval_groups,
+)
 from shardadopt.topology import Topology  # noqa: E402
 
 # rank 2 of fsdp_size=2 x tp_size=2: data-parallel rank 1 of 2
@@ -68,16 +72,32 @@ def test_a_given_generation_batch_the_global_batch_does_not_divide_is_refused():
         count_data_parallel_ranks(config, LAYOUT_2D)
 
 
-def test_split_groups_and_batch_statistics_are_refused_naming_what_works():
+def test_a_generation_batch_of_partial_groups_over_the_data_parallel_ranks_is_refused():
+    """per_device_train_batch_size=2, num_generations=4 on tp_size=2 (one data-parallel rank): TRL's check counts 2
+    processes (4 rows) and passes, DDP over the one data-parallel rank has 2 rows and TRL refuses it there; on 2-D
+    (2 data-parallel ranks) the same config is a whole group spanning the ranks, which trains."""
+    tp_only = Topology(source="transformers", world_size=2, rank=1, tp_size=2, tp_rank=1)
+    config = _config("grpo", 2, per_device_train_batch_size=2)
+    count_data_parallel_ranks(config, tp_only)
+    with pytest.raises(AdoptionError, match=r"2 x 1 x 1 = 2 rows .* TRL refuses it under DDP over 1 process.*"
+                                            r"steps_per_generation=2"):
+        refuse_partial_groups(config, tp_only)
+    with pytest.raises(ValueError, match="must be divisible by num_generations"):  # what TRL says in one process
+        _config("grpo", 1, per_device_train_batch_size=2)
     config = _config("grpo", 4, per_device_train_batch_size=2)
-    with pytest.raises(AdoptionError, match=r"per_device_train_batch_size=4 .*steps_per_generation=2 so that"):
-        refuse_split_groups(config, LAYOUT_2D)
-    config = _config("grpo", 4, per_device_train_batch_size=2, steps_per_generation=2)
-    refuse_split_groups(config, LAYOUT_2D)  # 2 x 2 rows: one whole group per process
-    config = _config("grpo", 4, per_device_train_batch_size=4, scale_rewards="batch")
-    with pytest.raises(AdoptionError, match='scale_rewards="group"'):
-        refuse_batch_statistics(config, LAYOUT_2D)
-    config = _config("rloo", 4, per_device_train_batch_size=4, normalize_advantages=True)
-    with pytest.raises(AdoptionError, match="normalize_advantages=False"):
-        refuse_batch_statistics(config, LAYOUT_2D)
-    refuse_batch_statistics(_config("grpo", 4, per_device_train_batch_size=4), LAYOUT_2D)
+    count_data_parallel_ranks(config, LAYOUT_2D)
+    refuse_partial_groups(config, LAYOUT_2D)  # 2 x 2 ranks: one group across the data-parallel ranks
+
+
+def test_an_eval_batch_of_split_groups_over_the_data_parallel_ranks_is_refused():
+    """TRL checks per_device_eval_batch_size x processes against the evaluation generations; over the data-parallel
+    ranks (DDP's check) 1 x 2 rows do not hold a group of 4, though 1 x 4 processes do."""
+    evaluating = {"do_eval": True, "eval_strategy": "steps", "per_device_train_batch_size": 4}
+    config = _config("grpo", 4, per_device_eval_batch_size=1, **evaluating)  # TRL's check passes: 1 x 4
+    with pytest.raises(AdoptionError, match=r"per_device_eval_batch_size x data-parallel ranks = 1 x 2"):
+        refuse_split_eval_groups(config, LAYOUT_2D)
+    with pytest.raises(ValueError, match="global eval batch size"):  # what TRL says under DDP over 2
+        _config("grpo", 2, per_device_eval_batch_size=1, **evaluating)
+    refuse_split_eval_groups(_config("grpo", 4, per_device_eval_batch_size=2, **evaluating), LAYOUT_2D)
+    refuse_split_eval_groups(_config("grpo", 4, per_device_eval_batch_size=1, per_device_train_batch_size=4),
+                             LAYOUT_2D)  # no evaluation

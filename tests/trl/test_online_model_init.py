@@ -2,13 +2,14 @@
 ``model_init_kwargs`` (``GRPOTrainer(model="<path>", args=GRPOConfig(model_init_kwargs={"distributed_config":
 DistributedConfig(tp_size=2)}))``: TRL 1.16 calls ``from_pretrained(path, **model_init_kwargs)``, and the reference
 model for ``beta > 0`` too). shardadopt sees the model only once TRL has loaded it, so it fits the config to the
-loaded model's layout after TRL's ``__init__`` (generation batch by data-parallel ranks, the refusals that read it)
-and refuses ``use_vllm=True`` from the config before TRL loads anything or starts vLLM.
+loaded model's layout after TRL's ``__init__`` (generation batch by data-parallel ranks, the refusal of partial groups
+that reads it, the data-parallel view) and refuses ``use_vllm=True`` from the config before TRL loads anything or
+starts vLLM.
 
 Reference: one process on the plain checkpoint, loaded by TRL from the same path (``tp_size=2`` has one
 data-parallel rank). Before the fix the config the user gave was fitted only for a model given loaded: with
 ``num_iterations=2`` the third step trained the first prompt again (grad norm 2.20 where one process gives 2.49),
-and a per-device batch of half a group trained instead of being refused.
+and a generation batch of half a group (which TRL refuses in one process) trained instead of being refused.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ REFUSED = [
     ("fsdp", {"use_vllm": True}, "vllm"),
     ("tp", {"use_vllm": True}, "vllm"),
     # refused once TRL has loaded the model and shardadopt can read its layout
-    ("tp", {"per_device_train_batch_size": 2}, "split-groups"),
+    ("tp", {"per_device_train_batch_size": 2}, "partial-groups"),
 ]
 
 

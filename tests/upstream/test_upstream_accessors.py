@@ -794,9 +794,12 @@ def test_patch_targets(target):
     assert callable(method) and method.__qualname__ == target.qualname
 
 
-def test_trl_patch_targets():
+@pytest.mark.parametrize("target", [upstream.DISTILLATION_COMPUTE_LOSS, upstream.DISTILLATION_PREPARE_INPUTS,
+                                    upstream.DISTILLATION_TRAIN_SAMPLER, upstream.GRPO_PREPARE_INPUTS,
+                                    upstream.GRPO_SCORE, upstream.RLOO_PREPARE_INPUTS, upstream.RLOO_SCORE],
+                         ids=lambda t: t.qualname)
+def test_trl_patch_targets(target):
     pytest.importorskip("trl")
-    target = upstream.DISTILLATION_COMPUTE_LOSS
     method = upstream.upstream_method(target, "test")
     assert callable(method) and method.__qualname__ == target.qualname
 
