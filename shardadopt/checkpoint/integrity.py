@@ -107,9 +107,9 @@ def check_seal(directory: str, name: str, marker: Any) -> None:
         raise damaged(directory, name, "its content does not match its checksum")
 
 
-def _local_problem(directory: str, files: dict[str, dict[str, Any]], state_dir: str) -> tuple[str, str] | None:
-    """(file, what is wrong) for the first damaged file this rank finds: every file's size, its share's sha256,
-    and files under ``state_dir`` the marker does not list."""
+def _local_problems(directory: str, files: dict[str, dict[str, Any]], state_dir: str) -> list[tuple[str, str]]:
+    """(file, what is wrong) for each damaged file this rank finds: every file's size, its share's sha256, and
+    files under ``state_dir`` the marker does not list."""
     world_size, rank = _world()
     names = sorted(files)
     problems = []
@@ -128,7 +128,7 @@ def _local_problem(directory: str, files: dict[str, dict[str, Any]], state_dir: 
         if name not in damaged_names and digest(os.path.join(directory, name)) != files[name].get("sha256"):
             problems.append((name, "its content differs from what this save wrote (damaged, or from another save)"))
         progress()
-    return min(problems) if problems else None
+    return problems
 
 
 def agreed(local: CheckpointError | None) -> CheckpointError | None:
@@ -164,10 +164,15 @@ def verify(directory: str, files: dict[str, dict[str, Any]] | None, state_dir: s
         warnings.warn(f"{directory} was written before shardadopt recorded file checksums: a damaged file is found "
                       f"only when it is read (save again to record them)", stacklevel=3)
         return
-    problem = _local_problem(directory, files, state_dir)
-    error = agreed(None if problem is None else damaged(directory, *problem))
-    if error is not None:
-        raise error
+    found = sorted(set().union(*_all_gather(_local_problems(directory, files, state_dir))))
+    if found:
+        name, detail = found[0]
+        others = sorted({n for n, _ in found} - {name})
+        if others:
+            detail += (f"; {len(others)} other files differ from the marker too ({', '.join(others[:3])}"
+                       f"{', ...' if len(others) > 3 else ''}): were files of two saves, or a marker of another, "
+                       f"mixed?")
+        raise mark_agreed(damaged(directory, name, detail))
 
 
 def read_agreed(directory: str, names: dict[str, str], hints: dict[str, str] | None = None) -> dict[str, Any]:
