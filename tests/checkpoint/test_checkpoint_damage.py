@@ -1,14 +1,14 @@
 """Property: any file of a checkpoint truncated, bit-flipped, replaced by another save's or removed, on any rank, is
 ``DamagedCheckpointError`` naming that file on every rank, and nothing else (no rank returns, none hangs).
 
-hypothesis draws the file (every file of the checkpoint, its completion marker and each rank's own files
-included), the damage and where in the file it lands, for the checkpoints ``shardadopt.checkpoint.save``, the
-Trainer and ``Accelerator.save_state`` write of an FSDP-sharded tiny qwen3 on 2 gloo ranks
-(``shardadopt.testing.damage``). The one exception is the marker removed: the directory is then not a complete
-checkpoint, ``IncompleteCheckpointError`` on every rank, as for a save that never finished; the marker replaced by
-the other save's names a file that differs from it and counts the others. A replacement with
-identical bytes (a file both saves wrote alike) is no damage: the load must then succeed on every rank. Each
-example's load must end within the pool's timeout (a hang fails it, and the module).
+hypothesis draws the file (every file of the checkpoint, its completion marker and each rank's own files included),
+the damage and where in the file it lands, for the checkpoints ``shardadopt.checkpoint.save``, the Trainer and
+``Accelerator.save_state`` write of an FSDP-sharded tiny qwen3 on 2 gloo ranks
+(``shardadopt.selftest.checkpoint_damage``). The one exception is the marker removed: the directory is then not a
+complete checkpoint, ``IncompleteCheckpointError`` on every rank, as for a save that never finished; the marker
+replaced by the other save's names a file that differs from it and counts the others. A replacement with identical
+bytes (a file both saves wrote alike) is no damage: the load must then succeed on every rank. Each example's load
+must end within the pool's timeout (a hang fails it, and the module).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardadopt.checkpoint import MARKER
+from shardadopt.selftest import checkpoint_damage as scenario
 from shardadopt.testing import RankPool
-from shardadopt.testing import damage as scenario
 
 pytestmark = pytest.mark.multiproc
 

@@ -1,13 +1,13 @@
 """A checkpoint from elsewhere runs nothing when it is loaded, and a damaged one is one error on every rank.
 
-On 2 gloo ranks with an FSDP-sharded tiny qwen3, checkpoints written by ``shardadopt.checkpoint.save``, the
-Trainer and ``Accelerator.save_state`` (``shardadopt.testing.damage``). Tampered: each file the issue's table names
-(``rng_state_1.pt``, ``schedulers.pt``, ``extra.pt``, ``state/.metadata``; the Trainer's and accelerate's own
+On 2 gloo ranks with an FSDP-sharded tiny qwen3, checkpoints written by ``shardadopt.checkpoint.save``, the Trainer
+and ``Accelerator.save_state`` (``shardadopt.selftest.checkpoint_damage``). Tampered: each file the issue's table
+names (``rng_state_1.pt``, ``schedulers.pt``, ``extra.pt``, ``state/.metadata``; the Trainer's and accelerate's own
 files) replaced by a pickle that runs ``touch``, the marker resealed as an attacker would: the command must not run,
-and every rank raises ``UntrustedCheckpointError`` naming the file. Damaged: the table's cases (garbage in one rank's
-RNG file, a truncated scheduler file, one rank's truncated shard), and two directories mixed: every rank raises
-``DamagedCheckpointError`` naming the file within ``BOUND`` seconds (no rank returns). ``extra`` holding a user
-object loads only with ``trust_extra=True``.
+and every rank raises ``UntrustedCheckpointError`` naming the file. Damaged: the table's cases (garbage in one
+rank's RNG file, a truncated scheduler file, one rank's truncated shard), and two directories mixed: every rank
+raises ``DamagedCheckpointError`` naming the file within ``BOUND`` seconds (no rank returns). ``extra`` holding a
+user object loads only with ``trust_extra=True``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import os
 
 import pytest
 
+from shardadopt.selftest import checkpoint_damage as scenario
 from shardadopt.testing import RankPool
-from shardadopt.testing import damage as scenario
 
 pytestmark = pytest.mark.multiproc
 
