@@ -6,7 +6,7 @@ itself. At load every rank checks every file's size and hashes its share, then t
 (one ``all_gather_object`` under a fence, so a rank that hangs or fails bounds everyone's wait): every rank raises
 the same ``DamagedCheckpointError`` naming the first damaged file, or none does. A file that differs from its
 checksum was damaged or comes from another save (two checkpoint directories mixed); so does a file under ``state/``
-that the marker does not list. Markers written before checksums (shardadopt up to 0.x) load with a warning.
+that the marker does not list. Markers written before checksums (shardadopt 0.1.0) load with a warning.
 """
 
 from __future__ import annotations
