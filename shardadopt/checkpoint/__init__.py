@@ -7,10 +7,13 @@
 
 A checkpoint is one directory: model and optimizer state written by ``torch.distributed.checkpoint`` (each rank
 writes its own shards), the schedulers and ``extra`` from rank 0, one RNG file per rank (python, numpy, torch),
-and a completion marker ``shardadopt_checkpoint.json`` (world size, each model's layout, versions, step).
+and a completion marker ``shardadopt_checkpoint.json`` (world size, each model's layout, versions, step, every
+file's size and sha256). Loading runs nothing from the checkpoint (``safeload``) and checks every file first
+(``integrity``): a damaged one is ``DamagedCheckpointError`` on every rank.
 
-Parts: ``publish`` (staging, atomic rename, completion marker, ``latest``), ``state`` (DCP state, ``save``/``load``,
-resharding), ``rng`` (per-rank RNG), ``export`` (``save_full``/``full_state_dict``), ``sharding`` (layout
+Parts: ``publish`` (staging, atomic rename, completion marker, ``latest``), ``resume`` (``save``/``load``),
+``state`` (DCP state, resharding), ``integrity`` (checksums, agreement), ``safeload`` (reads that run no code),
+``errors``, ``rng`` (per-rank RNG), ``export`` (``save_full``/``full_state_dict``), ``sharding`` (layout
 detection); ``accelerator`` and ``trainer`` hold what the ``accelerate-sharded-checkpoint`` and
 ``trainer-sharded-checkpoint`` patches call.
 
@@ -22,25 +25,23 @@ process groups unusable).
 
 from __future__ import annotations
 
-from shardadopt.checkpoint.export import full_state_dict, save_full
-from shardadopt.checkpoint.publish import (
-                                           FORMAT,
-                                           MARKER,
-                                           CheckpointError,
-                                           CheckpointInfo,
-                                           CheckpointMismatchError,
-                                           IncompleteCheckpointError,
-                                           is_complete,
-                                           latest,
-                                           read_info,
-                                           staged,
+from shardadopt.checkpoint.errors import (
+                                          CheckpointError,
+                                          CheckpointMismatchError,
+                                          DamagedCheckpointError,
+                                          IncompleteCheckpointError,
+                                          UntrustedCheckpointError,
 )
+from shardadopt.checkpoint.export import full_state_dict, save_full
+from shardadopt.checkpoint.publish import FORMAT, MARKER, CheckpointInfo, is_complete, latest, read_info, staged
+from shardadopt.checkpoint.resume import load, save
 from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
 from shardadopt.checkpoint.sharding import is_sharded, layout, rank_local
-from shardadopt.checkpoint.state import check_compatible, load, load_sharded_state, save, save_sharded_state
+from shardadopt.checkpoint.state import check_compatible, load_sharded_state, save_sharded_state
 from shardadopt.fence import PeerFailedError
 
 __all__ = ["save", "load", "latest", "read_info", "is_complete", "is_sharded", "rank_local", "layout", "save_full",
            "full_state_dict", "staged", "save_sharded_state", "load_sharded_state",
            "save_rng_state", "load_rng_state", "check_compatible", "CheckpointInfo", "CheckpointError",
-           "IncompleteCheckpointError", "CheckpointMismatchError", "PeerFailedError", "MARKER", "FORMAT"]
+           "IncompleteCheckpointError", "CheckpointMismatchError", "DamagedCheckpointError", "UntrustedCheckpointError",
+           "PeerFailedError", "MARKER", "FORMAT"]

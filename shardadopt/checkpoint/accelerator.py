@@ -14,8 +14,10 @@ import warnings
 from typing import Any
 
 from shardadopt import upstream
+from shardadopt.checkpoint.errors import IncompleteCheckpointError
 from shardadopt.checkpoint.export import full_state_dict, save_full
-from shardadopt.checkpoint.publish import IncompleteCheckpointError, is_complete, read_info, staged
+from shardadopt.checkpoint.integrity import agreement, read_agreed, verify
+from shardadopt.checkpoint.publish import _STATE_DIR, is_complete, read_info, staged
 from shardadopt.checkpoint.sharding import is_sharded
 from shardadopt.checkpoint.state import check_compatible, is_adapter_model, load_sharded_state, save_sharded_state
 
@@ -122,7 +124,7 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
     ``DistributedConfig`` differs, unless ``AdoptionKwargs(reshard_checkpoints=False)``), and restores everything
     ``save_state`` wrote.
     """
-    from accelerate.checkpointing import load_accelerator_state, load_custom_state
+    from accelerate.checkpointing import load_accelerator_state
     from accelerate.utils import RNG_STATE_NAME
 
     from shardadopt.adopt import adoption_kwargs
@@ -143,10 +145,17 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
     prepared = upstream.accelerator_models(accelerator)
     models = [_unwrapped(m) for m in prepared]
     resharded = check_compatible(info, models, reshard=adoption_kwargs(accelerator).reshard_checkpoints)
+    with agreement(f"the checkpoint load from {info.directory}"):  # every file checked before anything is loaded
+        verify(info.directory, info.files, _STATE_DIR)
+        # what accelerate's loaders read on this process, read first and agreed on (accelerate skips an RNG file it
+        # cannot read, on that process alone): a file one process cannot read stops every process here
+        reads = _upstream_reads(info.directory, accelerator.state.process_index)
+        read = read_agreed(info.directory, reads, {name: _CUSTOM_HINT for name in reads if name.startswith("custom")})
     for hook in list(upstream.accelerator_load_state_pre_hooks(accelerator).values()):
         hook(prepared, input_dir)
-    load_sharded_state(input_dir, models, _torch_optimizers(accelerator),
-                       frozen=[not is_adapter_model(m) for m in models])
+    with agreement(f"the checkpoint load from {info.directory}"):
+        load_sharded_state(input_dir, models, _torch_optimizers(accelerator),
+                           frozen=[not is_adapter_model(m) for m in models])
     load_model_func_kwargs.pop("map_location", None)
     override = load_accelerator_state(input_dir, [], [], upstream.accelerator_schedulers(accelerator),
                                       upstream.accelerator_dataloaders(accelerator), accelerator.state.process_index,
@@ -168,8 +177,26 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
     if len(custom) != len(custom_objects):
         raise RuntimeError(f"Number of custom checkpoints in folder {input_dir} ({len(custom)}) does not match the "
                            f"number of registered objects ({len(custom_objects)})")
-    for index, obj in enumerate(custom_objects):
-        load_custom_state(obj, input_dir, index)
+    for index, obj in enumerate(custom_objects):  # read with weights_only=True, where upstream unpickles anything
+        obj.load_state_dict(read[f"custom_checkpoint_{index}.pkl"])
+
+
+_CUSTOM_HINT = ("For a sharded model, registered objects' states load with weights_only=True: keep state_dict() to "
+                "tensors, numbers, strings and containers of them, or allow your own types with "
+                "torch.serialization.add_safe_globals if you trust whoever wrote the checkpoint.")
+
+
+def _upstream_reads(directory: str, process: int) -> dict[str, str]:
+    """The files of ``directory`` accelerate's loaders read on ``process`` with ``weights_only=True`` (schedulers,
+    scaler, its RNG states) and the registered objects' states."""
+    reads = {}
+    for name in os.listdir(directory):
+        if re.fullmatch(r"scheduler(_\d+)?\.bin|scaler\.pt", name):
+            reads[name] = "a state accelerate saved"
+        elif re.fullmatch(r"custom_checkpoint_\d+\.pkl", name):
+            reads[name] = "a registered object's state (register_for_checkpointing)"
+    reads[f"random_states_{process}.pkl"] = "this process's RNG states"
+    return reads
 
 
 # -- get_state_dict / save_model -----------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardadopt import upstream
-from shardadopt.checkpoint.publish import CheckpointError, _publish_files, _staging_path
+from shardadopt.checkpoint.errors import CheckpointError
+from shardadopt.checkpoint.publish import _publish_files, _staging_path
 from shardadopt.checkpoint.sharding import _barrier, _is_dtensor, rank_local
 from shardadopt.fence import fenced
 from shardadopt.topology import _world

@@ -14,13 +14,18 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from shardadopt.checkpoint.errors import CheckpointError, DamagedCheckpointError, IncompleteCheckpointError
+from shardadopt.checkpoint.integrity import FILES, check_seal, manifest, seal
+from shardadopt.checkpoint.safeload import damaged
 from shardadopt.checkpoint.sharding import _barrier, layout
+from shardadopt.errors import summary
 from shardadopt.fence import fenced
 from shardadopt.topology import _world
 
@@ -28,18 +33,6 @@ MARKER = "shardadopt_checkpoint.json"
 FORMAT = 1
 _STATE_DIR = "state"  # the DCP files
 _STAGING_SUFFIX = ".partial"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used as asked."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """The directory is not a completely written checkpoint (a save was interrupted, or it is not one)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint was saved with a layout that cannot be loaded into the target as asked."""
 
 
 @dataclass
@@ -52,6 +45,7 @@ class CheckpointInfo:
     layouts: list[dict[str, Any]]
     versions: dict[str, str]
     metadata: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] | None = None  # size and sha256 per file; None: written before checksums
     extra: Any = None
     resharded: bool = False
     rng_restored: bool = False
@@ -133,8 +127,9 @@ def staged(directory: str | os.PathLike, *, step: int | None = None, models: Seq
         _barrier()
         yield staging
         _barrier()
+        files = manifest(staging, MARKER)  # every rank hashes its share of the files, once all are written
         if rank == 0:
-            _publish(staging, directory, step, world_size, models, metadata)
+            _publish(staging, directory, step, world_size, models, metadata, files)
         _barrier()
         if after_publish is not None:
             after_publish()
@@ -142,14 +137,15 @@ def staged(directory: str | os.PathLike, *, step: int | None = None, models: Seq
 
 
 def _publish(staging: str, directory: str, step: int | None, world_size: int, models: Sequence[torch.nn.Module],
-             metadata: dict[str, Any] | None) -> None:
-    """Rank 0, once every rank wrote its part: the completion marker, then one rename into place."""
-    marker = {"format": FORMAT, "complete": True, "step": step, "world_size": world_size,
-              "layouts": [layout(m) for m in models], "versions": _versions(), "time": time.time(),
-              "metadata": metadata or {}}
+             metadata: dict[str, Any] | None, files: dict[str, dict[str, Any]]) -> None:
+    """Rank 0, once every rank wrote its part: the completion marker (sealed, with every file's size and
+    checksum), then one rename into place."""
+    marker = seal({"format": FORMAT, "complete": True, "step": step, "world_size": world_size,
+                   "layouts": [layout(m) for m in models], "versions": _versions(), "time": time.time(),
+                   "metadata": metadata or {}, FILES: files})
     path = os.path.join(staging, MARKER)
     with open(path, "w") as f:
-        json.dump(marker, f, indent=2, sort_keys=True, default=str)
+        json.dump(marker, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(staging)
@@ -206,21 +202,29 @@ def read_info(directory: str | os.PathLike) -> CheckpointInfo:
         raise IncompleteCheckpointError(
             f"{directory} is not a complete checkpoint (no completion marker {MARKER}): {what}. "
             f"Resume from a complete one instead ({hint}; shardadopt.checkpoint.latest(root) finds it).")
-    with open(path) as f:
-        marker = json.load(f)
+    try:
+        with open(path, "rb") as f:
+            marker = json.loads(f.read().decode())
+    except (ValueError, OSError) as exc:  # truncated, not UTF-8, unreadable
+        raise damaged(directory, MARKER, summary(exc)) from exc
+    check_seal(directory, MARKER, marker)
     if marker.get("format") != FORMAT:
         raise CheckpointError(f"{directory} has checkpoint format {marker.get('format')}, this shardadopt reads "
                               f"format {FORMAT}; load it with the shardadopt version that wrote it "
                               f"({marker.get('versions', {}).get('shardadopt', 'unknown')})")
-    return CheckpointInfo(directory=directory, step=marker.get("step"), world_size=marker["world_size"],
-                          layouts=marker.get("layouts", []), versions=marker.get("versions", {}),
-                          metadata=marker.get("metadata", {}))
+    try:
+        return CheckpointInfo(directory=directory, step=marker.get("step"), world_size=int(marker["world_size"]),
+                              layouts=marker.get("layouts", []), versions=marker.get("versions", {}),
+                              metadata=marker.get("metadata", {}), files=marker.get(FILES))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise damaged(directory, MARKER, f"no world size: {summary(exc)}") from exc
 
 
 def latest(root: str | os.PathLike) -> str | None:
     """The complete checkpoint directly under ``root`` with the highest step (then the newest); None if none.
 
-    Staging directories of interrupted saves and directories without a completion marker are skipped; a checkpoint
+    Staging directories of interrupted saves, directories without a completion marker and those whose marker is
+    damaged (a warning) are skipped; a checkpoint
     that a same-name re-save moved aside and was killed before replacing counts, at the path it was moved to.
 
     Args:
@@ -240,7 +244,11 @@ def latest(root: str | os.PathLike) -> str | None:
             os.path.join(root, name[1:-len(aside_suffix)]))
         if (name.startswith(".") and not moved_aside) or not is_complete(path):
             continue
-        info = read_info(path)
+        try:
+            info = read_info(path)
+        except DamagedCheckpointError as exc:
+            warnings.warn(f"skipping {path}: {exc}", stacklevel=2)
+            continue
         found.append((info.step if info.step is not None else -1, os.path.getmtime(os.path.join(path, MARKER)),
                       path))
     return max(found)[2] if found else None

@@ -1,4 +1,7 @@
-"""Per-rank RNG state (python, numpy, torch CPU and CUDA) saved beside a checkpoint and restored on resume."""
+"""Per-rank RNG state (python, numpy, torch CPU and CUDA) saved beside a checkpoint and restored on resume.
+
+Read with ``torch.load(weights_only=True)``, numpy's RNG types allow-listed (``shardadopt.checkpoint.safeload``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 
 import torch
 
+from shardadopt.checkpoint.safeload import damaged, load_file
 from shardadopt.topology import _world
 
 
@@ -31,6 +35,40 @@ def save_rng_state(directory: str) -> None:
     torch.save(state, _rng_file(directory, _world()[1]))
 
 
+def read_rng_state(directory: str) -> dict[str, Any] | None:
+    """This rank's RNG states as saved (nothing restored yet); None when the checkpoint has no file for this rank.
+
+    Args:
+        directory: a checkpoint directory written with :func:`save_rng_state`.
+
+    Returns:
+        The states. ``DamagedCheckpointError`` / ``UntrustedCheckpointError`` name a file that is not one.
+    """
+    name = os.path.basename(_rng_file(directory, _world()[1]))
+    if not os.path.isfile(os.path.join(directory, name)):
+        return None
+    state = load_file(directory, name, "this rank's RNG states")
+    if not isinstance(state, dict) or not {"python", "numpy", "cpu"} <= set(state):
+        raise damaged(directory, name, "it holds no python, numpy and torch RNG states")
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], directory: str) -> None:
+    """Set this rank's RNG states to ``state`` (from :func:`read_rng_state` of ``directory``)."""
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        if torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])  # the current device's, as saved
+        else:
+            warnings.warn(f"{_rng_file(directory, _world()[1])} holds a CUDA RNG state, but CUDA is not available "
+                          f"here: the CPU, python and numpy RNG states are restored, CUDA random streams are not",
+                          stacklevel=3)
+
+
 def load_rng_state(directory: str) -> bool:
     """Restore this rank's RNG states; False when the checkpoint has no file for this rank.
 
@@ -40,20 +78,8 @@ def load_rng_state(directory: str) -> bool:
     Returns:
         True when this rank's states were restored.
     """
-    import numpy as np
-
-    path = _rng_file(directory, _world()[1])
-    if not os.path.isfile(path):
+    state = read_rng_state(directory)
+    if state is None:
         return False
-    state = torch.load(path, weights_only=False)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])  # the current device's, as saved
-        else:
-            warnings.warn(f"{path} holds a CUDA RNG state, but CUDA is not available here: the CPU, python and "
-                          f"numpy RNG states are restored, CUDA random streams are not", stacklevel=3)
+    restore_rng_state(state, directory)
     return True
-

@@ -1,10 +1,11 @@
-"""Model, optimizer and scheduler state: ``torch.distributed.checkpoint`` per rank, and ``save``/``load``.
+"""Model and optimizer state: ``torch.distributed.checkpoint`` per rank, resharding, the layout check.
 
 DCP stores every DTensor as pieces of its global tensor, so a checkpoint loads into any layout whose global shapes
 match (fsdp 2 -> tp 2, fsdp 2 -> one process, ...). ``load`` compares the saved world size and layout with the
 target's, checks the global shapes, and says what it does: same layout -> exact resume (RNG included); different
 layout -> weights and optimizer resharded, per-rank RNG not restored (a warning says so), or
-``CheckpointMismatchError`` when ``reshard=False`` or a shape differs.
+``CheckpointMismatchError`` when ``reshard=False`` or a shape differs. DCP's ``.metadata`` is read through
+``shardadopt.checkpoint.safeload`` (DCP's metadata classes only); ``save``/``load`` themselves are in ``resume``.
 """
 
 from __future__ import annotations
@@ -13,20 +14,19 @@ import contextlib
 import functools
 import os
 import sys
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, CheckpointMismatchError, read_info, staged
-from shardadopt.checkpoint.rng import load_rng_state, save_rng_state
+from shardadopt.checkpoint.errors import CheckpointError, CheckpointMismatchError
+from shardadopt.checkpoint.integrity import mark_agreed
+from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo
+from shardadopt.checkpoint.safeload import damaged, safe_reader, saved_metadata
 from shardadopt.checkpoint.sharding import layout, rank_local
+from shardadopt.errors import HangError, PeerFailedError, is_hang, summary
 from shardadopt.fence import gathered_error, progress
 from shardadopt.topology import _world
-
-_SCHEDULERS = "schedulers.pt"
-_EXTRA = "extra.pt"
 
 
 def _as_list(x: Any) -> list:
@@ -131,16 +131,34 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
 
 
 @contextlib.contextmanager
-def _own_errors() -> Iterator[None]:
+def _own_errors(loading: str | None = None) -> Iterator[None]:
     """Around a DCP call: raise what the fence raises instead of DCP's ``CheckpointException`` (see
-    :func:`shardadopt.fence.gathered_error`)."""
+    :func:`shardadopt.fence.gathered_error`); around a load from checkpoint ``loading``, a read that failed on some
+    rank (DCP hands every rank all of them) is ``DamagedCheckpointError``, alike on every rank."""
     try:
         yield
     except BaseException as exc:
+        failures = _read_failures(exc) if loading is not None else None
+        if failures:
+            rank, error = min(failures.items())
+            raise mark_agreed(damaged(loading, f"{_STATE_DIR}/ (a shard rank {rank} read)", summary(error))) from exc
         own = gathered_error(exc, _world()[1])
         if own is exc:
             raise
         raise own from exc
+
+
+def _read_failures(exc: BaseException) -> dict[int, BaseException] | None:
+    """Every rank's error in DCP's ``CheckpointException`` (the same on every rank), unless one follows from a
+    fence (a hang, a peer's failure): what failed reading the files."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    if not isinstance(exc, CheckpointException):
+        return None
+    failures = {r: f[0] if isinstance(f, tuple) else f for r, f in exc.failures.items()}
+    if any(is_hang(e) or isinstance(e, (PeerFailedError, HangError)) for e in failures.values()):
+        return None
+    return failures
 
 
 @functools.cache
@@ -159,10 +177,12 @@ def _progress_writer() -> type:
 
 
 def _saved_shapes(directory: str) -> dict[str, tuple[int, ...]]:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(os.path.join(directory, _STATE_DIR)).read_metadata()
+    try:  # DCP's metadata classes only: nothing else is unpickled
+        metadata = saved_metadata(directory, _STATE_DIR)
+    except CheckpointError as exc:  # every rank reads the same file
+        raise mark_agreed(exc) from exc.__cause__
     return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -262,12 +282,13 @@ def _load(directory: str, models: list[torch.nn.Module], optimizers: list, flags
                 f"{len(missing)} entries missing from the checkpoint (e.g. {missing[:3]})" if missing else "",
                 f"{len(differ)} global shapes differ (e.g. {[(k, saved[k], wanted[k]) for k in differ[:3]]})"
                 if differ else ""]))
-            raise CheckpointMismatchError(
+            raise mark_agreed(CheckpointMismatchError(  # global shapes: the same on every rank
                 f"{directory} does not fit the model/optimizer being loaded: {detail}. It was saved from a different "
                 f"model or optimizer (or a different set of trainable parameters); load it into the same "
-                f"architecture.")
-        with _own_errors():  # into state
-            dcp.load(state, checkpoint_id=os.path.join(directory, _STATE_DIR))
+                f"architecture."))
+        with _own_errors(directory):  # into state
+            path = os.path.join(directory, _STATE_DIR)
+            dcp.load(state, storage_reader=safe_reader()(path), checkpoint_id=path)
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         if weights:
             set_state_dict(model, opts, model_state_dict=state[_key("model", i, model)],
@@ -312,82 +333,3 @@ def check_compatible(info: CheckpointInfo, models: Sequence[torch.nn.Module], *,
             f"or pass reshard=True to let torch.distributed.checkpoint reshard the weights and optimizer state "
             f"(the per-rank RNG and data order of the original run are then not restored).")
     return True
-
-
-def save(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.nn.Module],
-         optimizer: Any = None, scheduler: Any = None, *, step: int | None = None, extra: Any = None,
-         rng: bool = True, metadata: dict[str, Any] | None = None) -> str:
-    """Save a resumable checkpoint into ``directory`` atomically; every rank must call it. Returns the directory.
-
-    ``model``/``optimizer``/``scheduler`` may be lists (one optimizer per model, or several for one model).
-    ``extra`` is any picklable object (dataloader position, counters), saved from rank 0. ``metadata`` (JSON-able)
-    goes into the completion marker.
-
-    Args:
-        directory: where the checkpoint is published (the same path on every rank).
-        model: the model, or a list of models.
-        optimizer: an optimizer, or a list.
-        scheduler: a learning-rate scheduler, or a list.
-        step: the training step, recorded in the completion marker.
-        extra: a picklable object saved from rank 0.
-        rng: whether to save every rank's RNG states.
-        metadata: JSON-able values for the completion marker.
-
-    Returns:
-        ``directory``, as a string.
-    """
-    models = _as_list(model)
-    with staged(directory, step=step, models=models, metadata=metadata) as stage:
-        save_sharded_state(stage, models, optimizer)
-        if _world()[1] == 0:
-            schedulers = _as_list(scheduler)
-            if schedulers:
-                torch.save([s.state_dict() for s in schedulers], os.path.join(stage, _SCHEDULERS))
-            if extra is not None:
-                torch.save(extra, os.path.join(stage, _EXTRA))
-        if rng:
-            save_rng_state(stage)
-    return os.path.abspath(os.fspath(directory))
-
-
-def load(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: Any = None,
-         scheduler: Any = None, *, rng: bool = True, reshard: bool = True) -> CheckpointInfo:
-    """Load a checkpoint written by ``save`` into the given objects; every rank must call it.
-
-    Refuses an incomplete checkpoint (``IncompleteCheckpointError``). With the same world size and layout it
-    restores everything, per-rank RNG included. With a different layout it reshards the weights and optimizer
-    state through DCP (``info.resharded``) and leaves the RNG alone, with a warning; ``reshard=False`` refuses
-    instead (``CheckpointMismatchError``).
-
-    Args:
-        directory: a checkpoint written by :func:`save` (e.g. ``latest(root)``).
-        model: the model, or a list of models, as saved.
-        optimizer: an optimizer, or a list, as saved.
-        scheduler: a scheduler, or a list, as saved.
-        rng: whether to restore the RNG states (same layout only).
-        reshard: whether a checkpoint saved with another layout may be resharded.
-
-    Returns:
-        The checkpoint's :class:`CheckpointInfo` (``step``, ``extra``, ``resharded``, ...).
-    """
-    info = read_info(directory)
-    models = _as_list(model)
-    info.resharded = check_compatible(info, models, reshard=reshard)
-    load_sharded_state(info.directory, models, optimizer)
-    schedulers = _as_list(scheduler)
-    if schedulers:
-        states = torch.load(os.path.join(info.directory, _SCHEDULERS), weights_only=False)
-        if len(states) != len(schedulers):
-            raise CheckpointMismatchError(f"{info.directory} holds {len(states)} scheduler(s), {len(schedulers)} given")
-        for s, state in zip(schedulers, states):
-            s.load_state_dict(state)
-    extra_path = os.path.join(info.directory, _EXTRA)
-    if os.path.isfile(extra_path):
-        info.extra = torch.load(extra_path, weights_only=False)
-    if rng and not info.resharded:
-        info.rng_restored = load_rng_state(info.directory)
-    elif rng:
-        warnings.warn(f"{info.directory} was saved with world size {info.world_size} and a different layout: the "
-                      f"weights and optimizer state were resharded, the per-rank RNG states were not restored",
-                      stacklevel=2)
-    return info

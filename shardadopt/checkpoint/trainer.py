@@ -17,7 +17,9 @@ from typing import Any
 
 from shardadopt import upstream
 from shardadopt.checkpoint.export import save_full
+from shardadopt.checkpoint.integrity import agreement, read_agreed, verify
 from shardadopt.checkpoint.publish import _STATE_DIR, MARKER, read_info, staged
+from shardadopt.checkpoint.safeload import load_file
 from shardadopt.checkpoint.sharding import is_sharded
 from shardadopt.checkpoint.state import check_compatible, is_adapter_model, load_sharded_state, save_sharded_state
 
@@ -159,28 +161,38 @@ def save_checkpoint(trainer: Any, model: Any, trial: Any) -> str:
 
 def load_model(trainer: Any, directory: str) -> None:
     """The model's weights from a checkpoint ``save_checkpoint`` wrote (resharded, with a warning, when the layout
-    differs); refuses a partial checkpoint with a clear message. Every rank calls it."""
+    differs); refuses a partial checkpoint with a clear message, and a damaged one (every file checked against the
+    marker's checksums first) with ``DamagedCheckpointError`` on every rank. Every rank calls it."""
     info = read_info(directory)
     if check_compatible(info, [trainer.model], reshard=True):
         warnings.warn(f"{directory} was saved with world size {info.world_size} and layouts {info.layouts}; the "
                       f"weights and optimizer state are resharded, the data order and RNG cannot continue exactly",
                       stacklevel=3)
-    load_sharded_state(info.directory, trainer.model, frozen=not is_adapter_model(trainer.model))
+    rank = trainer.args.process_index
+    with agreement(f"the checkpoint load from {info.directory}"):
+        verify(info.directory, info.files, _STATE_DIR)
+        # what upstream reads on each rank after this (its RNG file: one rank only), read first and agreed on, so a
+        # file one rank cannot read stops every rank here rather than that one rank alone later
+        read_agreed(info.directory, {f"rng_state_{rank}.pth": "this process's RNG states",
+                                     "rng_state.pth": "the RNG states", "scaler.pt": "the gradient scaler's state"})
+        load_sharded_state(info.directory, trainer.model, frozen=not is_adapter_model(trainer.model))
 
 
 def load_optimizer_and_scheduler(trainer: Any, directory: str) -> None:
-    """The optimizer (through DCP; ``load_model`` read the weights already) and the scheduler from a checkpoint
-    ``save_checkpoint`` wrote."""
-    import torch
+    """The optimizer (through DCP; ``load_model`` read the weights already and checked the files) and the scheduler
+    (``weights_only=True``) from a checkpoint ``save_checkpoint`` wrote."""
     from transformers import trainer as trainer_module
 
     read_info(directory)
-    load_sharded_state(directory, trainer.model, [getattr(trainer.optimizer, "optimizer", trainer.optimizer)],
-                       weights=False, frozen=not is_adapter_model(trainer.model))
-    scheduler_file = os.path.join(directory, trainer_module.SCHEDULER_NAME)
-    if os.path.isfile(scheduler_file):
+    scheduler = None
+    if os.path.isfile(os.path.join(directory, trainer_module.SCHEDULER_NAME)):  # read before anything is loaded
+        scheduler = load_file(directory, trainer_module.SCHEDULER_NAME, "the scheduler's state")
+    with agreement(f"the checkpoint load from {directory}"):
+        load_sharded_state(directory, trainer.model, [getattr(trainer.optimizer, "optimizer", trainer.optimizer)],
+                           weights=False, frozen=not is_adapter_model(trainer.model))
+    if scheduler is not None:
         with warnings.catch_warnings(record=True):
-            trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+            trainer.lr_scheduler.load_state_dict(scheduler)
 
 
 # -- final export --------------------------------------------------------------------------------------------------

@@ -55,6 +55,9 @@ from shardadopt.upstream.python import (
 from shardadopt.upstream.torch import (
     AGENT_STORE_CHECKS,
     COLLECTIVE_OP_NAMESPACES,
+    DCP_METADATA_GLOBALS,
+    DCP_METADATA_MODULE,
+    DCP_READ_METADATA,
     LOCAL_SHARD_READERS,
     REDISTRIBUTE_BACKWARD,
     accelerator_type,
@@ -64,6 +67,7 @@ from shardadopt.upstream.torch import (
     compiled_original,
     compute_local_shape_and_global_offset,
     current_graph_task_id,
+    dcp_metadata_path,
     default_group,
     default_store,
     device_has_foreach_support,

@@ -46,6 +46,29 @@ LOCAL_SHARD_READERS = frozenset({"to_local", "_local_tensor", "local_shape", "ge
 REDISTRIBUTE_BACKWARD = Target("torch.distributed.tensor._redistribute", "Redistribute.backward")
 
 
+# ``torch.distributed.checkpoint.filesystem.FileSystemReader.read_metadata``: reads a DCP checkpoint's ``.metadata``
+# with ``pickle.load``. Checked on torch 2.13-2.15.
+DCP_READ_METADATA = Target("torch.distributed.checkpoint.filesystem", "FileSystemReader.read_metadata")
+
+# The module whose classes DCP's ``.metadata`` pickles (``Metadata``, ``TensorStorageMetadata``,
+# ``BytesStorageMetadata``, ``ChunkStorageMetadata``, ``TensorProperties``, ``MetadataIndex``, ``StorageMeta``,
+# ``_MEM_FORMAT_ENCODING``), and the other globals its pickle names besides torch dtypes: the filesystem storage's
+# ``_StorageInfo``, ``torch.Size``, ``torch.serialization._get_layout`` (a layout from its name) and the checkpoint
+# path (``pathlib``). Read from the pickles torch 2.13 and 2.15 write (the same set on both).
+DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+})
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
+    """``FileSystemReader._get_metadata_path(rank)``: where a DCP reader finds its ``.metadata`` (``__<rank>`` prefix
+    for a rank's own). Checked on torch 2.13-2.15."""
+    return _attribute(reader, "_get_metadata_path", "dcp_metadata_path", "torch")(rank)
+
+
 def default_group() -> dist.ProcessGroup:
     """``torch.distributed.distributed_c10d._get_default_group()``: the default (world) process group object.
     Checked on torch 2.13-2.15."""

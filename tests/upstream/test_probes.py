@@ -465,3 +465,20 @@ def test_attempt_store_probe_refuses_a_branch_it_does_not_know(tmp_path, monkeyp
     monkeypatch.setattr(module, name, renamed(module, name, checks, tmp_path))
     state, reason = state_of("torch-elastic-attempt-store")
     assert state == UNSUPPORTED and "found neither" in reason, reason
+
+
+@pytest.mark.parametrize("replacement,expected", [
+    (None, APPLIED),  # the installed torch: pickle.load
+    # torch reading .metadata with its weights-only unpickler: a class outside its allow-list is refused
+    ("torch.load(metadata_file, weights_only=True)", NOT_NEEDED),
+    # a reader that neither unpickles the file nor refuses it: the probe cannot tell
+    ("Metadata(state_dict_metadata={})", UNSUPPORTED),
+], ids=["pickle-load", "restricted", "unknown"])
+def test_dcp_metadata_probe_runs_the_reader(replacement, expected, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    if replacement is not None:
+        monkeypatch.setattr(FileSystemReader, "read_metadata", renamed(
+            FileSystemReader, "read_metadata", {"pickle.load(metadata_file)": replacement}, tmp_path))
+    state, reason = state_of("torch-dcp-metadata-restricted")
+    assert state == expected, reason
