@@ -318,5 +318,7 @@ def test_expert_targeting_trains_like_one_process_or_names_the_target_modules_th
                             timeout=600)
         assert "error" not in results[0], results[0]["error"]
     expected = train_lora_reference(path, dp, targets)
-    assert_matches_one_process(results, expected)
+    # routed tokens sum in another order on EP: qwen2_moe's attention gradients (max 3.4e-3) came 1.4e-7 off one
+    # process at most with peft 0.21.2 / transformers 5.25 (losses and norms within 1e-7 relative)
+    assert_matches_one_process(results, expected, grad_atol=1e-6)
     assert_export_matches_one_process(results, path, str(tmp_path / ("b" if error else "a")))
