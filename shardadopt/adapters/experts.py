@@ -41,7 +41,47 @@ def is_expert_layer(layer: Any) -> bool:
     return isinstance(layer, ParamWrapper)
 
 
-def check_expert_layer(name: str, layer: Any) -> str:
+def linear_target_modules(model: nn.Module, config: Any) -> list[str] | None:
+    """The ``target_modules`` that train ``config``'s Linear targets without the fused experts, as this peft reads
+    names: peft maps a ``target_modules`` name to the experts' fused tensors (``down_proj`` -> ``experts.down_proj``,
+    ``gate_proj``/``up_proj`` -> ``gate_up_proj``); peft 0.22 keeps it for the Linear layers of that name too
+    (shared experts, dense layers: then their paths below the decoder layer, ``mlp.shared_expert.down_proj``, keep
+    them and leave the experts out), peft 0.21 maps every name ending in it (then the name is left out).
+
+    Args:
+        model: the transformers model peft injected into.
+        config: the adapter's ``LoraConfig``.
+
+    Returns:
+        The names, or None where the user gave no list of names (a regex, or ``target_parameters`` only).
+    """
+    targets = getattr(config, "target_modules", None)
+    if not targets or isinstance(targets, str):
+        return None
+    layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A")]
+    fused = {m.parameter_name for _, m in layers if is_expert_layer(m)}
+    linear = [n.removesuffix(".base_layer") for n, m in layers if not is_expert_layer(m) and ".experts." not in n]
+
+    def to_experts(leaf: str) -> bool:
+        part = leaf.removesuffix("_proj")
+        return leaf in fused or any(part in f.removesuffix("_proj").split("_") for f in fused)
+
+    names: list[str] = []
+    for target in sorted(targets):
+        leaf = target.rsplit(".", 1)[-1]
+        if not to_experts(leaf):
+            names.append(target)
+            continue
+        for path in linear:  # the Linear layers peft kept for this name: their path below the decoder layer
+            if path == target or path.endswith("." + target):
+                parts = path.split(".")
+                below = ".".join(parts[max(i for i, p in enumerate(parts) if p.isdigit()) + 1:]
+                                 if any(p.isdigit() for p in parts) else parts)
+                names.append(below)
+    return list(dict.fromkeys(names))
+
+
+def check_expert_layer(name: str, layer: Any, linear_targets: list[str] | None = None) -> str:
     """Refuse, by name, a ``ParamWrapper`` that cannot be laid out: a parameter that is not a fused 3-D expert tensor
     sharded by expert on an ``ep`` mesh (the router's 2-D weight, experts on the TP mesh or only FSDP-sharded), or
     experts whose forward does not run on this rank's experts.
@@ -49,6 +89,8 @@ def check_expert_layer(name: str, layer: Any) -> str:
     Args:
         name: the layer's name (for the message).
         layer: peft's ``ParamWrapper``.
+        linear_targets: :func:`linear_target_modules` of the adapter's config (named in the refusal of experts not
+            sharded by expert).
 
     Returns:
         :data:`EXPERTS`.
@@ -75,7 +117,9 @@ def check_expert_layer(name: str, layer: Any) -> str:
             f"LoRA on the expert tensor {where} not sharded by expert on an ep mesh ("
             f"{'mesh ' + str(names) if names else _PLAIN})",
             "Load with DistributedConfig(ep_size=..., fsdp_size=...) on transformers 5.21 or newer, or "
-            "leave the experts out of target_modules / target_parameters.",
+            "leave the experts out of target_modules / target_parameters"
+            + (f": target_modules={linear_targets!r}, without target_parameters (the Linear layers the names "
+               "also matched, without the experts' fused tensors peft mapped them to)." if linear_targets else "."),
         )
     placement = param.placements[names.index("ep")]
     experts = layer.get_base_layer()

@@ -22,6 +22,7 @@ from shardadopt.adapters.experts import (
     expert_replicas,
     is_expert_layer,
     lay_out_expert_factors,
+    linear_target_modules,
 )
 from shardadopt.adapters.modules_to_save import trainable_copies
 from shardadopt.adapters.peft_layers import (
@@ -57,7 +58,8 @@ def lay_out_adapters(model: nn.Module) -> int:
     if not topo.is_sharded:
         return 0
     copies = trainable_copies(topo, base)
-    for config in peft_configs(model).values():
+    configs = peft_configs(model)
+    for config in configs.values():
         check_config(config)
     group = dp_group(topo) if topo.dp_size > 1 else None
     fsdp_modules = [m for m in base.modules() if isinstance(m, FSDPModule)][:1]
@@ -65,7 +67,8 @@ def lay_out_adapters(model: nn.Module) -> int:
     for name, layer in lora_layers(base):
         for adapter in [a for a in layer.lora_A if not is_laid_out(layer, a)]:
             expert = is_expert_layer(layer)  # LoRA on a fused expert tensor (experts.py)
-            style = check_expert_layer(name, layer) if expert else check_layer(name, layer, adapter, topo, base)
+            style = (check_expert_layer(name, layer, linear_target_modules(base, configs.get(adapter))) if expert
+                     else check_layer(name, layer, adapter, topo, base))
             for factor in adapter_modules(layer, adapter):
                 for param in factor.parameters():
                     if param.is_meta:

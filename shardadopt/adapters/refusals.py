@@ -18,8 +18,14 @@ from torch import nn
 from shardadopt.adapters.peft_layers import unwrap_peft
 from shardadopt.topology import Topology, topology
 
-# init_lora_weights values whose result does not depend on the base weight
-_WEIGHT_FREE_INITS = (True, False, "gaussian")
+# init_lora_weights values whose result does not depend on the base weight ("nora", peft 0.22: the default factors
+# with lora_A's columns normalised, per expert on a ParamWrapper; peft 0.21 raises its own "Unknown initialization")
+_WEIGHT_FREE_INITS = (True, False, "gaussian", "nora")
+# why an initialisation is refused, where more than "computed from the whole base weight"
+_WEIGHT_BASED = {
+    "astra": "computed from the whole base weight and the activations preprocess_astra recorded, and it rewrites "
+             "the base weight into the residual W - scaling * B @ A: on shards, from one rank's slice",
+}
 
 MERGE_REFUSAL = (
     "merging LoRA adapters into a model sharded at load time is not supported: the merged weights would be written "
@@ -85,13 +91,17 @@ def check_config(config: Any) -> None:
 
     Raises:
         AdapterLayoutError: for ``init_lora_weights`` computed from the base weight (PiSSA, OLoRA, LoftQ, EVA,
-            CorDA, LoRA-GA) and for ``use_dora`` / ``lora_bias`` with ``target_parameters``.
+            CorDA, LoRA-GA; Astra, which rewrites the base weight too) and for ``use_dora`` / ``lora_bias`` with
+            ``target_parameters``.
     """
     init = getattr(config, "init_lora_weights", True)
     if init not in _WEIGHT_FREE_INITS:
-        raise refusal(None, f"init_lora_weights={init!r} (computed from the whole base weight)",
-                      "Use init_lora_weights=True or \"gaussian\", or initialise in one process, save it, and load "
-                      "it onto the sharded model with PeftModel.from_pretrained.")
+        why = _WEIGHT_BASED.get(str(init).lower(), "computed from the whole base weight")
+        raise refusal(None, f"init_lora_weights={init!r} ({why})",
+                      "Use init_lora_weights=True, \"gaussian\" or \"nora\", or initialise in one process, save it "
+                      "(for an initialisation that rewrites the base weight, with save_pretrained's "
+                      "path_initial_model_for_weight_conversion: a LoRA adapter on the unchanged base), and load it "
+                      "onto the sharded model with PeftModel.from_pretrained.")
     if getattr(config, "target_parameters", None) and (getattr(config, "use_dora", False)
                                                        or getattr(config, "lora_bias", False)):
         raise refusal(None, f"use_dora / lora_bias with target_parameters={config.target_parameters!r} (peft's "

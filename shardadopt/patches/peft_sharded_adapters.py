@@ -10,8 +10,11 @@ shard, and nothing reduces adapter gradients over the data-parallel ranks::
         out_features, in_features = module.weight.to_local().shape
 
 On ``fsdp_size=N`` each rank trains its own adapter, silently (transformers #48792 / #48873); on ``tp_size=N``,
-fsdp x tp and EP the first forward crashes (a row-parallel ``lora_A`` declares its local ``in_features``). This
-patch wraps:
+fsdp x tp and EP the first forward crashes (a row-parallel ``lora_A`` declares its local ``in_features``). peft 0.22
+sizes a base with a transformers TP plan (``_hf_tp_plan``, stamped from ``get_tp_plan_and_mesh``) at full size and
+shards the factors itself; it still reduces no adapter gradient, so the probe answers "needed" from that half alone
+there. Inside the injection this patch gives peft no plan, so peft neither stamps nor shards (no double sharding):
+the factors are sized globally and laid out once, by shardadopt, on both releases. This patch wraps:
 
 - ``BaseTuner.inject_adapter`` (what ``get_peft_model``, ``PeftModel.from_pretrained``, ``add_adapter`` and
   ``load_adapter`` go through): factors are sized by the base layer's global shape while peft injects, then
@@ -31,6 +34,8 @@ Models that are not sharded take peft's exact path.
 """
 
 from __future__ import annotations
+
+import ast
 
 from shardadopt import upstream
 from shardadopt.registry import Patch, Probe, Target
@@ -135,19 +140,32 @@ def _refuse_weighted(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _sizes_tp_bases_locally(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``_get_in_out_features`` sizes a transformers-TP base by its local shard: a ``to_local()`` call not
+    gated on the base's transformers TP plan (``upstream.PEFT_TP_PLAN_ATTRIBUTE``). peft 0.21 reads the local shape
+    on every non-fsdp mesh; 0.22 only on a TP mesh without that plan (a layout peft shards itself)."""
+    from shardadopt.probing import calls, enclosing_tests, names
+
+    return any(not any(upstream.PEFT_TP_PLAN_ATTRIBUTE in names(test) for test in enclosing_tests(function, call))
+               for call in calls(function, "to_local"))
+
+
 def probe() -> Probe:
-    """Read peft: ``_get_in_out_features`` sizing TP bases by ``to_local()`` and ``inject_adapter`` reducing no
-    adapter gradient are the broken shape."""
+    """Read peft: ``_get_in_out_features`` sizing transformers-TP bases by ``to_local()`` (peft 0.21; 0.22 gates that
+    on ``_hf_tp_plan`` being unset) and ``inject_adapter`` reducing no adapter gradient (both releases) are the broken
+    shapes; the reason names the halves this release needs."""
     from peft.tuners.tuners_utils import BaseTuner
 
-    from shardadopt.probing import calls, names, source_tree, upstream_function
+    from shardadopt.probing import names, source_tree, upstream_function
 
-    sizes_local = bool(calls(source_tree(upstream.peft_in_out_features()), "to_local"))
+    sizes_local = _sizes_tp_bases_locally(source_tree(upstream.peft_in_out_features()))
     reduces = bool(_REDUCTIONS & names(source_tree(upstream_function(BaseTuner, "inject_adapter", PATCH_ID))))
     if reduces and not sizes_local:
         return Probe(False, "peft sizes adapters by the global shape and reduces their gradients")
     why = ["sizes LoRA factors of a tensor-parallel base by its local shard"] if sizes_local else []
     why += [] if reduces else ["reduces no adapter gradient over the data-parallel ranks"]
+    if not sizes_local:
+        why[-1] += " (it sizes tensor-parallel bases at full size itself)"
     return Probe(True, "peft " + " and ".join(why))
 
 

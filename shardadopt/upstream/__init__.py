@@ -46,6 +46,7 @@ from shardadopt.upstream.optuna import (
 )
 from shardadopt.upstream.peft import (
     PEFT_LORA_IN_OUT_FEATURES,
+    PEFT_TP_PLAN_ATTRIBUTE,
     peft_in_out_features,
 )
 from shardadopt.upstream.python import (

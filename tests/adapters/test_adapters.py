@@ -121,8 +121,22 @@ def test_several_adapters_train_switch_export_and_reload_like_one_process(pool2,
     check_several_adapters(pool2, tiny_models[MODELS[layout]], sizes, dp, str(tmp_path))
 
 
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_nora_init_trains_like_one_process(pool2, tiny_models, references, tmp_path, layout):
+    """``init_lora_weights="nora"`` (peft 0.22: the default factors with ``lora_A``'s columns normalised, no base
+    weight read) is allowed and trains like one process with the same initialisation."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    if not hasattr(LoraLayer, "nora_init"):
+        pytest.skip("this peft has no NoRA initialisation (0.21 raises 'Unknown initialization' in one process too)")
+    sizes, dp = distributed_sizes(layout, 2)
+    check_lora_training(pool2, tiny_models[MODELS[layout]], MODELS[layout], sizes, dp, references, str(tmp_path),
+                        overrides={"init_lora_weights": "nora"})
+
+
 REFUSED = [  # (case, layout, what the error names)
     ("pissa", "fsdp", "init_lora_weights='pissa'"),
+    ("astra", "fsdp", "init_lora_weights='astra' (computed from the whole base weight and the activations"),
     ("gather-output-plan", "tp", "tensor-parallel plan 'colwise_gather_output'"),
     ("save-sharded-module", "tp", "modules_to_save of a module with tensor-parallel plan 'colwise'"),
     ("save-fsdp-unit", "fsdp", "modules_to_save of a module that is an FSDP unit of its own"),

@@ -15,6 +15,8 @@ pytest.importorskip("peft", reason="the adapter tests need peft (shardadopt[peft
 @pytest.mark.parametrize("overrides, named", [
     ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa'"),
     ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
+    ({"init_lora_weights": "astra"}, "init_lora_weights='astra' (computed from the whole base weight and the "
+                                     "activations preprocess_astra recorded, and it rewrites the base weight"),
     ({"target_modules": [], "target_parameters": ["experts.down_proj"], "use_dora": True},
      "use_dora / lora_bias with target_parameters=['experts.down_proj']"),
 ])
@@ -24,7 +26,7 @@ def test_configs_that_cannot_be_laid_out_are_refused_by_name(overrides, named):
     assert str(raised.value).startswith("LoraConfig: ") and named in str(raised.value)
 
 
-@pytest.mark.parametrize("init", [True, False, "gaussian"])
+@pytest.mark.parametrize("init", [True, False, "gaussian", "nora"])
 @pytest.mark.parametrize("use_dora", [False, True])
 def test_weight_free_configs_pass(init, use_dora):
     check_config(lora_config(init_lora_weights=init, use_dora=use_dora))

@@ -15,7 +15,9 @@ on the TP mesh) refuses.
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 from typing import Any
 
 import pytest
@@ -32,6 +34,12 @@ CONFIGS = {  # name -> (target_modules, more LoraConfig options)
     "down_proj": (TARGETS, None),  # the user's natural form: peft adapts experts.down_proj
     "target_parameters": (ATTENTION, BOTH),
 }
+
+
+# name-to-expert targeting (peft 0.22 maps target_modules names to expert tensors on these, qwen2_moe included, and
+# keeps them for the shared / dense Linear layers too): qwen2_moe, qwen3_moe and a DeepSeek-style model (GLM-4-MoE:
+# shared experts, a dense first layer, a sigmoid router with correction bias), the sweep's tiny checkpoints
+TARGETING = ("qwen2_moe", "qwen3_moe", "glm4_moe")
 
 
 def _ep_layout_with_ep_mesh() -> bool:
@@ -53,7 +61,8 @@ def moe_models(tiny_models) -> dict[str, str]:
     (``shardadopt.testing.archs``, 3 layers, 4 experts), written next to the other tiny models."""
     from shardadopt.testing.archs import write_tiny
 
-    return {"qwen3moe": tiny_models["qwen3moe"], "olmoe": write_tiny("olmoe", os.path.dirname(tiny_models["qwen3"]))}
+    root = os.path.dirname(tiny_models["qwen3"])
+    return {"qwen3moe": tiny_models["qwen3moe"], **{t: write_tiny(t, root) for t in ("olmoe", *TARGETING)}}
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +279,46 @@ def test_expert_lora_save_state_load_state_resumes_exactly(pool2, tiny_models, t
         assert any(".experts." in n for n in result["params"])
         for name, value in result["params"].items():
             assert torch.equal(result["resumed_params"][name], value), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "ep"])
+@pytest.mark.parametrize("model", TARGETING)
+def test_expert_targeting_trains_like_one_process_or_names_the_target_modules_that_do(pool2, moe_models, tmp_path,
+                                                                                       model, layout):
+    """The user's ``target_modules=[q, v, o, down_proj]`` on qwen2_moe, qwen3_moe and GLM-4-MoE, as the installed peft
+    maps the names (0.22: ``down_proj`` is the experts' fused tensor and the shared / dense Linear layers; 0.21: one
+    or the other): trains like one process on the same global batches (the export loads in one process), or, where
+    the experts are not sharded by expert (an ``fsdp_size`` load), is refused by name with the ``target_modules`` that
+    train the Linear layers without the experts, and those train like one process. EP before transformers 5.21 (on
+    the TP mesh, before 5.17 for LoRA): refused by name."""
+    from shardadopt.testing.lora.training import (
+        assert_export_matches_one_process,
+        assert_matches_one_process,
+        train_lora_rank,
+        train_lora_reference,
+    )
+
+    sizes, dp = distributed_sizes(layout, 2)
+    path = moe_models[model]
+    targets = TARGETS
+    results = pool2.run(train_lora_rank, path, sizes, dp, str(tmp_path / "a"), targets, STEPS, ACCUM, timeout=600)
+    error = results[0].get("error")
+    if layout == "ep" and not _ep_layout_with_ep_mesh():  # EP on the TP mesh: LoRA on TP is refused first
+        assert error and "before 5.17" in error, error
+        return
+    if error is not None:
+        assert layout == "fsdp", error
+        assert all(r["error"] == error for r in results) and error.startswith("AdapterLayoutError"), error
+        assert "not sharded by expert on an ep mesh" in error, error
+        named = re.search(r"target_modules=(\[[^\]]*\])", error)
+        assert named, f"the refusal names no target_modules that work: {error}"
+        targets = tuple(ast.literal_eval(named.group(1)))
+        assert set(ATTENTION) <= set(targets) and "down_proj" not in targets, targets
+        results = pool2.run(train_lora_rank, path, sizes, dp, str(tmp_path / "b"), targets, STEPS, ACCUM,
+                            timeout=600)
+        assert "error" not in results[0], results[0]["error"]
+    expected = train_lora_reference(path, dp, targets)
+    # routed tokens sum in another order on EP: qwen2_moe's attention gradients (max 3.4e-3) came 1.4e-7 off one
+    # process at most with peft 0.21.2 / transformers 5.25 (losses and norms within 1e-7 relative)
+    assert_matches_one_process(results, expected, grad_atol=1e-6)
+    assert_export_matches_one_process(results, path, str(tmp_path / ("b" if error else "a")))

@@ -10,6 +10,7 @@ from shardadopt.testing.lora.common import LR, SEED, adapter_params, load_model,
 
 REFUSALS = {  # case -> LoraConfig overrides; each is refused when peft adds the adapter to a sharded model
     "pissa": {"init_lora_weights": "pissa"},
+    "astra": {"init_lora_weights": "astra"},  # peft 0.22; peft 0.21 has no astra: refused alike
     "gather-output-plan": {"target_modules": ["lm_head"]},  # TP plan colwise_gather_output
     "save-sharded-module": {"modules_to_save": ["gate_proj"]},  # TP plan colwise: its copy would output whole
     "save-fsdp-unit": {"modules_to_save": ["embed_tokens"]},

@@ -142,11 +142,12 @@ def reference_cache(tiny_models: dict[str, str]):
     return get
 
 
-def assert_matches_one_process(results: list[dict[str, Any]], expected: dict[str, Any]) -> None:
+def assert_matches_one_process(results: list[dict[str, Any]], expected: dict[str, Any],
+                               grad_atol: float = 1e-7) -> None:
     """Assert the ranks' :func:`train_lora_rank` results equal the one-process run ``expected``
     (:func:`train_lora_reference`, test helper): clipping active in every step; every rank the same initial, final and
     last-step gradient values, losses and norms, its base unchanged; losses and norms (rtol 1e-5), gradients (rtol
-    1e-4) and final adapters equal one process."""
+    1e-4, ``grad_atol``) and final adapters equal one process."""
     import torch
 
     assert all(n > MAX_NORM for n in expected["norms"]), "clipping must be active in every step"
@@ -163,7 +164,7 @@ def assert_matches_one_process(results: list[dict[str, Any]], expected: dict[str
     torch.testing.assert_close(torch.tensor(first["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(first["norms"]), torch.tensor(expected["norms"]), rtol=1e-5, atol=0)
     for name, value in expected["grads"].items():
-        torch.testing.assert_close(first["grads"][name], value, rtol=1e-4, atol=1e-7, msg=f"gradient of {name}")
+        torch.testing.assert_close(first["grads"][name], value, rtol=1e-4, atol=grad_atol, msg=f"gradient of {name}")
     bad = [n for n, v in expected["params"].items() if not params_close(first["params"][n], v)]
     assert not bad, f"adapter weights differ from one process after training: {bad[:3]}"
 
