@@ -171,6 +171,19 @@ DORA_WHOLE_WEIGHT_NORM = Edit(
     "                weight = weight.full_tensor()\n"
     "            if weight.data.ndim >= 3:  # For handling LoRAs applied to Conv layers.\n")
 
+# peft 0.22 sizes the factors of a transformers-TP base at full size and shards them in add_lora_tp_hooks_dtensor:
+# the global-shape edit is upstream already; each rank's own random init still gets sharded.
+BROADCAST_BEFORE_SHARDING_0_22 = Edit(
+    LORA_MODEL,
+    "        style.validate_param(tp_module, p_name, device_mesh, parameter_name=f\"{module_name}.{p_name}\")\n"
+    "        style.shard_param(tp_module, p_name, device_mesh)\n",
+    "        style.validate_param(tp_module, p_name, device_mesh, parameter_name=f\"{module_name}.{p_name}\")\n"
+    "        # Initialized with global dimensions: every rank keeps its slice of rank 0's values (the ranks' random\n"
+    "        # states may differ).\n"
+    "        with torch.no_grad():\n"
+    "            torch.distributed.broadcast(getattr(tp_module, p_name), src=0)\n"
+    "        style.shard_param(tp_module, p_name, device_mesh)\n")
+
 
 FIX = Fix(
     id="peft-sharded-adapters",
@@ -195,6 +208,8 @@ FIX = Fix(
     """,
     variants=(
         Variant("0.21", edits=(GLOBAL_SHAPE, HELPER, CALL, BROADCAST_BEFORE_SHARDING, DORA_WHOLE_WEIGHT_NORM),
+                new_files=(NewFile("tests/test_lora_sharded_data_parallel.py", TEST),)),
+        Variant("0.22", edits=(HELPER, CALL, BROADCAST_BEFORE_SHARDING_0_22, DORA_WHOLE_WEIGHT_NORM),
                 new_files=(NewFile("tests/test_lora_sharded_data_parallel.py", TEST),)),
     ),
 )
