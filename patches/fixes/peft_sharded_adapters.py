@@ -171,6 +171,19 @@ DORA_WHOLE_WEIGHT_NORM = Edit(
     "                weight = weight.full_tensor()\n"
     "            if weight.data.ndim >= 3:  # For handling LoRAs applied to Conv layers.\n")
 
+# peft 0.22 creates the adapter modules only after its checks (just before its housekeeping): sync them there.
+CALL_0_22 = Edit(
+    TUNERS,
+    "        ################\n"
+    "        # HOUSEKEEPING #\n"
+    "        ################\n",
+    "        if _torch_supports_distributed:\n"
+    "            _sync_adapter_over_data_parallel(model, adapter_name)\n"
+    "\n"
+    "        ################\n"
+    "        # HOUSEKEEPING #\n"
+    "        ################\n")
+
 # peft 0.22 sizes the factors of a transformers-TP base at full size and shards them in add_lora_tp_hooks_dtensor:
 # the global-shape edit is upstream already; each rank's own random init still gets sharded.
 BROADCAST_BEFORE_SHARDING_0_22 = Edit(
@@ -209,7 +222,7 @@ FIX = Fix(
     variants=(
         Variant("0.21", edits=(GLOBAL_SHAPE, HELPER, CALL, BROADCAST_BEFORE_SHARDING, DORA_WHOLE_WEIGHT_NORM),
                 new_files=(NewFile("tests/test_lora_sharded_data_parallel.py", TEST),)),
-        Variant("0.22", edits=(HELPER, CALL, BROADCAST_BEFORE_SHARDING_0_22, DORA_WHOLE_WEIGHT_NORM),
+        Variant("0.22", edits=(HELPER, CALL_0_22, BROADCAST_BEFORE_SHARDING_0_22, DORA_WHOLE_WEIGHT_NORM),
                 new_files=(NewFile("tests/test_lora_sharded_data_parallel.py", TEST),)),
     ),
 )
