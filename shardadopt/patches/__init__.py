@@ -11,6 +11,7 @@ from shardadopt.patches import (
                                 accelerate_cpu_parallelism_config,
                                 accelerate_sharded_checkpoint,
                                 peft_sharded_adapters,
+                                torch_cp_cpu_flash_attention,
                                 torch_dtensor_redistribute_no_grad,
                                 torch_elastic_attempt_store,
                                 trainer_adopt_sharded_model,
@@ -75,4 +76,5 @@ ALL_PATCHES: list[Patch] = [
     transformers_tp_tied_lm_head.PATCH,
     trl_distillation_data_parallel.PATCH,
     trl_distillation_plain_tp_head.PATCH,
+    torch_cp_cpu_flash_attention.PATCH,
 ]
