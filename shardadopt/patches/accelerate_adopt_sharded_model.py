@@ -152,6 +152,12 @@ def _gather_for_metrics(wrapped, instance, args, kwargs):
     return gather_for_metrics(instance, *args, **kwargs, owners=owners)
 
 
+def _maybe_context_parallel(wrapped, instance, args, kwargs):
+    from shardadopt.adopt.context import token_weighted_context
+
+    return token_weighted_context(instance, wrapped(*args, **kwargs))
+
+
 def _free_memory(wrapped, instance, args, kwargs):
     from shardadopt.adopt.record import forget_adopted
 
@@ -209,6 +215,6 @@ PATCH = Patch(
               _target("prepare_data_loader"): _prepare_data_loader,
               _target("prepare_optimizer"): _prepare_optimizer, _target("clip_grad_norm_"): _clip_grad_norm_,
               _target("no_sync"): _no_sync, _target("gather_for_metrics"): _gather_for_metrics,
-              _target("free_memory"): _free_memory},
+              _target("free_memory"): _free_memory, _target("maybe_context_parallel"): _maybe_context_parallel},
     probe=probe,
 )

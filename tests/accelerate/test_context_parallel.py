@@ -1,0 +1,145 @@
+"""Context parallelism (``ParallelismConfig(cp_size=2)``) on a model sharded at load time (``fsdp_size=2``).
+
+The accelerate loop as accelerate documents ``maybe_context_parallel`` (labels shifted before the split, position
+ids passed) and the Trainer with ``TrainingArguments(parallelism_config=...)`` train as one process on the whole
+sequence: per-step loss and grad norm, and the parameters after 3 fp32 steps. Each rank's forward sees half of the
+positions (the split happened). Traps: labels shifted after the split, local position ids, unequal valid-token
+counts per chunk (``-100`` padding in one chunk), gradients reduced over the CP group once; and the patch
+``torch-cp-cpu-flash-attention`` off (the first forward raises).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from shardadopt.versions import installed_version
+
+STEPS, BATCH, SEQ, LR, MAX_NORM = 3, 2, 16, 1e-3, 1e9
+# AdamW moves a parameter by about LR whatever its gradient's size, so a near-zero gradient that rounds the other way
+# moves it the other way: parameters are compared as shardadopt.selftest.accelerate does (largest difference under
+# LR / 2, root mean square under LR / 1000).
+PARAM_MAX_DIFF, PARAM_RMS = 0.5 * LR, 1e-3 * LR
+PATCH_ID = "torch-cp-cpu-flash-attention"
+CP_RELEASE = "1.16.0"  # accelerate releases before it: see test_older_accelerate_refuses_cp_on_cpu
+
+needs_cp = pytest.mark.skipif(
+    installed_version("accelerate") < __import__("packaging.version").version.Version(CP_RELEASE),
+    reason=f"accelerate {installed_version('accelerate')}: context parallelism needs accelerate {CP_RELEASE}+ "
+           f"(see test_older_accelerate_refuses_cp_on_cpu)")
+
+
+def batches(padded: bool) -> list[dict[str, torch.Tensor]]:
+    """The global batches, the same on every rank; ``padded``: the last 6 labels of every row are ``-100`` (the
+    ranks' chunks then hold different numbers of valid tokens)."""
+    from shardadopt.testing.models import token_batch
+
+    out = []
+    for step in range(STEPS):
+        ids = token_batch(100 + step, BATCH, SEQ)
+        labels = ids.clone()
+        if padded:
+            labels[:, -6:] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def one_process(path: str, padded: bool) -> dict[str, Any]:
+    """One process on the whole sequence: losses, grad norms, final parameters."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    losses, norms = [], []
+    for batch in batches(padded):
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(loss))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def cp_loop(path: str, padded: bool, shift_before_split: bool = True, global_positions: bool = True,
+            patch: bool = True) -> dict[str, Any]:
+    """The user's accelerate loop, as accelerate documents ``maybe_context_parallel``: labels shifted before the
+    split (``shift_labels``), position ids passed, every buffer split on its sequence dim."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+    from shardadopt.testing.accelerator import fresh_accelerator
+    from shardadopt.testing.models import full
+
+    shardadopt.enable(exclude=[] if patch else [PATCH_ID])
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
+                                                     distributed_config=DistributedConfig(fsdp_size=2))
+        accelerator = fresh_accelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=2))
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR, foreach=False))
+        seen, losses, norms = [], [], []
+        for batch in batches(padded):
+            input_ids, labels = batch["input_ids"], batch["labels"]
+            shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+            position_ids = torch.arange(SEQ).expand(BATCH, -1).contiguous()
+            buffers = [input_ids, labels, shift_labels, position_ids]
+            with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1, 1],
+                                                    no_restore_buffers=set(buffers)):
+                if not global_positions:  # the trap: positions counted from 0 in every chunk
+                    position_ids = torch.arange(input_ids.shape[1]).expand(BATCH, -1)
+                kwargs = {"shift_labels": shift_labels} if shift_before_split else {}
+                seen.append(input_ids.shape[1])
+                loss = model(input_ids=input_ids, labels=labels, position_ids=position_ids, **kwargs).loss
+                accelerator.backward(loss)
+            norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            losses.append(float(accelerator.reduce(loss.detach(), "mean")))
+            optimizer.step()
+            optimizer.zero_grad()
+        params = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+        return {"seen": seen, "losses": losses, "norms": norms, "params": params if dist.get_rank() == 0 else None}
+    except Exception as exc:  # noqa: BLE001  (the test reads what each rank raised)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        shardadopt.disable()
+
+
+def _param_matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    diff = (got - want).abs()
+    return float(diff.max()) < PARAM_MAX_DIFF and float(diff.pow(2).mean().sqrt()) <= PARAM_RMS
+
+
+def mismatch(result: dict[str, Any], expected: dict[str, Any], rtol: float = 1e-4) -> str | None:
+    """What differs from one process (None: nothing)."""
+    if "error" in result:
+        return result["error"]
+    for what in ("losses", "norms"):
+        if not torch.allclose(torch.tensor(result[what]), torch.tensor(expected[what]), rtol=rtol, atol=1e-6):
+            return f"{what} {result[what]} != one process {expected[what]}"
+    if result.get("params") is not None:
+        bad = [n for n, p in expected["params"].items() if not _param_matches(result["params"][n], p)]
+        if bad:
+            worst = max(float((result["params"][n] - expected["params"][n]).abs().max()) for n in bad)
+            return f"{len(bad)} parameters differ after {STEPS} steps (up to {worst:.3g}): {bad[:3]}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    return {padded: one_process(tiny_models["llama"], padded) for padded in (False, True)}
+
+
+@needs_cp
+@pytest.mark.multiproc
+@pytest.mark.parametrize("padded", [False, True], ids=["equal-chunks", "padding-in-one-chunk"])
+def test_accelerate_loop_matches_one_process(pool2, tiny_models, reference, padded):
+    results = pool2.run(cp_loop, tiny_models["llama"], padded, timeout=300)
+    for result in results:
+        assert all(seen == SEQ // 2 for seen in result.get("seen", [0])), result.get("seen", result)
+        assert mismatch(result, reference[padded]) is None, mismatch(result, reference[padded])
