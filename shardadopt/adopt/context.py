@@ -22,33 +22,51 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardadopt import upstream
 from shardadopt.adopt.record import AdoptionError, adopted
+from shardadopt.topology import Topology
 
-__all__ = ["context_parallel_group", "token_weighted_context"]
+__all__ = ["context_parallel_group", "prepare_without_adoption", "token_weighted_context"]
+
+
+def _cp_enabled(accelerator: Any) -> bool:
+    config = getattr(accelerator, "parallelism_config", None)
+    return config is not None and config.cp_enabled and getattr(config, "cp_backend", "torch") == "torch"
 
 
 def context_parallel_group(accelerator: Any) -> dist.ProcessGroup | None:
     """The CP process group of ``accelerator`` when it runs torch's context parallelism on models it adopted."""
-    config = getattr(accelerator, "parallelism_config", None)
-    if config is None or not config.cp_enabled or getattr(config, "cp_backend", "torch") != "torch":
-        return None
-    if adopted(accelerator) is None:
+    if not _cp_enabled(accelerator) or adopted(accelerator) is None:
         return None
     return accelerator.torch_device_mesh["cp"].get_group()
+
+
+def prepare_without_adoption(accelerator: Any, model: nn.Module, layout: Topology) -> None:
+    """What ``Accelerator.prepare`` does to a model under context parallelism, for the sharded model the Trainer
+    (transformers 5.19+) prepares with ``prepare_model(evaluation_mode=True)``, which skips it: accelerate's
+    attention hooks (the mask dropped for ``is_causal=True``; a sliding-window or chunked-attention model refused),
+    after refusing the layouts not tested with context parallelism."""
+    if not _cp_enabled(accelerator):
+        return
+    _refuse_untested_layout(accelerator, layout)
+    upstream.attach_context_parallel_hooks(model)
 
 
 def _refuse_untested_layouts(accelerator: Any) -> None:
     state = adopted(accelerator)
     for model in state.models:
-        layout = state.topologies[id(model)]
-        others = {name: size for name, size in (("tp_size", layout.tp_size), ("ep_size", layout.ep_size)) if size > 1}
-        if others:
-            spelled = ", ".join(f"{name}={size}" for name, size in others.items())
-            raise AdoptionError(
-                f"context parallelism (ParallelismConfig(cp_size={accelerator.parallelism_config.cp_size})) on a "
-                f"model loaded with DistributedConfig({spelled}) is not supported yet (untested: heads split by "
-                f"TP / experts by EP with the sequence split by CP); load with fsdp_size only, or train without "
-                f"cp_size")
+        _refuse_untested_layout(accelerator, state.topologies[id(model)])
+
+
+def _refuse_untested_layout(accelerator: Any, layout: Topology) -> None:
+    others = {name: size for name, size in (("tp_size", layout.tp_size), ("ep_size", layout.ep_size)) if size > 1}
+    if others:
+        spelled = ", ".join(f"{name}={size}" for name, size in others.items())
+        raise AdoptionError(
+            f"context parallelism (ParallelismConfig(cp_size={accelerator.parallelism_config.cp_size})) on a "
+            f"model loaded with DistributedConfig({spelled}) is not supported yet (untested: heads split by "
+            f"TP / experts by EP with the sequence split by CP); load with fsdp_size only, or train without "
+            f"cp_size")
 
 
 def _weighting_hook(group: dist.ProcessGroup, cp_size: int):

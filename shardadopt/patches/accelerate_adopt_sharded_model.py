@@ -81,6 +81,10 @@ def _prepare_model(wrapped, instance, args, kwargs):
         # what adoption cannot train is refused with the optimizer (_prepare_optimizer), which only training prepares
         if is_sharded_model(model, override) and unfixed_possible():
             refuse_unfixed(model, topology(model, override))
+        if is_sharded_model(model, override):
+            from shardadopt.adopt.context import prepare_without_adoption
+
+            prepare_without_adoption(instance, model, topology(model, override))
         return wrapped(*args, **kwargs)
     if not is_sharded_model(model, override):
         return wrapped(*args, **kwargs)

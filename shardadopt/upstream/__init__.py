@@ -19,6 +19,7 @@ in one file; this package re-exports them all, so callers write ``upstream.<acce
 from __future__ import annotations
 
 from shardadopt.upstream.accelerate import (
+    attach_context_parallel_hooks,
     PARALLELISM_CONFIG_VALIDATE_ACCELERATOR,
     accelerator_custom_objects,
     accelerator_dataloaders,
