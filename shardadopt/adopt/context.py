@@ -26,7 +26,7 @@ from shardadopt import upstream
 from shardadopt.adopt.record import AdoptionError, adopted
 from shardadopt.topology import Topology
 
-__all__ = ["context_parallel_group", "prepare_without_adoption", "token_weighted_context"]
+__all__ = ["context_parallel_group", "prepare_without_adoption", "shares_batches", "token_weighted_context"]
 
 
 def _cp_enabled(accelerator: Any) -> bool:
@@ -39,6 +39,22 @@ def context_parallel_group(accelerator: Any) -> dist.ProcessGroup | None:
     if not _cp_enabled(accelerator) or adopted(accelerator) is None:
         return None
     return accelerator.torch_device_mesh["cp"].get_group()
+
+
+def shares_batches(accelerator: Any, layout: Topology) -> bool:
+    """Whether the data-parallel ranks of an adopted model are all ranks of one CP group, which must all get the
+    same batch (``fsdp_size=N`` with ``cp_size=N``): adoption then leaves accelerate's loader unsplit (accelerate
+    splits by its data-parallel size, 1). Other layouts with context parallelism are refused by name."""
+    if not _cp_enabled(accelerator) or layout.dp_size == 1:
+        return False
+    cp_size = accelerator.parallelism_config.cp_size
+    if layout.dp_size != cp_size:
+        raise AdoptionError(
+            f"context parallelism (ParallelismConfig(cp_size={cp_size})) on a model with {layout.dp_size} "
+            f"data-parallel ranks is supported only when the CP group is the whole FSDP group (load with "
+            f"DistributedConfig(fsdp_size={cp_size}) on {cp_size} processes); data parallelism beside context "
+            f"parallelism is not tested yet")
+    return True
 
 
 def prepare_without_adoption(accelerator: Any, model: nn.Module, layout: Topology) -> None:

@@ -98,7 +98,11 @@ def _prepare_data_loader(wrapped, instance, args, kwargs):
     loader = wrapped(*args, **kwargs)
     state = adopted(instance)
     if state is not None:
-        return shard_dataloader(loader, state.layout, state.dp_ranks)
+        from shardadopt.adopt.context import shares_batches
+
+        # the ranks of one CP group take the same batches
+        return loader if shares_batches(instance, state.layout) else shard_dataloader(loader, state.layout,
+                                                                                     state.dp_ranks)
     # Trainer (transformers 5.19+) prepares a load-time-sharded model itself and gives accelerate a
     # ParallelismConfig: a dispatching loader must still split by the mesh's data-parallel ranks.
     return dispatch_per_mesh_dp_group(loader, instance.torch_device_mesh) if not _plugin_managed(instance) else loader

@@ -19,7 +19,6 @@ in one file; this package re-exports them all, so callers write ``upstream.<acce
 from __future__ import annotations
 
 from shardadopt.upstream.accelerate import (
-    attach_context_parallel_hooks,
     PARALLELISM_CONFIG_VALIDATE_ACCELERATOR,
     accelerator_custom_objects,
     accelerator_dataloaders,
@@ -28,6 +27,7 @@ from shardadopt.upstream.accelerate import (
     accelerator_optimizers,
     accelerator_save_state_pre_hooks,
     accelerator_schedulers,
+    attach_context_parallel_hooks,
     is_accelerate_prepared,
     reset_accelerate_state,
     reset_accelerator_state,

@@ -15,20 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from shardadopt.versions import installed_version
-
 STEPS, BATCH, SEQ, LR, MAX_NORM = 3, 2, 16, 1e-3, 1e9
 # AdamW moves a parameter by about LR whatever its gradient's size, so a near-zero gradient that rounds the other way
 # moves it the other way: parameters are compared as shardadopt.selftest.accelerate does (largest difference under
 # LR / 2, root mean square under LR / 1000).
 PARAM_MAX_DIFF, PARAM_RMS = 0.5 * LR, 1e-3 * LR
 PATCH_ID = "torch-cp-cpu-flash-attention"
-CP_RELEASE = "1.16.0"  # accelerate releases before it: see test_older_accelerate_refuses_cp_on_cpu
-
-needs_cp = pytest.mark.skipif(
-    installed_version("accelerate") < __import__("packaging.version").version.Version(CP_RELEASE),
-    reason=f"accelerate {installed_version('accelerate')}: context parallelism needs accelerate {CP_RELEASE}+ "
-           f"(see test_older_accelerate_refuses_cp_on_cpu)")
 
 
 def batches(padded: bool) -> list[dict[str, torch.Tensor]]:
@@ -83,9 +75,12 @@ def cp_loop(path: str, padded: bool, shift_before_split: bool = True, global_pos
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
                                                      distributed_config=DistributedConfig(fsdp_size=2))
         accelerator = fresh_accelerator(cpu=True, parallelism_config=ParallelismConfig(cp_size=2))
-        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False))
+        rows = [{k: v[i] for k, v in batch.items()} for batch in batches(padded) for i in range(BATCH)]
+        model, optimizer, loader = accelerator.prepare(
+            model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, foreach=False),
+            torch.utils.data.DataLoader(rows, batch_size=BATCH))
         seen, losses, norms = [], [], []
-        for batch in batches(padded):
+        for batch in loader:
             input_ids, labels = batch["input_ids"], batch["labels"]
             shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
             position_ids = torch.arange(SEQ).expand(BATCH, -1).contiguous()
@@ -135,7 +130,6 @@ def reference(tiny_models):
     return {padded: one_process(tiny_models["llama"], padded) for padded in (False, True)}
 
 
-@needs_cp
 @pytest.mark.multiproc
 @pytest.mark.parametrize("padded", [False, True], ids=["equal-chunks", "padding-in-one-chunk"])
 def test_accelerate_loop_matches_one_process(pool2, tiny_models, reference, padded):
@@ -191,7 +185,6 @@ def cp_trainer(path: str, padded: bool) -> dict[str, Any]:
         shardadopt.disable()
 
 
-@needs_cp
 @pytest.mark.multiproc
 @pytest.mark.parametrize("padded", [False, True], ids=["equal-chunks", "padding-in-one-chunk"])
 def test_trainer_matches_one_process(pool2, tiny_models, reference, padded):
@@ -204,7 +197,6 @@ def test_trainer_matches_one_process(pool2, tiny_models, reference, padded):
     assert results[0]["ids"] != results[1]["ids"]
 
 
-@needs_cp
 @pytest.mark.multiproc
 def test_traps(pool2, tiny_models, reference):
     """What makes context-parallel training wrong, each caught: without torch-cp-cpu-flash-attention the first
