@@ -21,9 +21,8 @@ from shardadopt import upstream
 
 __all__ = ["CPU_FLASH", "CPU_FLASH_BACKWARD", "install", "uninstall"]
 
-aten = torch.ops.aten
-CPU_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
-CPU_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+CPU_FLASH = upstream.sdpa_flash_kernels()["cpu"]
+CPU_FLASH_BACKWARD = upstream.sdpa_flash_kernels()["cpu_backward"]
 _SEQ_DIM = 2  # q, k, v, output: [batch, heads, sequence, head_dim]; log-sum-exp: [batch, heads, sequence]
 
 _installed: list[AbstractContextManager[Any]] = []
@@ -36,7 +35,7 @@ def _ring_forward(mesh: Any, query: torch.Tensor, key: torch.Tensor, value: torc
         raise NotImplementedError("context parallelism on CPU: attn_mask is not supported (ring attention merges "
                                   "causal or unmasked blocks only)")
     return upstream.cp_templated_ring_attention()(
-        mesh.get_group(), _SEQ_DIM, aten._scaled_dot_product_flash_attention_for_cpu, query=query, key=key,
+        mesh.get_group(), _SEQ_DIM, CPU_FLASH, query=query, key=key,
         value=value, is_causal=is_causal, dropout_p=dropout_p, scale=scale)
 
 

@@ -28,14 +28,12 @@ ID = "torch-cp-cpu-flash-attention"
 
 def probe() -> Probe:
     """Look the CPU and CUDA flash kernels up in ring attention's handler table."""
-    import torch
-
     from shardadopt.probing import undecided
 
-    handled = upstream.cp_custom_ops()
-    if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in handled:
+    handled, kernels = upstream.cp_custom_ops(), upstream.sdpa_flash_kernels()
+    if kernels["cpu"] in handled:
         return Probe(False, "torch's ring attention handles the CPU flash SDPA kernel")
-    if torch.ops.aten._scaled_dot_product_flash_attention.default in handled:
+    if kernels["cuda"] in handled:
         return Probe(True, "torch's ring attention handles the CUDA SDPA kernels only: on CPU the first forward "
                            "under context parallelism raises NotImplementedError (no sharding strategy for "
                            "aten._scaled_dot_product_flash_attention_for_cpu)")

@@ -97,6 +97,7 @@ from shardadopt.upstream.torch import (
     pytree_flatten,
     queue_backward_callback,
     registered_process_groups,
+    sdpa_flash_kernels,
     set_dtensor_custom_op_handlers,
     set_process_group_counter,
     sharding_placeholder,

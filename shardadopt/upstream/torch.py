@@ -369,3 +369,15 @@ def set_dtensor_custom_op_handlers(handlers: dict[Any, Callable[..., Any]]) -> N
     Checked on torch 2.13-2.15."""
     dtensor_custom_op_handlers()  # the attribute exists
     dtensor_op_dispatcher()._custom_op_handlers = handlers
+
+
+def sdpa_flash_kernels() -> dict[str, Any]:
+    """SDPA's flash kernels (ATen overloads): ``cpu`` (``aten._scaled_dot_product_flash_attention_for_cpu``, what
+    ``scaled_dot_product_attention`` runs on CPU), ``cpu_backward`` (its backward) and ``cuda``
+    (``aten._scaled_dot_product_flash_attention``). Checked on torch 2.13-2.15."""
+    import torch
+
+    aten = torch.ops.aten
+    return {"cpu": aten._scaled_dot_product_flash_attention_for_cpu.default,
+            "cpu_backward": aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+            "cuda": aten._scaled_dot_product_flash_attention.default}
