@@ -211,3 +211,18 @@ def test_traps(pool2, tiny_models, reference):
     for result in pool2.run(cp_loop, path, False, global_positions=False, timeout=300):
         assert "error" not in result, result["error"]
         assert mismatch(result, reference[False]) is not None
+
+
+def test_probe_decides_by_the_handler_table():
+    """Needed while ring attention's table has the CUDA flash kernel and not the CPU one; not-needed once torch
+    lists the CPU kernel (simulated by adding it to the table)."""
+    from shardadopt import upstream
+    from shardadopt.patches.torch_cp_cpu_flash_attention import probe
+
+    assert probe().needed
+    table, cpu = upstream.cp_custom_ops(), upstream.sdpa_flash_kernels()["cpu"]
+    table[cpu] = table[upstream.sdpa_flash_kernels()["cuda"]]  # upstream-private: torch's own fix, simulated
+    try:
+        assert not probe().needed
+    finally:
+        del table[cpu]
