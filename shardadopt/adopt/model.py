@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from shardadopt import upstream
+from shardadopt.adopt.context import shares_batches
 from shardadopt.adopt.data import dp_owners, shard_dataloader, world_dp_ranks
 from shardadopt.adopt.frozen_units import keep_frozen_units_gathered
 from shardadopt.adopt.record import AdoptionError, adoption_kwargs, adoption_record
@@ -99,6 +100,7 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
     if state.owners is None:
         state.dp_ranks = world_dp_ranks(topo)
         state.owners = dp_owners(topo, state.dp_ranks)
-    for loader in upstream.accelerator_dataloaders(accelerator):
-        shard_dataloader(loader, topo, state.dp_ranks)
+    if not shares_batches(accelerator, topo):  # the ranks of one CP group take the same batches
+        for loader in upstream.accelerator_dataloaders(accelerator):
+            shard_dataloader(loader, topo, state.dp_ranks)
     return model

@@ -11,6 +11,7 @@ from shardadopt.patches import (
                                 accelerate_cpu_parallelism_config,
                                 accelerate_sharded_checkpoint,
                                 peft_sharded_adapters,
+                                torch_cp_cpu_flash_attention,
                                 torch_dcp_metadata_restricted,
                                 torch_dtensor_redistribute_no_grad,
                                 torch_elastic_attempt_store,
@@ -77,4 +78,5 @@ ALL_PATCHES: list[Patch] = [
     trl_distillation_data_parallel.PATCH,
     trl_distillation_plain_tp_head.PATCH,
     torch_dcp_metadata_restricted.PATCH,
+    torch_cp_cpu_flash_attention.PATCH,
 ]

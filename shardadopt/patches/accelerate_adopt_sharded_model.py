@@ -81,6 +81,10 @@ def _prepare_model(wrapped, instance, args, kwargs):
         # what adoption cannot train is refused with the optimizer (_prepare_optimizer), which only training prepares
         if is_sharded_model(model, override) and unfixed_possible():
             refuse_unfixed(model, topology(model, override))
+        if is_sharded_model(model, override):
+            from shardadopt.adopt.context import prepare_without_adoption
+
+            prepare_without_adoption(instance, model, topology(model, override))
         return wrapped(*args, **kwargs)
     if not is_sharded_model(model, override):
         return wrapped(*args, **kwargs)
@@ -94,7 +98,11 @@ def _prepare_data_loader(wrapped, instance, args, kwargs):
     loader = wrapped(*args, **kwargs)
     state = adopted(instance)
     if state is not None:
-        return shard_dataloader(loader, state.layout, state.dp_ranks)
+        from shardadopt.adopt.context import shares_batches
+
+        # the ranks of one CP group take the same batches
+        return loader if shares_batches(instance, state.layout) else shard_dataloader(loader, state.layout,
+                                                                                     state.dp_ranks)
     # Trainer (transformers 5.19+) prepares a load-time-sharded model itself and gives accelerate a
     # ParallelismConfig: a dispatching loader must still split by the mesh's data-parallel ranks.
     return dispatch_per_mesh_dp_group(loader, instance.torch_device_mesh) if not _plugin_managed(instance) else loader
@@ -150,6 +158,12 @@ def _gather_for_metrics(wrapped, instance, args, kwargs):
     if owners is None:
         return wrapped(*args, **kwargs)
     return gather_for_metrics(instance, *args, **kwargs, owners=owners)
+
+
+def _maybe_context_parallel(wrapped, instance, args, kwargs):
+    from shardadopt.adopt.context import token_weighted_context
+
+    return token_weighted_context(instance, wrapped(*args, **kwargs))
 
 
 def _free_memory(wrapped, instance, args, kwargs):
@@ -209,6 +223,6 @@ PATCH = Patch(
               _target("prepare_data_loader"): _prepare_data_loader,
               _target("prepare_optimizer"): _prepare_optimizer, _target("clip_grad_norm_"): _clip_grad_norm_,
               _target("no_sync"): _no_sync, _target("gather_for_metrics"): _gather_for_metrics,
-              _target("free_memory"): _free_memory},
+              _target("free_memory"): _free_memory, _target("maybe_context_parallel"): _maybe_context_parallel},
     probe=probe,
 )

@@ -85,3 +85,13 @@ def validate_parallelism_config(config: Any, accelerator: Any) -> None:
     """``ParallelismConfig._validate_accelerator(accelerator)``: accelerate's check that ``accelerator`` can run
     ``config`` (raises ``ValueError`` when it cannot). Checked on accelerate 1.13-1.16."""
     _attribute(config, "_validate_accelerator", "validate_parallelism_config", "accelerate")(accelerator)
+
+
+def attach_context_parallel_hooks(model: Any) -> None:
+    """``accelerate.big_modeling._attach_context_parallel_hooks(model)``: what ``Accelerator.prepare`` runs on a
+    model under context parallelism (refuses a model whose ``supports_context_parallel`` is False; drops each
+    ``self_attn``'s attention mask for ``is_causal=True``). Checked on accelerate 1.16."""
+    from shardadopt.upstream.base import _module_attribute
+
+    _module_attribute("accelerate.big_modeling", "_attach_context_parallel_hooks", "attach_context_parallel_hooks",
+                      "accelerate")(model)

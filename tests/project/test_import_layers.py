@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "shardadopt.optim", "shardadopt.optimizer_ready", "shardadopt.loadtime", "shardadopt.cleanexit",
                     "shardadopt.torchprobe", "shardadopt.trainer_parallelism", "shardadopt.fence",
                     "shardadopt.worldbound", "shardadopt.sampling", "shardadopt.restarts", "shardadopt.dtensor_grads",
+                    "shardadopt.ringcpu",
                     "shardadopt.fsdpunits")),
     ("adoption", ("shardadopt.adapters", "shardadopt.adopt", "shardadopt.online", "shardadopt.online_view")),
     ("checkpoint", ("shardadopt.checkpoint",)),

@@ -1179,3 +1179,40 @@ def test_model_no_split_modules():
                            "out_hidden_size": 16}))
     blocks = upstream.model_no_split_modules(model.model.visual)
     assert blocks and type(model.model.visual.blocks[0]).__name__ in blocks, blocks
+
+
+def test_context_parallel_names():
+    """torch's ring attention: the dispatcher hooks torch-cp-cpu-flash-attention wraps, its handler table and
+    templated ring functions, the strategy helpers, and the SDPA kernels they name."""
+    import importlib
+
+    assert upstream.CP_ATTENTION_MODULE.endswith("._attention")
+    importlib.import_module(upstream.CP_SHARDING_RULES_MODULE)
+    for target in (upstream.CP_ENABLE_DISPATCHER, upstream.CP_DISABLE_DISPATCHER):
+        assert upstream.upstream_method(target, "test").__name__ == target.qualname
+    kernels = upstream.sdpa_flash_kernels()
+    assert kernels["cuda"] in upstream.cp_custom_ops()
+    assert callable(upstream.cp_templated_ring_attention())
+    assert callable(upstream.cp_templated_ring_attention_backward())
+    assert callable(upstream.cp_register_sharding_rules())
+    assert isinstance(upstream.cp_single_dim_strategies(), bool)
+    if upstream.cp_single_dim_strategies():
+        assert upstream.sharding_placeholder(2).dim == 2
+    else:  # torch 2.13: whole OpStrategy functions, expanded over the mesh by upstream's helper
+        assert callable(upstream.expand_to_full_mesh_op_strategy)
+    handlers = upstream.dtensor_custom_op_handlers()
+    upstream.set_dtensor_custom_op_handlers(handlers)
+    assert upstream.dtensor_custom_op_handlers() is handlers
+    assert upstream.dtensor_op_dispatcher() is not None
+    context = upstream.cp_strategy_context(kernels["cpu"], lambda *args: None)
+    context.__enter__()
+    context.__exit__(None, None, None)
+
+
+def test_attach_context_parallel_hooks():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    upstream.attach_context_parallel_hooks(model)
+    assert upstream.module_forward_pre_hooks(model.model.layers[0].self_attn)
