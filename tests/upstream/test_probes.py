@@ -200,17 +200,26 @@ def test_tied_head_probe_reads_the_representative_class_body(body, expected, tmp
     assert state == expected, reason
 
 
-@pytest.mark.parametrize("pid,owner", [("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer"),
-                                       ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer"),
-                                       ("trl-distillation-data-parallel",
-                                        "trl.trainer.distillation_trainer:DistillationTrainer")])
-def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid, owner, tmp_path, monkeypatch):
-    """The fix's shape (patches/trl-*-data-parallel.diff seeds by ``dp_rank``) reads as not-needed."""
+@pytest.mark.parametrize("pid,owner,counts,counted,by_dp", [
+    ("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer", "_generate_and_score_completions",
+     "process_index", "data_parallel_rank"),
+    ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer", "_generate_and_score_completions",
+     "process_index", "data_parallel_rank"),
+    ("trl-distillation-data-parallel", "trl.trainer.distillation_trainer:DistillationTrainer", "_get_train_sampler",
+     "num_processes", "data_parallel_size")])
+def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid, owner, counts, counted, by_dp,
+                                                                          tmp_path, monkeypatch):
+    """The fix's shape (patches/trl-*-data-parallel.diff seeds by ``dp_rank`` and slices or sizes by the
+    data-parallel rank or size) reads as not-needed; either half left as upstream has it reads as needed, naming it."""
     pytest.importorskip("trl")
     target = _owner(owner)
-    fixed = renamed(target, "__init__", {"set_seed(args.seed, device_specific=True)": "set_seed(args.seed + dp_rank)"},
-                    tmp_path)
-    monkeypatch.setattr(target, "__init__", fixed)
+    fixed_init = renamed(target, "__init__",
+                         {"set_seed(args.seed, device_specific=True)": "set_seed(args.seed + dp_rank)"}, tmp_path)
+    fixed_counts = renamed(target, counts, {f"self.accelerator.{counted}": f"self.{by_dp}"}, tmp_path)
+    monkeypatch.setattr(target, "__init__", fixed_init)
+    state, reason = state_of(pid)
+    assert state == APPLIED and f"counts by accelerator.{counted}" in reason, reason
+    monkeypatch.setattr(target, counts, fixed_counts)
     state, reason = state_of(pid)
     assert state == NOT_NEEDED and "data-parallel rank" in reason, reason
 
