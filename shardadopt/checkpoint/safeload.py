@@ -55,8 +55,7 @@ def rng_safe_globals() -> Iterator[None]:
     import numpy as np
     import torch
 
-    core = np._core if hasattr(np, "_core") else np.core
-    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    allowed = [upstream.array_reconstructor(), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     with torch.serialization.safe_globals(allowed):
         yield
 

@@ -8,12 +8,13 @@ training. ``tests/upstream/test_upstream_accessors.py`` runs every accessor agai
 fails one test named after its accessor) and fails when code elsewhere in shardadopt spells a private upstream name.
 
 "Checked on" ranges are the releases CI runs (torch 2.13.0/2.15.0, transformers 5.15.0/5.25.0, accelerate
-1.13.0/1.16.0, optuna 4.9.0/5.0.0). Upstream modules are imported inside the accessors, because
+1.13.0/1.16.0, optuna 4.5.0/5.1.0, peft 0.21.2/0.22.0, trl 1.16.0). Upstream modules are imported inside the
+accessors, because
 ``shardadopt.enable()`` (which imports the patch modules, and so the constants here) must not import them.
 
 One module per upstream library (``torch``, ``transformers``, ``accelerate``, ``peft``, ``trl``, ``optuna``,
-``python``), the one place the private-name guard allows such names, so that a new release of a library is checked
-in one file; this package re-exports them all, so callers write ``upstream.<accessor>``.
+``numpy``, ``python``), the one place the private-name guard allows such names, so that a new release of a library
+is checked in one file; this package re-exports them all, so callers write ``upstream.<accessor>``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from shardadopt.upstream.base import (
     Target,
     UpstreamChanged,
     upstream_method,
+)
+from shardadopt.upstream.numpy import (
+    array_reconstructor,
 )
 from shardadopt.upstream.optuna import (
     stale_trial_callback_keyword,

@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from shardadopt import cli
+from shardadopt import cli, upstream
 from shardadopt.patches import ALL_PATCHES
 from shardadopt.probing import Undecided
 from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED, Registry
@@ -201,12 +201,12 @@ def test_tied_head_probe_reads_the_representative_class_body(body, expected, tmp
 
 
 @pytest.mark.parametrize("pid,owner,counts,counted,by_dp", [
-    ("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer", "_generate_and_score_completions",
-     "process_index", "data_parallel_rank"),
-    ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer", "_generate_and_score_completions",
-     "process_index", "data_parallel_rank"),
-    ("trl-distillation-data-parallel", "trl.trainer.distillation_trainer:DistillationTrainer", "_get_train_sampler",
-     "num_processes", "data_parallel_size")])
+    ("trl-grpo-data-parallel", "trl.trainer.grpo_trainer:GRPOTrainer", upstream.GRPO_SCORE, "process_index",
+     "data_parallel_rank"),
+    ("trl-rloo-data-parallel", "trl.trainer.rloo_trainer:RLOOTrainer", upstream.RLOO_SCORE, "process_index",
+     "data_parallel_rank"),
+    ("trl-distillation-data-parallel", "trl.trainer.distillation_trainer:DistillationTrainer",
+     upstream.DISTILLATION_TRAIN_SAMPLER, "num_processes", "data_parallel_size")])
 def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid, owner, counts, counted, by_dp,
                                                                           tmp_path, monkeypatch):
     """The fix's shape (patches/trl-*-data-parallel.diff seeds by ``dp_rank`` and slices or sizes by the
@@ -215,11 +215,12 @@ def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid,
     target = _owner(owner)
     fixed_init = renamed(target, "__init__",
                          {"set_seed(args.seed, device_specific=True)": "set_seed(args.seed + dp_rank)"}, tmp_path)
-    fixed_counts = renamed(target, counts, {f"self.accelerator.{counted}": f"self.{by_dp}"}, tmp_path)
+    method = counts.qualname.rsplit(".", 1)[1]
+    fixed_counts = renamed(target, method, {f"self.accelerator.{counted}": f"self.{by_dp}"}, tmp_path)
     monkeypatch.setattr(target, "__init__", fixed_init)
     state, reason = state_of(pid)
     assert state == APPLIED and f"counts by accelerator.{counted}" in reason, reason
-    monkeypatch.setattr(target, counts, fixed_counts)
+    monkeypatch.setattr(target, method, fixed_counts)
     state, reason = state_of(pid)
     assert state == NOT_NEEDED and "data-parallel rank" in reason, reason
 

@@ -585,6 +585,54 @@ def test_stale_trial_callback_keyword_reaches_the_storage_without_a_deprecation(
         assert getter() is callback, keyword
 
 
+def test_dcp_metadata_names_only_the_allowed_globals(tmp_path):
+    """A ``.metadata`` this torch writes names only classes of ``DCP_METADATA_MODULE``, ``DCP_METADATA_GLOBALS`` and
+    torch dtypes (what the restricted reader allows), and ``DCP_READ_METADATA`` is the method that reads it."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3, 2), "step": 4, "nested": {"b": torch.zeros(2, dtype=torch.bfloat16)}},
+             checkpoint_id=str(tmp_path))
+    seen = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    with open(tmp_path / ".metadata", "rb") as stream:
+        Recording(stream).load()
+    outside = {(module, name) for module, name in seen
+               if module != upstream.DCP_METADATA_MODULE and (module, name) not in upstream.DCP_METADATA_GLOBALS
+               and not (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))}
+    assert seen and not outside, outside
+    assert callable(upstream.upstream_method(upstream.DCP_READ_METADATA, "test"))
+
+
+def test_array_reconstructor_loads_a_numpy_rng_state_under_weights_only(tmp_path):
+    import numpy as np
+    import torch
+
+    state = np.random.default_rng(3).bit_generator.state, np.random.RandomState(3).get_state()
+    torch.save(state, tmp_path / "rng.pt")
+    allowed = [upstream.array_reconstructor(), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        loaded = torch.load(tmp_path / "rng.pt", weights_only=True)
+    assert np.array_equal(loaded[1][1], state[1][1]) and loaded[0] == state[0]
+
+
+def test_peft_tp_plan_attribute_gates_the_sizing_from_peft_0_22():
+    """peft 0.22's ``_get_in_out_features`` sizes by the local shard only for a layer without transformers' TP plan
+    attribute; 0.21.2 has no such attribute and sizes every TP base by its shard."""
+    peft = pytest.importorskip("peft")
+    from packaging.version import Version
+
+    sizing = inspect.getsource(upstream.peft_in_out_features())
+    assert (upstream.PEFT_TP_PLAN_ATTRIBUTE in sizing) == (Version(peft.__version__) >= Version("0.22")), sizing
+
+
 # -- torch and transformers on two ranks -----------------------------------------------------------------------------
 
 def distributed_checks(path: str) -> dict[str, str | None]:
