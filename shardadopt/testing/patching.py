@@ -59,3 +59,28 @@ def keeps_patch_state(function: Callable[P, R]) -> Callable[P, R]:
                 shardadopt.enable(only=before)
 
     return wrapper
+
+
+def probe_state(pid: str) -> tuple[str, str]:
+    """Enable only ``pid`` (with the patches it depends on) in a fresh registry of every patch, then revert it.
+
+    Args:
+        pid: a patch id.
+
+    Returns:
+        The patch's state and reason on the installed upstream.
+    """
+    import importlib
+
+    from shardadopt.patches import ALL_PATCHES
+    from shardadopt.registry import Registry
+
+    registry = Registry(ALL_PATCHES)
+    patch = next(p for p in ALL_PATCHES if p.id == pid)
+    for module in patch.modules:
+        importlib.import_module(module)
+    try:
+        status = {s.id: s for s in registry.enable(only=[pid, *patch.depends_on])}[pid]
+    finally:
+        registry.disable()
+    return status.state, status.reason

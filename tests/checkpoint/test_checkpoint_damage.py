@@ -30,26 +30,20 @@ EXAMPLES = {"plain": 24, "trainer": 10, "accelerate": 10}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with RankPool(2) as ranks:
-        yield ranks
-
-
-@pytest.fixture(scope="module")
-def saved(tiny_models, tmp_path_factory, pool):
+def saved(tiny_models, tmp_path_factory, pool2):
     root = str(tmp_path_factory.mktemp("damage"))
-    pool.run(scenario.save_all, tiny_models["qwen3"], root, timeout=300)
+    pool2.run(scenario.save_all, tiny_models["qwen3"], root, timeout=300)
     return root
 
 
-def check(kind: str, saved: str, model: str, pool: RankPool, scratch: str, data: st.DataObject) -> None:
+def check(kind: str, saved: str, model: str, pool2: RankPool, scratch: str, data: st.DataObject) -> None:
     original, other = scenario.checkpoints(saved, kind)
     name = data.draw(st.sampled_from(scenario.files(original)), label="file")
     mode = data.draw(st.sampled_from(scenario.MODES), label="mode")
     where = data.draw(st.floats(0.0, 0.999), label="where")
     directory = scenario.copy(original, os.path.join(scratch, os.path.basename(original)))
     changed = scenario.damage(directory, name, mode, where, other)
-    outcomes = pool.run(scenario.load_outcome, model, kind, directory, timeout=120)
+    outcomes = pool2.run(scenario.load_outcome, model, kind, directory, timeout=120)
     expected = (None if not changed else "IncompleteCheckpointError" if (name, mode) == (MARKER, "remove")
                 else "DamagedCheckpointError")
     for rank, outcome in enumerate(outcomes):
@@ -66,11 +60,11 @@ def check(kind: str, saved: str, model: str, pool: RankPool, scratch: str, data:
 
 
 @pytest.mark.parametrize("kind", scenario.PATHS)
-def test_any_damaged_file_is_one_error_on_every_rank(kind, tiny_models, saved, pool, tmp_path):
+def test_any_damaged_file_is_one_error_on_every_rank(kind, tiny_models, saved, pool2, tmp_path):
     @settings(max_examples=EXAMPLES[kind], deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(data=st.data())
     def run(data):
-        check(kind, saved, tiny_models["qwen3"], pool, str(tmp_path), data)
+        check(kind, saved, tiny_models["qwen3"], pool2, str(tmp_path), data)
 
     run()

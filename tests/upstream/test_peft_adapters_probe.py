@@ -9,12 +9,10 @@ an injection that reduces or not), so both halves are read on either dependency 
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from shardadopt.patches import ALL_PATCHES
-from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED, Registry
+from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED
+from shardadopt.testing.patching import probe_state
 
 PID = "peft-sharded-adapters"
 LOCAL = "sizes LoRA factors of a tensor-parallel base by its local shard"
@@ -23,16 +21,6 @@ UNREDUCED = "reduces no adapter gradient over the data-parallel ranks"
 peft = pytest.importorskip("peft")
 
 
-def _state() -> tuple[str, str]:
-    registry = Registry(ALL_PATCHES)
-    patch = next(p for p in ALL_PATCHES if p.id == PID)
-    for module in patch.modules:
-        importlib.import_module(module)
-    try:
-        status = {s.id: s for s in registry.enable(only=[PID, *patch.depends_on])}[PID]
-    finally:
-        registry.disable()
-    return status.state, status.reason
 
 
 def test_the_installed_peft_gets_the_halves_it_needs():
@@ -40,7 +28,7 @@ def test_the_installed_peft_gets_the_halves_it_needs():
     reason says so."""
     from packaging.version import Version
 
-    state, reason = _state()
+    state, reason = probe_state(PID)
     assert state == APPLIED, reason
     assert UNREDUCED in reason, reason
     if Version(peft.__version__) >= Version("0.22.0"):
@@ -102,7 +90,7 @@ def test_each_half_is_read_on_its_own(monkeypatch, sizing, inject, state, said, 
     # upstream-private: the function the probe reads, replaced by a release's shape
     monkeypatch.setattr(tuners_utils, "_get_in_out_features", sizing)
     monkeypatch.setattr(tuners_utils.BaseTuner, "inject_adapter", inject)
-    found, reason = _state()
+    found, reason = probe_state(PID)
     assert found == state, reason
     assert all(s in reason for s in said) and not any(s in reason for s in not_said), reason
 
@@ -113,5 +101,5 @@ def test_a_sizing_without_linear_shapes_is_not_read_as_fixed(monkeypatch):
 
     # upstream-private: as above, here removed
     monkeypatch.delattr(tuners_utils, "_get_in_out_features")
-    found, reason = _state()
+    found, reason = probe_state(PID)
     assert found == UNSUPPORTED, reason

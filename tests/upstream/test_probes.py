@@ -22,6 +22,7 @@ from shardadopt import cli, upstream
 from shardadopt.patches import ALL_PATCHES
 from shardadopt.probing import Undecided
 from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED, Registry
+from shardadopt.testing.patching import probe_state as state_of
 
 _files = itertools.count()
 
@@ -45,17 +46,6 @@ def renamed(owner, name: str, replacements: dict[str, str], tmp_path):
     return type(raw)(copy) if isinstance(raw, (staticmethod, classmethod)) else copy
 
 
-def state_of(pid: str) -> tuple[str, str]:
-    """Enable ``pid`` (with what it depends on) in a registry of every patch; its state and reason."""
-    registry = Registry(ALL_PATCHES)
-    patch = next(p for p in ALL_PATCHES if p.id == pid)
-    for module in patch.modules:
-        importlib.import_module(module)
-    try:
-        status = {s.id: s for s in registry.enable(only=[pid, *patch.depends_on])}[pid]
-    finally:
-        registry.disable()
-    return status.state, status.reason
 
 
 def _owner(path: str):
