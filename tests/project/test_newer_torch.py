@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sysconfig
@@ -53,8 +54,10 @@ def test_pip_install_keeps_a_torch_newer_than_the_tested_line(tmp_path):
     report = tmp_path / "report.json"
     out = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation",
                           "--report", str(report), "-e", str(REPO)],
-                         capture_output=True, text=True, env={"PIP_CONSTRAINT": "", "PATH": "/usr/bin:/bin",
-                                                              "HOME": str(tmp_path)})
+                         capture_output=True, text=True,
+                         # no pip configuration: a machine-wide constraints file (a torch cap) is not the project's
+                         env={"PIP_CONFIG_FILE": os.devnull, "PIP_CONSTRAINT": "", "PATH": "/usr/bin:/bin",
+                              "HOME": str(tmp_path)})
     assert out.returncode == 0, f"pip cannot install shardadopt beside torch {NEWER_TORCH}:\n{out.stderr[-3000:]}"
     to_install = {item["metadata"]["name"].lower(): item["metadata"]["version"]
                   for item in json.loads(report.read_text())["install"]}
