@@ -11,7 +11,7 @@ training steps (``Trainer.train()``, or ``prepare``/``backward``/``clip_grad_nor
 its result after training. Nothing calls ``destroy_process_group``: plain scripts don't. ``gloo-stress`` is torch
 alone: the gloo worker threads of a group share the main thread's CPU under ``SCHED_IDLE`` and the process exits
 right after its last (waited) all-reduce of parameters, so a worker often drops its last tensor after the
-interpreter began finalising; the fix is armed there through ``shardadopt.cleanexit.arm_at_exit()``.
+interpreter began finalising; the fix is armed there through ``shardadopt.lifecycle.cleanexit.arm_at_exit()``.
 
 A run counts as *aborted* when any rank died of SIGABRT (``terminate called without an active exception``: a gloo
 worker taking the GIL during finalisation; torchrun then SIGTERMs the other ranks), *failed* when torchrun exited
@@ -120,7 +120,7 @@ def _gloo_stress() -> None:
     import torch
     import torch.distributed as dist
 
-    import shardadopt.cleanexit
+    import shardadopt.lifecycle.cleanexit
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -130,7 +130,7 @@ def _gloo_stress() -> None:
         os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
     if PATCH_ID not in os.environ.get("SHARDADOPT_DISABLE", "") and "all" not in os.environ.get(
             "SHARDADOPT_DISABLE", ""):
-        shardadopt.cleanexit.arm_at_exit()
+        shardadopt.lifecycle.cleanexit.arm_at_exit()
     params = [torch.nn.Parameter(torch.ones(16)) for _ in range(8)]
     for param in params:
         dist.all_reduce(param, group=group)

@@ -10,7 +10,7 @@ The prepared command for a session with GPUs (from a checkout; one GPU or severa
 Items (each with its own timeout; a failed item never stops the next):
 
 - ``environment``: torch, transformers, the GPU, NCCL; the torch behaviours shardadopt works around, probed on
-  this device (``shardadopt.torchprobe``: informational, the workarounds stay on either way).
+  this device (``shardadopt.upstream.torchprobe``: informational, the workarounds stay on either way).
 - ``grouped-mm-sentinel``: ``benchmarks/gpu_grouped_mm_sentinel.py`` (F2 on the real CUDA grouped GEMM kernel).
 - ``fused-adamw-mesh``: fused AdamW on CUDA parameters on two device meshes plus plain and strided ones, split by
   mesh (``shardadopt.split_param_groups_by_mesh``; strided shards made contiguous as Trainer's path does) against
@@ -71,7 +71,7 @@ def fused_adamw_rank(device: str, steps: int = 3) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from shardadopt import split_param_groups_by_mesh
-    from shardadopt.optimizer_ready import make_shards_contiguous
+    from shardadopt.parallel.optimizer_ready import make_shards_contiguous
 
     dev = _device(device)
     world = torch.distributed.get_world_size()
@@ -359,7 +359,7 @@ def environment(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, s
     import torch.distributed as dist
     import transformers
 
-    from shardadopt import torchprobe
+    from shardadopt.upstream import torchprobe
 
     parts = [f"torch {torch.__version__}", f"transformers {transformers.__version__}"]
     if args.device == "cuda":

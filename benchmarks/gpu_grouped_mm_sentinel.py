@@ -10,8 +10,8 @@ produces. Before each step the CUDA caching allocator is filled with NaN and rel
 real run's second step on.
 
 For each step it prints, for upstream's installed ``grouped_mm_experts_forward`` and for
-``shardadopt.moe.grouped_mm_experts_forward`` (the 5.17 fix), whether the output, the hidden-state gradient, the
-expert weight gradients and the routing-weight gradient are finite, and the max |difference| against a dense
+``shardadopt.parallel.moe.grouped_mm_experts_forward`` (the 5.17 fix), whether the output, the hidden-state gradient,
+the expert weight gradients and the routing-weight gradient are finite, and the max |difference| against a dense
 per-expert reference on the local slots. Upstream 5.15/5.16 is expected to give a NaN routing-weight gradient at
 the sentinel slots (which the experts' all-reduce then spreads to every rank); the fix gives zeros there.
 """
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.integrations import moe as upstream_moe
 
     from shardadopt import upstream
-    from shardadopt.moe import grouped_mm_experts_forward as fixed
+    from shardadopt.parallel.moe import grouped_mm_experts_forward as fixed
 
     if not torch.cuda.is_available():
         print("no CUDA device: this script checks the real CUDA grouped GEMM kernel", file=sys.stderr)

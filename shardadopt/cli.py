@@ -19,8 +19,9 @@ def doctor(as_json: bool = False) -> int:
     not an error either: one line says so and names the patches that could not decide.
     """
     import shardadopt
-    from shardadopt import versions
-    from shardadopt.versions import installed_version
+    from shardadopt.patching import states
+    from shardadopt.upstream import versions
+    from shardadopt.upstream.versions import installed_version
 
     rows = versions.report()
     integrations = versions.integrations()
@@ -41,8 +42,8 @@ def doctor(as_json: bool = False) -> int:
     finally:
         shardadopt.disable()
     broken = (any(not r["ok"] for r in rows + integrations) or bool(import_errors)
-              or any(s.state == "unsupported" and not versions.integration_absent(s) for s in statuses))
-    untested = versions.untested_summary(statuses)
+              or any(s.state == "unsupported" and not states.integration_absent(s) for s in statuses))
+    untested = states.untested_summary(statuses)
     if as_json:
         print(json.dumps({"shardadopt": shardadopt.__version__, "versions": rows, "integrations": integrations,
                           "untested": untested, "backends": backends,
@@ -96,7 +97,7 @@ def _backends() -> dict[str, bool]:
 def _torch_behaviour(backends: dict[str, bool]) -> list[dict[str, Any]]:
     if not backends.get("gloo"):  # torch itself is missing (or has no torch.distributed): nothing to probe
         return []
-    from shardadopt import torchprobe
+    from shardadopt.upstream import torchprobe
 
     return torchprobe.report(("cpu", "cuda") if backends.get("cuda") else ("cpu",))
 
@@ -184,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor" and args.model:
-        from shardadopt.coverage import LayoutError, parse_layout, report
+        from shardadopt.commands.coverage import LayoutError, parse_layout, report
 
         try:
             return report(args.model, parse_layout(args.layout) if args.layout else None, check=args.check)

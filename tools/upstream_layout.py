@@ -1,6 +1,7 @@
 """Where each upstream repository keeps its package and its tests, and which of a unified diff's paths fall where.
 
-``patches/*.diff`` are written for upstream's repositories, so their paths are the repositories' own: transformers,
+``upstream-fixes/*.diff`` are written for upstream's repositories, so their paths are the repositories' own:
+transformers,
 accelerate and peft keep ``src/<package>/`` and ``tests/``, trl keeps ``trl/`` and ``tests/``, pytorch keeps
 ``torch/`` and ``test/``. ``tools/upstream_diffs.py`` builds its trees, places its edits and checks its diffs by this
 table (``UPSTREAMS``); a new upstream is a new row, not a new case in the code.

@@ -25,7 +25,7 @@ from torch import nn
 
 from shardadopt import upstream
 from shardadopt.adapters.peft_layers import adapter_modules, is_laid_out
-from shardadopt.topology import Topology
+from shardadopt.parallel.topology import Topology
 
 _HOOKED = "_shardadopt_dp_average"  # on a factor parameter: the dp-averaging hook handle
 _DP = "_shardadopt_dp"  # on a LoRA layer or copy: (dp group, dp size, FSDP modules telling whether gradients sync)

@@ -35,7 +35,7 @@ from shardadopt.adapters.peft_layers import (
 )
 from shardadopt.adapters.placement import set_from_rank0, shard_factor, tp_mesh
 from shardadopt.adapters.refusals import AdapterLayoutError, check_config, check_layer, refusal
-from shardadopt.topology import topology
+from shardadopt.parallel.topology import topology
 
 
 def lay_out_adapters(model: nn.Module) -> int:

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardadopt.adapters.refusals import refusal, tp_plan_entry
 from shardadopt.adapters.shapes import whole_tensor
-from shardadopt.topology import Topology
+from shardadopt.parallel.topology import Topology
 
 # TP plans under which a module computes what its plain copy computes from the same (replicated) input
 _WHOLE_OUTPUT_PLANS = (None, "colwise_gather_output")

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from shardadopt.topology import topology
+from shardadopt.parallel.topology import topology
 
 _LAID_OUT = "_shardadopt_laid_out"
 

@@ -16,7 +16,7 @@ from typing import Any
 from torch import nn
 
 from shardadopt.adapters.peft_layers import unwrap_peft
-from shardadopt.topology import Topology, topology
+from shardadopt.parallel.topology import Topology, topology
 
 # init_lora_weights values whose result does not depend on the base weight ("nora", peft 0.22: the default factors
 # with lora_A's columns normalised, per expert on a ParamWrapper; peft 0.21 raises its own "Unknown initialization")

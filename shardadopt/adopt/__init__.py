@@ -11,7 +11,7 @@ patching:
   (:func:`shard_dataloader`), dispatching loaders dispatch per data-parallel group (:class:`DataParallelSource`);
 - metrics (``metrics``): :func:`gather_for_metrics` keeps one copy of each sample;
 - accumulation and clipping (``training``): :func:`no_sync`, :func:`clip_grad_norm_` over any mix of meshes;
-- optimizers: :func:`shardadopt.optim.split_param_groups_by_mesh`;
+- optimizers: :func:`shardadopt.parallel.optim.split_param_groups_by_mesh`;
 - frozen FSDP2 units (``frozen_units``): :func:`keep_frozen_units_gathered`, one all-gather per unit per step.
 
 Configuration: :class:`AdoptionKwargs` in ``Accelerator(kwargs_handlers=[...])`` (``record``); defaults need none.

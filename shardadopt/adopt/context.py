@@ -24,7 +24,7 @@ from torch import nn
 
 from shardadopt import upstream
 from shardadopt.adopt.record import AdoptionError, adopted
-from shardadopt.topology import Topology
+from shardadopt.parallel.topology import Topology
 
 __all__ = ["context_parallel_group", "prepare_without_adoption", "shares_batches", "token_weighted_context"]
 

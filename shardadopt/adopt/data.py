@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from shardadopt import upstream
 from shardadopt.adopt.record import AdoptionError
-from shardadopt.topology import Topology, TopologyError
+from shardadopt.parallel.topology import Topology, TopologyError
 
 
 def world_dp_ranks(topo: Topology) -> list[int]:

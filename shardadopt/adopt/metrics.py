@@ -17,7 +17,7 @@ from shardadopt import upstream
 from shardadopt.adopt.data import DataParallelSource, dp_owners, world_dp_ranks
 from shardadopt.adopt.model import is_sharded_model
 from shardadopt.adopt.record import adopted, adoption_kwargs
-from shardadopt.topology import topology
+from shardadopt.parallel.topology import topology
 
 # on an Accelerator: (ids of its prepared models, owners) last computed; a plain model's topology is not cached on
 # it, and gather_for_metrics runs every evaluation batch

@@ -23,8 +23,8 @@ from shardadopt.adopt.frozen_units import keep_frozen_units_gathered
 from shardadopt.adopt.record import AdoptionError, adoption_kwargs, adoption_record
 from shardadopt.adopt.refusals import refuse_fused_lm_head_on_plain_shards, refuse_unsupported_distributed_features
 from shardadopt.adopt.replicas import broadcast_plain_replicas
-from shardadopt.optimizer_ready import make_shards_contiguous
-from shardadopt.topology import topology
+from shardadopt.parallel.optimizer_ready import make_shards_contiguous
+from shardadopt.parallel.topology import topology
 
 
 def is_sharded_model(model: Any, override: Mapping[str, int] | None = None) -> bool:
@@ -84,7 +84,7 @@ def adopt_model(accelerator: Any, model: nn.Module, prepare: Any = None) -> nn.M
             f"{topo.describe()}. One Accelerator splits data one way: use models with the same data-parallel "
             f"layout, or one Accelerator per layout.")
     # transformers 5.15's TP keeps row-parallel shards as plain strided views, which torch's fused AdamW mis-updates
-    # (shardadopt.torchprobe): own contiguous storage, same Parameter objects, so an optimizer built before
+    # (shardadopt.upstream.torchprobe): own contiguous storage, same Parameter objects, so an optimizer built before
     # prepare() keeps stepping them.
     make_shards_contiguous(model)
     # what DDP's wrap does: a TP group's whole plain copies (a fresh classification head) are rank 0's

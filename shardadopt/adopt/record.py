@@ -12,7 +12,7 @@ from typing import Any
 from accelerate.utils import KwargsHandler
 from torch import nn
 
-from shardadopt.topology import Topology
+from shardadopt.parallel.topology import Topology
 
 _STATE_ATTR = "_shardadopt_adoption"
 _KWARGS_ATTR = "_shardadopt_kwargs"
@@ -23,7 +23,8 @@ class AdoptionKwargs(KwargsHandler):
     """How ``Accelerator`` adopts sharded models: pass in ``Accelerator(kwargs_handlers=[AdoptionKwargs(...)])``.
 
     ``topology``: explicit sizes for layouts the model cannot tell (``{"dp_replicate": .., "dp_shard": ..,
-    "tp": .., "ep": ..}``; see :func:`shardadopt.topology`). ``reshard_checkpoints``: whether ``load_state`` may
+    "tp": .., "ep": ..}``; see :func:`shardadopt.parallel.topology`). ``reshard_checkpoints``: whether
+    ``load_state`` may
     load a checkpoint saved with another layout or world size, resharding weights and optimizer state through
     DCP (default on; off refuses it with ``shardadopt.checkpoint.CheckpointMismatchError``). ``split_optimizer``:
     make foreach/fused optimizers step on homogeneous param groups (default on). ``keep_frozen_units_gathered``:

@@ -36,7 +36,7 @@ def refuse_unsupported_distributed_features(model: nn.Module) -> None:
     """Refuse (:class:`AdoptionError`) a model loaded with a ``DistributedConfig`` option adoption cannot train
     like one process: ``fsdp_cpu_offload=True``, ``fsdp_mixed_precision=True``, DeepGEMM Mega MoE experts
     (``ep_implementation`` / ``experts_implementation`` ``"deepgemm_megamoe"``, inference only) (``pp_size > 1``:
-    :func:`shardadopt.topology` refuses it).
+    :func:`shardadopt.parallel.topology` refuses it).
 
     Args:
         model: the model handed to ``prepare`` / the Trainer (a PEFT model reads its base model's config).
@@ -169,12 +169,12 @@ def refuse_whole_model_for_dp_shard(accelerator: Any, model: Any, override: Mapp
 
     Args:
         accelerator: the ``Accelerator`` preparing ``model`` for training.
-        model: what ``prepare_model`` was given; a load-time-sharded model (``shardadopt.topology``) passes.
+        model: what ``prepare_model`` was given; a load-time-sharded model (``shardadopt.parallel.topology``) passes.
         override: explicit topology sizes (:class:`AdoptionKwargs` ``topology``).
     """
     from accelerate.utils.dataclasses import DistributedType
 
-    from shardadopt.topology import topology
+    from shardadopt.parallel.topology import topology
 
     config = accelerator.parallelism_config
     if (accelerator.distributed_type != DistributedType.MULTI_CPU or config is None or not config.dp_shard_enabled

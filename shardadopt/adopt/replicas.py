@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardadopt.topology import Topology
+from shardadopt.parallel.topology import Topology
 
 
 def broadcast_plain_replicas(model: nn.Module, topo: Topology) -> list[str]:
@@ -28,7 +28,7 @@ def broadcast_plain_replicas(model: nn.Module, topo: Topology) -> list[str]:
 
     Args:
         model: the sharded model (every rank calls this with its own).
-        topo: its topology (``shardadopt.topology``).
+        topo: its topology (``shardadopt.parallel.topology``).
 
     Returns:
         The names of the parameters that differed from rank 0's on this rank (empty on rank 0).

@@ -17,7 +17,7 @@ from shardadopt.checkpoint.errors import CheckpointError
 from shardadopt.checkpoint.publish import _publish_files, _staging_path
 from shardadopt.checkpoint.sharding import _barrier, _is_dtensor, rank_local
 from shardadopt.fence import fenced
-from shardadopt.topology import _world
+from shardadopt.parallel.topology import _world
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",

@@ -22,7 +22,7 @@ from typing import Any
 from shardadopt.checkpoint.errors import CheckpointError, DamagedCheckpointError, UntrustedCheckpointError
 from shardadopt.checkpoint.safeload import damaged, load_file
 from shardadopt.fence import fenced, progress
-from shardadopt.topology import _world
+from shardadopt.parallel.topology import _world
 
 FILES = "files"  # the marker's per-file record
 SEAL = "marker_sha256"  # the marker's checksum of itself

@@ -25,9 +25,9 @@ from shardadopt.checkpoint.errors import CheckpointError, DamagedCheckpointError
 from shardadopt.checkpoint.integrity import FILES, check_seal, manifest, seal
 from shardadopt.checkpoint.safeload import damaged
 from shardadopt.checkpoint.sharding import _barrier, layout
-from shardadopt.errors import summary
 from shardadopt.fence import fenced
-from shardadopt.topology import _world
+from shardadopt.fence.errors import summary
+from shardadopt.parallel.topology import _world
 
 MARKER = "shardadopt_checkpoint.json"
 FORMAT = 1

@@ -21,7 +21,7 @@ from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, read_info,
 from shardadopt.checkpoint.rng import read_rng_state, restore_rng_state, save_rng_state
 from shardadopt.checkpoint.safeload import EXTRA_HINT, damaged, load_file
 from shardadopt.checkpoint.state import _as_list, check_compatible, load_sharded_state, save_sharded_state
-from shardadopt.topology import _world
+from shardadopt.parallel.topology import _world
 
 SCHEDULERS = "schedulers.pt"
 EXTRA = "extra.pt"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from shardadopt.checkpoint.safeload import damaged, load_file
-from shardadopt.topology import _world
+from shardadopt.parallel.topology import _world
 
 
 def _rng_file(directory: str, rank: int) -> str:

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from shardadopt import upstream
 from shardadopt.checkpoint.errors import DamagedCheckpointError, UntrustedCheckpointError
-from shardadopt.errors import summary
+from shardadopt.fence.errors import summary
 
 # how torch's weights_only unpickler names a refused type ("Unsupported global: GLOBAL fractions.Fraction was not
 # an allowed global", "unsupported GLOBAL posix.system whose module posix is blocked"; torch 2.13-2.15)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from shardadopt.fence import progress
-from shardadopt.topology import _world
+from shardadopt.parallel.topology import _world
 
 
 def _is_dtensor(t: Any) -> bool:

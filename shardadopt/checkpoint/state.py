@@ -24,9 +24,9 @@ from shardadopt.checkpoint.integrity import mark_agreed
 from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo
 from shardadopt.checkpoint.safeload import damaged, safe_reader, saved_metadata
 from shardadopt.checkpoint.sharding import layout, rank_local
-from shardadopt.errors import HangError, PeerFailedError, is_hang, summary
 from shardadopt.fence import gathered_error, progress
-from shardadopt.topology import _world
+from shardadopt.fence.errors import HangError, PeerFailedError, is_hang, summary
+from shardadopt.parallel.topology import _world
 
 
 def _as_list(x: Any) -> list:

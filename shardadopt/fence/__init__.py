@@ -11,8 +11,8 @@ The design, its bounds and what is not covered: ``docs/fence.md``.
 
 from __future__ import annotations
 
-from shardadopt.errors import HANG_KIND, HangError, PeerFailedError
 from shardadopt.fence.breaking import break_training_groups, protect_group, protected, publish_listeners
+from shardadopt.fence.errors import HANG_KIND, HangError, PeerFailedError
 from shardadopt.fence.progress_hooks import progress
 from shardadopt.fence.rebuild import generation, rebuild_world
 from shardadopt.fence.records import POLL_INTERVAL

@@ -187,7 +187,8 @@ def protected() -> Iterator[None]:
 
 def protect_group(group: Any) -> None:
     """``group`` (created inside ``protected()``) is not aborted by ``break_training_groups``. Held weakly: a
-    destroyed group is freed as usual (``shardadopt.cleanexit`` relies on it at exit), and its ports with it."""
+    destroyed group is freed as usual (``shardadopt.lifecycle.cleanexit`` relies on it at exit), and its ports with
+    it."""
     with _PROTECTED_LOCK:
         _PROTECTED[group] = _PROTECTED.get(group, Protection()) | _UNCLAIMED[0]
         _UNCLAIMED[0] = Protection()

@@ -11,10 +11,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from shardadopt import loadtime, restarts, upstream, worldbound
+from shardadopt import loadtime, upstream
 from shardadopt.fence import breaking, records
 from shardadopt.fence.state import BREAK_LOCK, STATE
 from shardadopt.fence.watcher import WATCHER
+from shardadopt.lifecycle import restarts, worldbound
 
 
 def rebuild_world() -> None:
@@ -23,7 +24,7 @@ def rebuild_world() -> None:
     Same backend, timeout and bound device. Groups created before (device meshes, ``new_group``) are gone:
     create them again (``transformers-reuse-device-mesh`` rebuilds a mesh whose groups were destroyed). DTensor's
     sharding-propagation caches are emptied: their entries hold the old meshes, and so are the caches of objects
-    bound to the old world (``shardadopt.worldbound``)."""
+    bound to the old world (``shardadopt.lifecycle.worldbound``)."""
     default = upstream.default_group()
     backend = dist.get_backend()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -14,13 +14,14 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from shardadopt import restarts, upstream
+from shardadopt import upstream
+from shardadopt.lifecycle import restarts
 
 POLL_INTERVAL = 0.05  # seconds between a watcher's checks on a store it cannot wait on (not a TCPStore)
 CONNECT_TIMEOUT = timedelta(seconds=60)  # a side-channel connection to the store, and how long a fence waits for it
 _FOREVER = timedelta(days=30)  # a watcher's store wait: woken by a trip or a rebuild, never by a timeout
 
-ERROR_KIND = "error"  # a trip's kind when a rank raised; a hang's is shardadopt.errors.HANG_KIND
+ERROR_KIND = "error"  # a trip's kind when a rank raised; a hang's is shardadopt.fence.errors.HANG_KIND
 
 
 class Trip(NamedTuple):

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from shardadopt.errors import HANG_KIND, HangError, PeerFailedError, is_hang, mark_hang, origin_rank, summary
 from shardadopt.fence import breaking, progress_hooks, records
+from shardadopt.fence.errors import HANG_KIND, HangError, PeerFailedError, is_hang, mark_hang, origin_rank, summary
 from shardadopt.fence.state import STATE
 from shardadopt.fence.watcher import WATCHER
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from shardadopt.errors import HANG_KIND, HangError
 from shardadopt.fence import breaking, frames, hang_decision, progress_hooks, records
+from shardadopt.fence.errors import HANG_KIND, HangError
 from shardadopt.fence.state import BREAK_LOCK, STATE
 
 if TYPE_CHECKING:

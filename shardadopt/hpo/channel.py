@@ -12,7 +12,8 @@ The group is gloo (CPU tensors, safe next to NCCL training), created once per (w
 is a gloo backend of its own, outside torch's group registry, used through its own methods: destroying every group
 (a rebuild after a fault) leaves it whole, so ``Channel.rebuild`` carries it into the new world instead of paying a
 second full-mesh rendezvous, and the old one's teardown, at every fault. A plain ``rebuild_world`` or
-``shardadopt.cleanexit``'s release at a successful exit still frees it (``shardadopt.worldbound``: torch may keep a
+``shardadopt.lifecycle.cleanexit``'s release at a successful exit still frees it (``shardadopt.lifecycle.worldbound``:
+torch may keep a
 destroyed world's Python object alive, so the cache does not count on that object being freed); after a direct
 ``dist.destroy_process_group()`` it goes when the world's object is freed or the next control group is created.
 A dead peer makes gloo fail at once (closed connection); a stuck one trips the group timeout. Either way the
@@ -37,8 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardadopt import fence, upstream, worldbound
+from shardadopt import fence, upstream
 from shardadopt.hpo.errors import PeerLostError
+from shardadopt.lifecycle import worldbound
 
 # Ops: what a rank is doing in this round. Rows with different ops in one round mean the ranks diverged.
 OP_COMMAND = 1  # between trials: rank 0 says START (payload: trial info) or STOP (payload: None or an error)

@@ -12,7 +12,7 @@ import pickle
 import traceback
 from dataclasses import dataclass
 
-from shardadopt.errors import RANK_ATTRIBUTE, origin_rank, summary
+from shardadopt.fence.errors import RANK_ATTRIBUTE, origin_rank, summary
 
 
 class HPOControlError(RuntimeError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from shardadopt.errors import FAILURE_KIND_ATTRIBUTE, HANG_KIND
+from shardadopt.fence.errors import FAILURE_KIND_ATTRIBUTE, HANG_KIND
 
 OOM = "oom"
 NAN_LOSS = "nan_loss"

@@ -47,7 +47,7 @@ import optuna
 from optuna.storages import InMemoryStorage
 
 from shardadopt import fence, upstream
-from shardadopt.errors import summary
+from shardadopt.fence.errors import summary
 from shardadopt.hpo import errors, failures, preempt, reseed, restart
 from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpoint_dir
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel

@@ -19,7 +19,7 @@ from typing import Any
 
 import optuna
 
-from shardadopt.versions import installed_version
+from shardadopt.upstream.versions import installed_version
 
 ATTR_SPACE_VERSION = "space_version"
 ATTR_PARAMS_HASH = "params_hash"

@@ -1,6 +1,6 @@
 """A search that ``torchrun --max-restarts`` restarted goes on where its dead attempt left the study.
 
-Rank 0 records on every trial the torchrun job and attempt that ran it (``shardadopt.restarts.current()``: the
+Rank 0 records on every trial the torchrun job and attempt that ran it (``shardadopt.lifecycle.restarts.current()``: the
 same on every node, one id per job, kept in the agent's store). When a restarted attempt attaches to the study,
 before it samples anything, ``resume_search`` settles what the earlier attempts of this job left:
 
@@ -26,13 +26,13 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from shardadopt import restarts
 from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, ATTR_RESUME_FROM, record_failure
 from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF, PREEMPTED, TRANSIENT
 from shardadopt.hpo.provenance import ATTR_PARAMS_HASH, params_hash
 from shardadopt.hpo.reseed import ATTR_RESEED_OF, ATTR_SEED
+from shardadopt.lifecycle import restarts
 
-ATTR_JOB = "torchrun_job"  # the torchrun job that ran the trial (shardadopt.restarts.Attempt.job)
+ATTR_JOB = "torchrun_job"  # the torchrun job that ran the trial (shardadopt.lifecycle.restarts.Attempt.job)
 ATTR_ATTEMPT = "torchrun_attempt"  # that job's attempt (from 1)
 _FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 
@@ -59,7 +59,8 @@ def resume_search(study: optuna.Study, attempt: restarts.Attempt | None = None) 
 
     Args:
         study: the study this attempt works on.
-        attempt: this attempt (default: ``shardadopt.restarts.current()``); nothing is done on a first attempt.
+        attempt: this attempt (default: ``shardadopt.lifecycle.restarts.current()``); nothing is done on a first
+        attempt.
 
     Returns:
         What was failed and retried, and the number of earlier trials this job already ran.

@@ -45,8 +45,8 @@ from typing import Any
 
 import optuna
 
-from shardadopt.errors import RANK_ATTRIBUTE, origin_rank, summary
 from shardadopt.fence import Fence
+from shardadopt.fence.errors import RANK_ATTRIBUTE, origin_rank, summary
 from shardadopt.hpo import errors, preempt
 from shardadopt.hpo.channel import (
     OP_END,

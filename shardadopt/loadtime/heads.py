@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from shardadopt.fsdpunits import wildcard
 from shardadopt.loadtime.sizes import UnsupportedShardingError, config_sizes
+from shardadopt.parallel.fsdpunits import wildcard
 
 __all__ = ["indivisible_heads", "refuse_indivisible_heads"]
 

@@ -1,7 +1,7 @@
 """The patches, one module each: a thin adapter from an upstream call into shardadopt's core.
 
-Each module is named after its patch id (``-`` -> ``_``), defines ``PATCH`` (a ``shardadopt.registry.Patch``) and
-must not import transformers, accelerate or optuna at module level: the registry applies it when those are imported.
+Each module is named after its patch id (``-`` -> ``_``), defines ``PATCH`` (a ``shardadopt.patching.registry.Patch``)
+and must not import transformers, accelerate or optuna at module level: the registry applies it when those are imported.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from shardadopt.patches import (
                                 trl_grpo_data_parallel,
                                 trl_rloo_data_parallel,
 )
-from shardadopt.registry import Patch
+from shardadopt.patching.registry import Patch
 
 ALL_PATCHES: list[Patch] = [
     transformers_sharding_sizes.PATCH,

@@ -16,13 +16,13 @@ batch), ``gather_for_metrics``
 returns TP duplicates, ``no_sync`` is a no-op for FSDP2 modules outside accelerate's FSDP plugin, foreach/fused
 optimizers fail on mixed DTensor/plain parameters, and ``clip_grad_norm_`` cannot reduce over several meshes.
 
-For a model that ``shardadopt.topology`` finds sharded (and only when accelerate's own FSDP/DeepSpeed/Megatron
+For a model that ``shardadopt.parallel.topology`` finds sharded (and only when accelerate's own FSDP/DeepSpeed/Megatron
 plugins are not in charge) each call is routed to ``shardadopt.adopt``; plain models take upstream's exact path.
 A model prepared for evaluation only (``prepare_model(model, evaluation_mode=True)``: ``Trainer.evaluate``, and
 Trainer 5.19+ for training) keeps upstream's path, but ``gather_for_metrics`` still keeps each sample once when its
 TP ranks share a batch.
-A sharded model that needs a patch which could not apply (``shardadopt.refusal``) is refused here, in either mode.
-What adoption cannot train (``shardadopt.adopt.refuse_unsupported_distributed_features``) is refused when an
+A sharded model that needs a patch which could not apply (``shardadopt.patching.refusal``) is refused here, in either
+mode. What adoption cannot train (``shardadopt.adopt.refuse_unsupported_distributed_features``) is refused when an
 optimizer over a prepared model's parameters is prepared (Trainer 5.19+ prepares its model in evaluation mode, then
 its optimizer), so an evaluation-only ``Trainer.evaluate()`` of such a load keeps upstream's path.
 ``Accelerator.free_memory``/``clear`` also forget the adopted models (shardadopt's own record would keep a search's
@@ -37,8 +37,8 @@ import inspect
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 PATCH_ID = "accelerate-adopt-sharded-model"
 _MODULE = "accelerate.accelerator"
@@ -68,8 +68,8 @@ def _init(wrapped, instance, args, kwargs):
 
 def _prepare_model(wrapped, instance, args, kwargs):
     from shardadopt.adopt import adopt_model, adoption_kwargs, is_sharded_model
-    from shardadopt.refusal import refuse_unfixed, unfixed_possible
-    from shardadopt.topology import topology
+    from shardadopt.parallel.topology import topology
+    from shardadopt.patching.refusal import refuse_unfixed, unfixed_possible
 
     model = args[0] if args else kwargs.get("model")
     evaluation_mode = kwargs.get("evaluation_mode", args[2] if len(args) > 2 else False)
@@ -112,7 +112,7 @@ def _prepare_optimizer(wrapped, instance, args, kwargs):
     from torch.distributed.tensor import DTensor
 
     from shardadopt.adopt import adoption_kwargs, refuse_unsupported_distributed_features
-    from shardadopt.optim import split_param_groups_by_mesh
+    from shardadopt.parallel.optim import split_param_groups_by_mesh
 
     if not _plugin_managed(instance):
         # An optimizer over a prepared model's parameters means training it (Trainer 5.19+ prepared the model in
@@ -177,7 +177,7 @@ def probe() -> Probe:
     """Read ``Accelerator.prepare_model``: the CPU branch of its distribution chain must be the plain DDP wrap."""
     from accelerate.accelerator import Accelerator
 
-    from shardadopt.probing import body_calls, if_chains, names, source_tree, undecided, upstream_function
+    from shardadopt.upstream.probing import body_calls, if_chains, names, source_tree, undecided, upstream_function
 
     tree = source_tree(upstream_function(Accelerator, "prepare_model", "accelerate-adopt probe"))
     for chain in if_chains(tree):

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.registry import Patch, Probe, Target
+from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream import PARALLELISM_CONFIG_VALIDATE_ACCELERATOR, validate_parallelism_config
-from shardadopt.versions import supported
+from shardadopt.upstream.versions import supported
 
 PATCH_ID = "accelerate-cpu-parallelism-config"
 _REFUSAL = "ParallelismConfig is only compatible"

@@ -27,8 +27,8 @@ do not manage it (plain models, and FSDP/DeepSpeed plugin runs, keep upstream's 
 
 from __future__ import annotations
 
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 PATCH_ID = "accelerate-sharded-checkpoint"
 _MODULE = "accelerate.accelerator"
@@ -81,7 +81,7 @@ def _local_fallback(function, call: str, where: str) -> bool:
     """Whether ``function`` has an if-chain over accelerate's plugins only, whose ``else`` calls ``call``."""
     from accelerate.accelerator import Accelerator
 
-    from shardadopt.probing import body_calls, if_chains, names, source_tree, upstream_function
+    from shardadopt.upstream.probing import body_calls, if_chains, names, source_tree, upstream_function
 
     tree = source_tree(upstream_function(Accelerator, function, where))
     return any(chain[-1][0] is None and body_calls(chain[-1][1], call)
@@ -90,7 +90,7 @@ def _local_fallback(function, call: str, where: str) -> bool:
 
 def probe() -> Probe:
     """Read ``Accelerator.get_state_dict`` and ``save_state``: outside the plugins, both take the local state dict."""
-    from shardadopt.probing import undecided
+    from shardadopt.upstream.probing import undecided
 
     where = "accelerate-sharded-checkpoint probe"
     if _local_fallback("get_state_dict", "state_dict", where) and _local_fallback("save_state", "get_state_dict",

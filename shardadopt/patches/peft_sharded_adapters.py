@@ -38,8 +38,8 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 PATCH_ID = "peft-sharded-adapters"
 _TUNERS = "peft.tuners.tuners_utils"
@@ -144,7 +144,7 @@ def _sizes_tp_bases_locally(function: ast.FunctionDef | ast.AsyncFunctionDef) ->
     """Whether ``_get_in_out_features`` sizes a transformers-TP base by its local shard: a ``to_local()`` call not
     gated on the base's transformers TP plan (``upstream.PEFT_TP_PLAN_ATTRIBUTE``). peft 0.21 reads the local shape
     on every non-fsdp mesh; 0.22 only on a TP mesh without that plan (a layout peft shards itself)."""
-    from shardadopt.probing import calls, enclosing_tests, names
+    from shardadopt.upstream.probing import calls, enclosing_tests, names
 
     return any(not any(upstream.PEFT_TP_PLAN_ATTRIBUTE in names(test) for test in enclosing_tests(function, call))
                for call in calls(function, "to_local"))
@@ -156,7 +156,7 @@ def probe() -> Probe:
     shapes; the reason names the halves this release needs."""
     from peft.tuners.tuners_utils import BaseTuner
 
-    from shardadopt.probing import names, source_tree, upstream_function
+    from shardadopt.upstream.probing import names, source_tree, upstream_function
 
     sizes_local = _sizes_tp_bases_locally(source_tree(upstream.peft_in_out_features()))
     reduces = bool(_REDUCTIONS & names(source_tree(upstream_function(BaseTuner, "inject_adapter", PATCH_ID))))

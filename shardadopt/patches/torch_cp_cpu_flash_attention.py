@@ -13,22 +13,22 @@ strategies (``_sharding_rules.register_cp_sharding_rules``). On CPU, SDPA runs
 ``accelerator.maybe_context_parallel`` (and the Trainer with ``ParallelismConfig(cp_size=N)``) raised
 ``NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
 strategy registered``. The wrappers add the CPU kernel and its backward to upstream's templated ring code while
-context parallelism is on (:mod:`shardadopt.ringcpu`). The probe reads ``custom_ops``: the CPU kernel missing while
-the CUDA flash kernel is there is the gap; the CPU kernel in it, upstream's fix.
+context parallelism is on (:mod:`shardadopt.parallel.ringcpu`). The probe reads ``custom_ops``: the CPU kernel missing
+while the CUDA flash kernel is there is the gap; the CPU kernel in it, upstream's fix.
 """
 
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe
+from shardadopt.upstream.versions import supported
 
 ID = "torch-cp-cpu-flash-attention"
 
 
 def probe() -> Probe:
     """Look the CPU and CUDA flash kernels up in ring attention's handler table."""
-    from shardadopt.probing import undecided
+    from shardadopt.upstream.probing import undecided
 
     handled, kernels = upstream.cp_custom_ops(), upstream.sdpa_flash_kernels()
     if kernels["cpu"] in handled:
@@ -42,7 +42,7 @@ def probe() -> Probe:
 
 
 def _enable(wrapped, instance, args, kwargs):
-    from shardadopt import ringcpu
+    from shardadopt.parallel import ringcpu
 
     result = wrapped(*args, **kwargs)
     ringcpu.install()
@@ -50,7 +50,7 @@ def _enable(wrapped, instance, args, kwargs):
 
 
 def _disable(wrapped, instance, args, kwargs):
-    from shardadopt import ringcpu
+    from shardadopt.parallel import ringcpu
 
     result = wrapped(*args, **kwargs)
     ringcpu.uninstall()

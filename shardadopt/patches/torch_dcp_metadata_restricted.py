@@ -25,8 +25,8 @@ import tempfile
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe
+from shardadopt.upstream.versions import supported
 
 _REACHED: list[bool] = []
 
@@ -49,7 +49,7 @@ def probe() -> Probe:
     # the filesystem module itself: the probe runs when it is imported, inside torch.distributed.checkpoint's own
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    from shardadopt.probing import undecided
+    from shardadopt.upstream.probing import undecided
 
     read = inspect.unwrap(upstream.upstream_method(upstream.DCP_READ_METADATA, "torch-dcp-metadata-restricted"))
     _REACHED.clear()

@@ -10,8 +10,8 @@ torch 2.13 .. 2.15, ``torch/distributed/tensor/_redistribute.py``::
 
 When nothing differentiated the output, autograd passes zeros it made from the output's options: a plain tensor,
 and ``NestedRedistribute.forward`` reads ``grad_output._local_tensor`` (``AttributeError``). The wrapper returns no
-gradient for such a call (:mod:`shardadopt.dtensor_grads`) and leaves every DTensor gradient to upstream. The probe
-reads ``Redistribute.backward``: an unconditional ``NestedRedistribute.apply(grad_output, ...)`` is the broken
+gradient for such a call (:mod:`shardadopt.parallel.dtensor_grads`) and leaves every DTensor gradient to upstream. The
+probe reads ``Redistribute.backward``: an unconditional ``NestedRedistribute.apply(grad_output, ...)`` is the broken
 shape; a check of ``grad_output`` first (None or not a DTensor) is the fix.
 """
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe
+from shardadopt.upstream.versions import supported
 
 
 def _checks_grad_output(tree: ast.AST) -> bool:
@@ -45,7 +45,7 @@ def _redistributes_grad_output(tree: ast.AST) -> bool:
 
 def probe() -> Probe:
     """Parse ``Redistribute.backward``."""
-    from shardadopt.probing import source_tree, undecided
+    from shardadopt.upstream.probing import source_tree, undecided
 
     where = "torch's DTensor Redistribute.backward"
     tree = source_tree(upstream.upstream_method(upstream.REDISTRIBUTE_BACKWARD, "torch-dtensor-redistribute-no-grad"))
@@ -59,7 +59,7 @@ def probe() -> Probe:
 
 
 def _backward(wrapped, instance, args, kwargs):
-    from shardadopt.dtensor_grads import no_gradient_from_below, no_gradients
+    from shardadopt.parallel.dtensor_grads import no_gradient_from_below, no_gradients
 
     ctx, grad_output = args[0], args[1] if len(args) > 1 else kwargs.get("grad_output")
     if no_gradient_from_below(grad_output):

@@ -11,7 +11,7 @@ per-attempt prefix (torch 2.13 .. 2.15)::
 so a restarted attempt reads the addresses the dead one published: gloo gets "connection refused" from the old port
 or hangs, NCCL gets the old unique id (pytorch/pytorch#135712, #167288). The wrapper of the ``rendezvous`` that
 ``init_process_group`` calls puts the default group's store under a prefix of this attempt's own, a number every
-rank reads from rank 0 (:mod:`shardadopt.restarts`); every group built later takes its store from there.
+rank reads from rank 0 (:mod:`shardadopt.lifecycle.restarts`); every group built later takes its store from there.
 
 The probe reads that branch of ``_create_c10d_store``: a bare ``TCPStore`` returned means ``needed``; a
 ``PrefixStore`` from a job-wide attempt means ``not-needed``; one keyed by ``TORCHELASTIC_RESTART_COUNT`` (per agent:
@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import ast
 
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 MODULE = "torch.distributed.distributed_c10d"
 
 
 def probe() -> Probe:
     from shardadopt import upstream
-    from shardadopt.probing import if_chains, names, source_tree, undecided
+    from shardadopt.upstream.probing import if_chains, names, source_tree, undecided
 
     where = "torch.distributed.rendezvous's c10d store factory"
     tree = source_tree(upstream.c10d_store_factory())
@@ -54,7 +54,7 @@ def probe() -> Probe:
 
 
 def _rendezvous(wrapped, instance, args, kwargs):
-    from shardadopt.restarts import separate_attempts
+    from shardadopt.lifecycle.restarts import separate_attempts
 
     for store, rank, world_size in wrapped(*args, **kwargs):
         yield separate_attempts(store, rank, world_size, kwargs.get("timeout")), rank, world_size

@@ -29,7 +29,7 @@ The accelerate side of adoption (no DDP wrap, data split, clipping, optimizer gr
 accelerate-adopt-sharded-model patch, which Trainer reaches through ``accelerator.prepare``. Here, only for a
 sharded model outside accelerate's FSDP/DeepSpeed plugins: ``_move_model_to_device`` leaves it in place, and
 ``create_optimizer`` first reshards its FSDP2 modules and gives non-contiguous plain shards their own storage
-(:func:`shardadopt.optimizer_ready.prepare_for_optimizer`).
+(:func:`shardadopt.parallel.optimizer_ready.prepare_for_optimizer`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import ast
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 PATCH_ID = "trainer-adopt-sharded-model"
 _MODULE = upstream.TRAINER_MODULE
@@ -64,7 +64,7 @@ def create_optimizer(wrapped, instance, args, kwargs):
     model = args[0] if args else kwargs.get("model")
     model = model if model is not None else instance.model
     if instance.optimizer is None and _ours(instance, model):
-        from shardadopt.optimizer_ready import prepare_for_optimizer
+        from shardadopt.parallel.optimizer_ready import prepare_for_optimizer
 
         prepare_for_optimizer(model)
     return wrapped(*args, **kwargs)
@@ -78,7 +78,7 @@ _IN_PLACE_MARKERS = {"is_distributed_loading_by_transformers", upstream.MODEL_DE
 def _keeps_sharded_model_in_place(init) -> bool:
     """From ``Trainer.__init__``: the condition list that sets ``self.place_model_on_device = False`` (an ``or`` of
     DeepSpeed, FSDP, model parallel, ...), and whether it names a load-time-sharded model."""
-    from shardadopt.probing import if_chains, names, undecided
+    from shardadopt.upstream.probing import if_chains, names, undecided
 
     for chain in if_chains(init):
         for test, body in chain:
@@ -96,7 +96,7 @@ def _reshards_before_optimizer(prepare) -> bool:
     creates it after ``prepare``). The fix's shape (5.24): a ``.reshard()`` under ``isinstance(.., FSDPModule)``
     guarded by a test naming load-time sharding; a ``.reshard()`` before the optimizer in any other shape is one this
     probe does not know."""
-    from shardadopt.probing import callee, enclosing_tests, in_order, names, undecided
+    from shardadopt.upstream.probing import callee, enclosing_tests, in_order, names, undecided
 
     where = upstream.TRAINER_PREPARE_FOR_TRAINING.qualname
     reshards = []
@@ -117,7 +117,7 @@ def probe() -> Probe:
     """Parse ``Trainer.__init__`` (device placement) and ``Trainer._prepare_for_training`` (optimizer creation)."""
     from transformers.trainer import Trainer
 
-    from shardadopt.probing import source_tree, upstream_function
+    from shardadopt.upstream.probing import source_tree, upstream_function
 
     where = "trainer-adopt probe"
     in_place = _keeps_sharded_model_in_place(source_tree(upstream_function(Trainer, "__init__", where)))

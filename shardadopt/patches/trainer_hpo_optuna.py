@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import inspect
 
-from shardadopt.registry import Patch, Probe, Target
+from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream import TRAINER_REPORT_TO_HP_SEARCH
-from shardadopt.versions import supported
+from shardadopt.upstream.versions import supported
 
 PATCH_ID = "trainer-hpo-optuna"
 
@@ -67,7 +67,7 @@ def probe() -> Probe:
     it."""
     from transformers.integrations import integration_utils
 
-    from shardadopt.probing import calls, source_tree, undecided, upstream_function
+    from shardadopt.upstream.probing import calls, source_tree, undecided, upstream_function
 
     tree = source_tree(upstream_function(integration_utils, "run_hp_search_optuna", "trainer-hpo-optuna probe"))
     if calls(tree, "FixedTrial") and calls(tree, "broadcast_object_list"):

@@ -18,7 +18,8 @@ keeps its first process-wide state for every later ``Accelerator``: a ``model_in
 grad norms 5275 / 1239 / 22093 where ``model=`` gives 2.26 / 2.17 / 2.09), silently.
 
 The wrapper runs upstream's ``call_model_init`` and hands its model to
-:func:`shardadopt.trainer_parallelism.align_accelerator_with_model`, which resets accelerate's state and rebuilds
+:func:`shardadopt.parallel.trainer_parallelism.align_accelerator_with_model`, which resets accelerate's state and
+rebuilds
 the accelerator from the model when its TP size differs from the accelerator's. The probe parses ``Trainer.__init__``,
 ``Trainer.train`` and ``Trainer.call_model_init``: ``not-needed`` where ``call_model_init`` calls
 ``create_accelerator_and_postprocess`` or ``__init__``/``train`` call it after ``call_model_init`` (upstream
@@ -30,8 +31,8 @@ gets there too.
 
 from __future__ import annotations
 
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "trainer-model-init-parallelism"
 BUILD = "create_accelerator_and_postprocess"
@@ -39,7 +40,7 @@ INIT = "call_model_init"
 
 
 def _call_model_init(wrapped, instance, args, kwargs):
-    from shardadopt.trainer_parallelism import align_accelerator_with_model
+    from shardadopt.parallel.trainer_parallelism import align_accelerator_with_model
 
     model = wrapped(*args, **kwargs)
     align_accelerator_with_model(instance, model)
@@ -47,7 +48,7 @@ def _call_model_init(wrapped, instance, args, kwargs):
 
 
 def _call_lines(tree, name: str) -> list[int]:
-    from shardadopt.probing import calls
+    from shardadopt.upstream.probing import calls
 
     return sorted(call.lineno for call in calls(tree, name))
 
@@ -55,7 +56,7 @@ def _call_lines(tree, name: str) -> list[int]:
 def probe() -> Probe:
     from transformers.trainer import Trainer
 
-    from shardadopt.probing import source_tree, undecided, upstream_function
+    from shardadopt.upstream.probing import source_tree, undecided, upstream_function
 
     where = "Trainer.__init__ / Trainer.train / Trainer.call_model_init"
     trees = {name: source_tree(upstream_function(Trainer, name, f"{ID} probe"))
@@ -79,7 +80,7 @@ PATCH = Patch(
     id=ID,
     summary="Trainer(model_init=...) with a tensor-parallel load: the accelerator is rebuilt with the model's "
             "ParallelismConfig (it was built before model_init ran, without one)",
-    upstream="proposal for transformers main (not reported yet); patches/trainer-model-init-parallelism.diff",
+    upstream="proposal for transformers main (not reported yet); upstream-fixes/trainer-model-init-parallelism.diff",
     requires=supported("transformers", "accelerate"),
     wrappers={Target("transformers.trainer", "Trainer.call_model_init"): _call_model_init},
     probe=probe,

@@ -39,8 +39,8 @@ import ast
 import os
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 PATCH_ID = "trainer-sharded-checkpoint"
 _MODULE = upstream.TRAINER_MODULE
@@ -115,7 +115,7 @@ _SHARDED_MARKERS = {"is_distributed_loading_by_transformers", upstream.MODEL_DEV
 def _refuses_sharded_checkpoints(init) -> bool:
     """From ``Trainer.__init__``: whether it raises for a load-time-sharded model unless ``save_only_model`` (5.18+;
     ``init`` above lifts exactly that test). A refusal that does not test ``save_only_model`` is unknown."""
-    from shardadopt.probing import if_chains, names, undecided
+    from shardadopt.upstream.probing import if_chains, names, undecided
 
     for chain in if_chains(init):
         for test, body in chain:
@@ -139,7 +139,7 @@ def probe() -> Probe:
     from transformers import trainer as trainer_module
     from transformers.trainer import Trainer
 
-    from shardadopt.probing import source_tree, undecided, upstream_function
+    from shardadopt.upstream.probing import source_tree, undecided, upstream_function
 
     where = "trainer-sharded-checkpoint probe"
     save = upstream.upstream_method(upstream.TRAINER_SAVE_OPTIMIZER_AND_SCHEDULER, where)

@@ -13,17 +13,17 @@ sum's post-divide divides by it again, so every expert gradient is ``1 / fsdp_si
 (0.5x for ``ep_size=2, fsdp_size=2``). 5.23 guards the forced sum with ``if distributed_config.efsdp_size > 1:``.
 
 The patch wraps the function as ``transformers.distributed.mixin`` calls it and then runs
-:func:`shardadopt.moe.fix_single_rank_expert_grad_divide` on the sharded model, which turns the forced sum off for
-modules sharded over a one-rank mesh. The function is only called for models sharded at load time.
+:func:`shardadopt.parallel.moe.fix_single_rank_expert_grad_divide` on the sharded model, which turns the forced sum off
+for modules sharded over a one-rank mesh. The function is only called for models sharded at load time.
 """
 
 from __future__ import annotations
 
 import ast
 
-from shardadopt.probing import Undecided, callee, calls, names, source_tree, undecided, upstream_function
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.probing import Undecided, callee, calls, names, source_tree, undecided, upstream_function
+from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 FUNCTION = "apply_fully_sharded_data_parallelism"
@@ -78,7 +78,7 @@ def probe() -> Probe:
 
 
 def _apply_fully_sharded_data_parallelism(wrapped, instance, args, kwargs):
-    from shardadopt.moe import fix_single_rank_expert_grad_divide
+    from shardadopt.parallel.moe import fix_single_rank_expert_grad_divide
 
     model = wrapped(*args, **kwargs)
     fix_single_rank_expert_grad_divide(model)

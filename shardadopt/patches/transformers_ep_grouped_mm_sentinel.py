@@ -18,7 +18,8 @@ one of 40 two-rank backward passes of a tiny Qwen3-MoE with torch 2.13), and the
 ``0 * NaN`` is NaN. The fix masks each GEMM's output (``proj_out = proj_out.masked_fill(sentinel_mask,
 0.0)`` after both ``_grouped_linear`` calls) and drops the post-mask it supersedes.
 
-The patch routes ``ExpertsInterface.get_interface("grouped_mm")`` to :func:`shardadopt.moe.grouped_mm_experts_forward`
+The patch routes ``ExpertsInterface.get_interface("grouped_mm")`` to
+:func:`shardadopt.parallel.moe.grouped_mm_experts_forward`
 for experts sharded by expert; every other experts module runs upstream's function unchanged.
 """
 
@@ -28,9 +29,9 @@ import ast
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.probing import callee, source_tree, undecided, upstream_function
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.probing import callee, source_tree, undecided, upstream_function
+from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.integrations.moe"
 
@@ -81,7 +82,7 @@ def probe() -> Probe:
 def _expert_parallel_forward(self, hidden_states, top_k_index, top_k_weights):
     from transformers.integrations import moe
 
-    from shardadopt.moe import grouped_mm_experts_forward, is_expert_parallel
+    from shardadopt.parallel.moe import grouped_mm_experts_forward, is_expert_parallel
 
     if is_expert_parallel(self):
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)

@@ -15,8 +15,8 @@ records::
     router_scores = all_reduce_backward(router_scores, device_mesh)   # new, before the mask
     router_scores = router_scores.masked_fill(non_local_mask, 0.0)
 
-The wrapper applies :func:`shardadopt.moe.sum_router_score_grad` to the scores before upstream's hook masks them.
-Routers are hooked when the model is loaded, so enable shardadopt before ``from_pretrained``.
+The wrapper applies :func:`shardadopt.parallel.moe.sum_router_score_grad` to the scores before upstream's hook masks
+them. Routers are hooked when the model is loaded, so enable shardadopt before ``from_pretrained``.
 
 transformers 5.16 moved the hook (``transformers-ep-router-grad-post-forward``); each probe says ``not-needed`` on the
 layout it does not target.
@@ -27,10 +27,10 @@ from __future__ import annotations
 import ast
 from types import SimpleNamespace
 
-from shardadopt.probing import package_file, undecided
-from shardadopt.registry import Patch, Probe
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream import ROUTER_PARALLEL_PREPARE_OUTPUT, tp_layer_output_hook
-from shardadopt.versions import supported
+from shardadopt.upstream.probing import package_file, undecided
+from shardadopt.upstream.versions import supported
 
 
 class _ProbeMesh:
@@ -108,7 +108,7 @@ def _probe_hook(hook) -> Probe:
 
 
 def _prepare_output_fn(wrapped, instance, args, kwargs):
-    from shardadopt.moe import sum_router_score_grad
+    from shardadopt.parallel.moe import sum_router_score_grad
 
     mod, outputs, device_mesh = args
     router_logits, router_scores, *rest = outputs

@@ -8,7 +8,8 @@ installed forward) masks the same way, still without the sum::
     non_local_mask = (router_indices // num_local_experts) != ep_rank
     router_scores = router_scores.masked_fill(non_local_mask, 0.0)
 
-The fix is the same (:func:`shardadopt.moe.sum_router_score_grad` before upstream's mask), with its own upstream diff;
+The fix is the same (:func:`shardadopt.parallel.moe.sum_router_score_grad` before upstream's mask), with its own
+upstream diff;
 the 5.15 layout is ``transformers-ep-router-grad``, and each probe says ``not-needed`` on the layout it does not
 target. Upstream: transformers#48205 (released in 5.17).
 """
@@ -19,10 +20,10 @@ import importlib
 import warnings
 
 from shardadopt.patches.transformers_ep_router_grad import _NO_ROUTER, _dispatches_tokens, _probe_hook
-from shardadopt.probing import package_file, undecided
-from shardadopt.registry import Patch, Probe, Target
+from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream import TENSOR_PARALLEL_MODULE, tp_layer_output_hook
-from shardadopt.versions import supported
+from shardadopt.upstream.probing import package_file, undecided
+from shardadopt.upstream.versions import supported
 
 
 def _post_forward_module() -> str:
@@ -65,7 +66,7 @@ def probe() -> Probe:
 
 
 def _transform_output_post_forward(wrapped, instance, args, kwargs):
-    from shardadopt.moe import sum_router_score_grad
+    from shardadopt.parallel.moe import sum_router_score_grad
 
     module, output, mesh = args
     router_logits, router_scores, *rest = output

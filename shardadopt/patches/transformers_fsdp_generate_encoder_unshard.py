@@ -1,6 +1,6 @@
 """FSDP: ``generate`` with images on a model sharded at load time gathers the units its image encoding reads.
 
-Upstream: not reported yet (proposal, ``patches/transformers-fsdp-generate-encoder-unshard.diff``). transformers
+Upstream: not reported yet (proposal, ``upstream-fixes/transformers-fsdp-generate-encoder-unshard.diff``). transformers
 5.25's ``generate`` encodes the images (and videos) itself before the prefill:
 ``GenerationMixin._prepare_multimodal_encoder_kwargs_for_generation`` calls ``self.base_model.get_image_features``
 and hands the result to the forward as ``mm_encoder_outputs``. That call is no forward of the model, so on a model
@@ -9,7 +9,7 @@ tower's patch embedding, a merger / projector): the first layer meets DTensor sh
 (``aten.convolution: got mixed torch.Tensor and DTensor``; Qwen2.5-VL, Gemma 3). transformers 5.15 has no such step
 (the forward encodes the images) and needs nothing.
 
-The wrapper runs that method inside :func:`shardadopt.fsdpunits.gathered_for_call` for ``base_model``: the FSDP
+The wrapper runs that method inside :func:`shardadopt.parallel.fsdpunits.gathered_for_call` for ``base_model``: the FSDP
 units enclosing it (the root) are unsharded for the call and resharded after; the units it runs a forward of (a
 tower's blocks) gather themselves. The probe reads the method: a call of ``get_<modality>_features`` (or of a
 ``getattr(..., f"get_{modality}_features")``) means ``needed``; a method that gathers FSDP units itself (``unshard``,
@@ -24,8 +24,8 @@ import inspect
 import re
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-fsdp-generate-encoder-unshard"
 TARGET = upstream.GENERATION_PREPARE_MULTIMODAL_ENCODER
@@ -59,7 +59,7 @@ def _feature_getters(tree: ast.AST) -> list[str]:
 def probe() -> Probe:
     import transformers.generation.utils as generation
 
-    from shardadopt.probing import names, source_tree, undecided
+    from shardadopt.upstream.probing import names, source_tree, undecided
 
     owner = generation.GenerationMixin
     *_, method_name = TARGET.qualname.split(".")
@@ -81,7 +81,7 @@ def probe() -> Probe:
 
 
 def _prepare_multimodal_encoder(wrapped, instance, args, kwargs):
-    from shardadopt.fsdpunits import gathered_for_call
+    from shardadopt.parallel.fsdpunits import gathered_for_call
 
     if instance is None:
         return wrapped(*args, **kwargs)
@@ -94,7 +94,7 @@ PATCH = Patch(
     summary="FSDP: generate() with images on a model loaded with fsdp_size gathers the root unit (vision patch "
             "embedding, projector) for the image encoding it runs before the prefill, and reshards it after",
     upstream="proposal for transformers main (not reported yet); "
-             "patches/transformers-fsdp-generate-encoder-unshard.diff",
+             "upstream-fixes/transformers-fsdp-generate-encoder-unshard.diff",
     requires=supported("transformers"),
     wrappers={TARGET: _prepare_multimodal_encoder},
     probe_modules=("transformers.generation.utils",),

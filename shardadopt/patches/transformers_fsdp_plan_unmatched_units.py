@@ -1,7 +1,7 @@
 """FSDP at load time: the repeated blocks of a vision tower (and other sub-models) become FSDP units of their own.
 
-Upstream: not reported yet (proposal, ``patches/transformers-fsdp-plan-unmatched-units@*.diff``). A model's FSDP plan
-is merged from each sub-model's ``config.base_model_fsdp_plan``, which every config without one of its own inherits
+Upstream: not reported yet (proposal, ``upstream-fixes/transformers-fsdp-plan-unmatched-units@*.diff``). A model's FSDP
+plan is merged from each sub-model's ``config.base_model_fsdp_plan``, which every config without one of its own inherits
 as ``{"embed_tokens", "layers.*", "norm"}``. Vision towers name their blocks otherwise (Qwen2.5-VL ``blocks``,
 SigLIP/CLIP ``encoder.layers``, Pixtral ``transformer.layers``), so on every release 5.15 .. 5.25 the rules meant
 for them (``model.visual.layers.*``) match nothing (5.19+ warns that they "match nothing ... and will not be
@@ -9,7 +9,8 @@ applied"): the tower's blocks sit in the root FSDP unit and are gathered whole a
 sharding at load time was meant to save. Training is right either way (the root unit's gradients are reduced like
 any other), so a load is never refused for it.
 
-The wrapper runs :func:`shardadopt.fsdpunits.complete_fsdp_plan` on the model ``maybe_distribute_model`` is about to
+The wrapper runs :func:`shardadopt.parallel.fsdpunits.complete_fsdp_plan` on the model ``maybe_distribute_model`` is
+about to
 shard with FSDP: where rules match nothing and the model has uncovered lists of the blocks its ``_no_split_modules``
 name, each list becomes ``"<list>.*": "free_full_weight"`` and the rules that match nothing are dropped. A plan
 whose rules all match is left alone. The probe builds a vision-tower-shaped model (a config without a plan, blocks
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 import logging
 
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-fsdp-plan-unmatched-units"
 MODULE = "transformers.distributed.mixin"
@@ -62,8 +63,8 @@ def _probe_tower() -> object:
 def probe() -> Probe:
     import importlib
 
-    from shardadopt.fsdpunits import block_units, unmatched_rules
-    from shardadopt.probing import undecided, upstream_function
+    from shardadopt.parallel.fsdpunits import block_units, unmatched_rules
+    from shardadopt.upstream.probing import undecided, upstream_function
 
     where = "PreTrainedModel.fsdp_plan of a vision tower whose config declares no FSDP plan"
     model = _probe_tower()
@@ -84,7 +85,7 @@ def probe() -> Probe:
 
 
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
-    from shardadopt.fsdpunits import complete_fsdp_plan
+    from shardadopt.parallel.fsdpunits import complete_fsdp_plan
 
     bound = dict(zip(("model", "distributed_config", "mesh"), args)) | kwargs
     model, config = bound.get("model"), bound.get("distributed_config")
@@ -101,7 +102,8 @@ PATCH = Patch(
     id=ID,
     summary="FSDP at load time: the blocks of a vision tower (and of any sub-model whose FSDP plan rules match "
             "nothing) become FSDP units of their own instead of being gathered whole with the root at every forward",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-fsdp-plan-unmatched-units@*.diff",
+    upstream=("proposal for transformers main (not reported yet); "
+              "upstream-fixes/transformers-fsdp-plan-unmatched-units@*.diff"),
     requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),

@@ -22,9 +22,9 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.probing import body_calls, if_chain, if_chains, source_tree, undecided
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.probing import body_calls, if_chain, if_chains, source_tree, undecided
+from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 FSDP_APPLY = "apply_fully_sharded_data_parallelism"

@@ -1,6 +1,7 @@
 """Loading a fused checkpoint tensor into sharded parameters: convert it whole, then shard each result.
 
-Upstream: not reported yet (proposal, ``patches/transformers-fused-weight-sharding@*.diff``). transformers' weight
+Upstream: not reported yet (proposal, ``upstream-fixes/transformers-fused-weight-sharding@*.diff``). transformers'
+weight
 conversions turn one checkpoint tensor into several parameters (``WeightConverter`` with ``Chunk``: HRM stores each
 attention's gate/q/k/v as one ``attn.gqkv_proj`` and its MLP's ``gate_up_proj``). When the model is sharded at load
 time, ``convert_and_load_state_dict_in_model`` slices every checkpoint tensor with the layout of the conversion's
@@ -22,8 +23,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-fused-weight-sharding"
 MODULE = "transformers.core_model_loading"
@@ -34,7 +35,7 @@ FULL_SHAPE = "shardadopt_full_shape"  # set on each DtensorShardOperation: its p
 def probe() -> Probe:
     import importlib
 
-    from shardadopt.probing import undecided, upstream_function
+    from shardadopt.upstream.probing import undecided, upstream_function
 
     module = importlib.import_module(MODULE)
     where = f"{MODULE}.convert_and_load_state_dict_in_model / WeightConverter.convert"
@@ -132,7 +133,8 @@ PATCH = Patch(
     summary="loading a fused checkpoint tensor (HRM's gqkv_proj) into parameters sharded at load time: converted "
             "whole and each result sharded by its own layout (it was sliced with the first target's bounds "
             "before the split, every rank's q/k/v/gate the wrong rows: silently wrong under TP and FSDP)",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-fused-weight-sharding@*.diff",
+    upstream=("proposal for transformers main (not reported yet); "
+              "upstream-fixes/transformers-fused-weight-sharding@*.diff"),
     requires=supported("transformers"),
     wrappers={Target(SHARDING_MODULE, "DtensorShardOperation.__init__"): _shard_operation_init,
               Target(MODULE, "spawn_materialize"): _spawn_materialize,

@@ -22,9 +22,9 @@ to reuse (``not-needed``).
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.probing import body_calls, calls, if_chains, source_tree, undecided
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.probing import body_calls, calls, if_chains, source_tree, undecided
+from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 BUILDER = "initialize_distributed_mesh"

@@ -4,7 +4,7 @@
 (``_ensure_torch_distributed``) and builds device meshes whose process groups nothing destroys; on gloo their worker
 threads may still have to drop a tensor, which takes the GIL, when the interpreter begins finalising, and CPython
 ends such a thread mid-destructor: ``terminate called without an active exception``, SIGABRT on one rank, and
-torchrun SIGTERMs the others (measured: ``benchmarks/clean_exit.py``). See :mod:`shardadopt.cleanexit` for why
+torchrun SIGTERMs the others (measured: ``benchmarks/clean_exit.py``). See :mod:`shardadopt.lifecycle.cleanexit` for why
 ``destroy_process_group`` alone does not help and why NCCL groups are left alone.
 
 ``DistributedMixin.maybe_distribute_model`` (``transformers/distributed/mixin.py``) receives the mesh of every
@@ -14,7 +14,7 @@ sharded load (5.15 .. 5.17: ``device_mesh``, 5.18+: ``mesh_manager``) and return
         if mesh_manager is None:
             return model
 
-The wrapper arms :func:`shardadopt.cleanexit.arm_at_exit` after a load that got a mesh, so only processes that
+The wrapper arms :func:`shardadopt.lifecycle.cleanexit.arm_at_exit` after a load that got a mesh, so only processes that
 sharded a model at load time change at exit, and only when they exit without an uncaught exception. Plain models,
 plain DDP runs and failing ranks exit exactly as upstream.
 
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import inspect
 
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 
@@ -38,7 +38,7 @@ def probe() -> Probe:
 
     from torch.distributed import distributed_c10d
 
-    from shardadopt.probing import calls, undecided, upstream_function
+    from shardadopt.upstream.probing import calls, undecided, upstream_function
 
     where = "torch.distributed.distributed_c10d"
     upstream_function(distributed_c10d, "destroy_process_group", where)
@@ -57,7 +57,7 @@ def probe() -> Probe:
 
 
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
-    from shardadopt.cleanexit import arm_at_exit
+    from shardadopt.lifecycle.cleanexit import arm_at_exit
 
     model = wrapped(*args, **kwargs)
     bound = dict(zip(("model", "distributed_config", "mesh"), args)) | kwargs

@@ -1,6 +1,6 @@
 """A layout check on a sharded load compares this rank's slice with the shard's shape, not the parameter's global one.
 
-Upstream: not reported yet (proposal, ``patches/transformers-sharded-transpose-check.diff``). Qwen3-VL-MoE
+Upstream: not reported yet (proposal, ``upstream-fixes/transformers-sharded-transpose-check.diff``). Qwen3-VL-MoE
 checkpoints exist in two layouts of the stacked experts (the original release's ``gate_up_proj`` ``[experts,
 hidden, 2 * intermediate]``, and transformers 5's own ``[experts, 2 * intermediate, hidden]``, which
 ``save_pretrained`` writes), so its conversion mapping transposes dims 1 and 2 only where the checkpoint tensor's
@@ -24,8 +24,8 @@ import inspect
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-sharded-transpose-check"
 MODULE = "transformers.core_model_loading"
@@ -36,7 +36,7 @@ _CONVERTER: contextvars.ContextVar[Any] = contextvars.ContextVar("shardadopt_wei
 def probe() -> Probe:
     import importlib
 
-    from shardadopt.probing import calls, names, source_tree, undecided, upstream_function
+    from shardadopt.upstream.probing import calls, names, source_tree, undecided, upstream_function
 
     module = importlib.import_module(MODULE)
     where = f"{MODULE}.Transpose.convert"
@@ -90,7 +90,8 @@ PATCH = Patch(
             "this rank's slice with the shard's shape (it compared it with the global shape and transposed a slice "
             "already in the model's layout: down_proj mismatched and the load raised on fsdp/ep, a square "
             "gate_up_proj was transposed silently)",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-sharded-transpose-check.diff",
+    upstream=("proposal for transformers main (not reported yet); "
+              "upstream-fixes/transformers-sharded-transpose-check.diff"),
     requires=supported("transformers"),
     wrappers={Target(MODULE, "WeightConverter.convert"): _converter_convert,
               Target(MODULE, "Transpose.convert"): _transpose_convert},

@@ -24,9 +24,9 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.probing import source_tree, undecided
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.probing import source_tree, undecided
+from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.distributed.mixin"
 

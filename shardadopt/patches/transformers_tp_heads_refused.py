@@ -1,6 +1,6 @@
 """Tensor parallelism: refuse, at load, a ``tp_size`` that does not divide the attention heads the TP plan splits.
 
-Upstream: not reported yet (proposal, ``patches/transformers-tp-heads-refused@*.diff``). A TP plan that shards
+Upstream: not reported yet (proposal, ``upstream-fixes/transformers-tp-heads-refused@*.diff``). A TP plan that shards
 ``k_proj`` / ``v_proj`` (``q_proj``) colwise splits their output evenly over the ranks; transformers 5.15 .. 5.25
 never check that ``tp_size`` divides ``num_key_value_heads`` (``num_attention_heads``), neither for text models nor
 for the language model of a VLM. A multi-query model (PaliGemma, whose Gemma 2B language model has one key/value
@@ -18,8 +18,8 @@ that reads it means ``not-needed``.
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-tp-heads-refused"
 MODULE = "transformers.distributed.mixin"
@@ -32,7 +32,7 @@ _HEAD_CHECKS = {"num_key_value_heads", "get_kv_heads_per_rank"}
 def probe() -> Probe:
     import inspect
 
-    from shardadopt.probing import calls, names, source_tree, undecided
+    from shardadopt.upstream.probing import calls, names, source_tree, undecided
 
     where = f"{ID} probe"
     distribute = upstream.upstream_method(DISTRIBUTE, where)
@@ -59,7 +59,7 @@ PATCH = Patch(
     id=ID,
     summary="TP: a tp_size that does not divide the attention heads the TP plan splits (PaliGemma's one key/value "
             "head on tp_size=2) is refused at load with a clear error, not a reshape error at the first forward",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-tp-heads-refused@*.diff",
+    upstream="proposal for transformers main (not reported yet); upstream-fixes/transformers-tp-heads-refused@*.diff",
     requires=supported("transformers"),
     wrappers={DISTRIBUTE: _maybe_distribute_model},
     probe=probe,

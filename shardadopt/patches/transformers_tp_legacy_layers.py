@@ -2,7 +2,8 @@
 
 Upstream: transformers 5.15's own TP layers (``transformers/integrations/tensor_parallel.py``, local tensors and
 forward hooks); 5.16 replaced them with DTensor layers (``transformers/distributed/tensor_parallel.py``), which have
-neither problem (backport, ``patches/transformers-tp-legacy-layers.diff``). Both found by ``tools/arch_sweep.py``:
+neither problem (backport, ``upstream-fixes/transformers-tp-legacy-layers.diff``). Both found by
+``tools/arch_sweep.py``:
 
 - ``EmbeddingParallel`` (vocab-parallel ``embed_tokens``, e.g. every tied-embedding model: the plan shards the
   table the colwise ``lm_head`` shares) shifts the token ids into this rank's shard but leaves ``padding_idx``
@@ -11,12 +12,12 @@ neither problem (backport, ``patches/transformers-tp-legacy-layers.diff``). Both
   the embedding's gradient at the first step whose batch holds that token (gemma, gemma2, gemma3_text, cohere,
   cohere2, ernie4_5, vaultgemma, ...). A padding id past the shard (SmolLM3's 128004 in a 2-rank 128256 table)
   raises ``Padding_idx must be within num_embeddings`` instead. The wrapper makes ``padding_idx`` local
-  (:func:`shardadopt.tp.localize_padding_idx`) before each lookup.
+  (:func:`shardadopt.parallel.tp.localize_padding_idx`) before each lookup.
 - ``RowwiseParallel`` takes the bias out of the matmul by re-registering it as ``_bias`` at the first forward, so
   ``named_parameters()``/``state_dict()`` name it ``o_proj._bias`` from then on: a checkpoint or export written
   after training lacks every rowwise bias under its real name and loads with freshly initialised ones (gpt_neox,
   phi, starcoder2, jais2). The wrappers keep the parameter registered as ``bias`` (set to None for the matmul only,
-  :func:`shardadopt.tp.stash_rowwise_bias`) and add it once after the all-reduce.
+  :func:`shardadopt.parallel.tp.stash_rowwise_bias`) and add it once after the all-reduce.
 
 The probe reads the installed layers' source: local-tensor hooks that shift ids by ``vocab_start_index`` without
 looking at ``padding_idx`` and move ``mod.bias`` to ``mod._bias`` mean ``needed``; layers without
@@ -28,7 +29,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from shardadopt.registry import Patch, Probe
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream import (
     EMBEDDING_PARALLEL_PREPARE_INPUT,
     ROWWISE_PARALLEL_PREPARE_INPUT,
@@ -36,13 +37,13 @@ from shardadopt.upstream import (
     TENSOR_PARALLEL_MODULE,
     tp_layer_input_hook,
 )
-from shardadopt.versions import supported
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-tp-legacy-layers"
 
 
 def probe() -> Probe:
-    from shardadopt.probing import undecided
+    from shardadopt.upstream.probing import undecided
 
     module = importlib.import_module(TENSOR_PARALLEL_MODULE)
     embedding = getattr(module, "EmbeddingParallel", None)
@@ -63,7 +64,7 @@ def probe() -> Probe:
 def _prepare_input_fn(wrapped, instance, args, kwargs):
     """Both layers' input hook (named after the hooks it wraps): the embedding's padding row made local, the
     rowwise bias taken out of the matmul before upstream would rename it."""
-    from shardadopt.tp import localize_padding_idx, stash_rowwise_bias
+    from shardadopt.parallel.tp import localize_padding_idx, stash_rowwise_bias
 
     mod, _, device_mesh = args[:3]
     if hasattr(instance, "embedding_dim_sharding"):
@@ -75,7 +76,7 @@ def _prepare_input_fn(wrapped, instance, args, kwargs):
 
 
 def _prepare_output_fn(wrapped, instance, args, kwargs):
-    from shardadopt.tp import add_stashed_bias
+    from shardadopt.parallel.tp import add_stashed_bias
 
     return add_stashed_bias(args[0], wrapped(*args, **kwargs))
 
@@ -92,7 +93,7 @@ PATCH = Patch(
             "real token's row got no gradient, or the lookup raised) and a rowwise projection's bias kept under its "
             "name (it became `_bias` at the first forward, missing from checkpoints)",
     upstream="backport: transformers 5.16 replaced these layers with DTensor ones; "
-             "patches/transformers-tp-legacy-layers.diff",
+             "upstream-fixes/transformers-tp-legacy-layers.diff",
     requires=supported("transformers"),
     wrappers={EMBEDDING_PARALLEL_PREPARE_INPUT: _prepare_input_fn,
               ROWWISE_PARALLEL_PREPARE_INPUT: _prepare_input_fn,

@@ -1,6 +1,6 @@
 """Tensor parallelism: parameters the TP plan leaves out but that see only this rank's shard get summed gradients.
 
-Upstream: not reported yet (proposal, ``patches/transformers-tp-partial-grad.diff``). A TP plan shards the
+Upstream: not reported yet (proposal, ``upstream-fixes/transformers-tp-partial-grad.diff``). A TP plan shards the
 projections of a block (``up_proj`` colwise, ``down_proj`` rowwise) and leaves every other module replicated. A
 module between the two that owns parameters then computes on this rank's slice of the activations, and its
 parameters' gradients are partial sums that nothing adds up: Apertus' xIELU activation
@@ -8,7 +8,7 @@ parameters' gradients are partial sums that nothing adds up: Apertus' xIELU acti
 ``tools/arch_sweep.py``: with ``tp_size=2`` their first-step gradients are off by up to 10^4 times the sweep's
 tolerance and training diverges from one process (silently). Upstream's own fix would list the module as
 ``replicated_with_grad_allreduce`` in the model's plan (the diff); shardadopt cannot know every model's plan
-gaps, so it detects them: :func:`shardadopt.tp.install_partial_gradient_sums` compares each whole parameter's
+gaps, so it detects them: :func:`shardadopt.parallel.tp.install_partial_gradient_sums` compares each whole parameter's
 gradient copies across the TP group at its first backward with a non-zero gradient (an all-zero one is no
 evidence) and sums those that differ, each backward once.
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import logging
 
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-tp-partial-grad"
 MODULE = "transformers.distributed.mixin"
@@ -35,7 +35,7 @@ _LOG = logging.getLogger("shardadopt")
 def probe() -> Probe:
     import importlib
 
-    from shardadopt.probing import undecided, upstream_function
+    from shardadopt.upstream.probing import undecided, upstream_function
 
     where = f"{PLAN_MODULE}.ApertusConfig.base_model_tp_plan"
     # imported here, not waited for: the fix is generic and must apply when a model of any type loads
@@ -56,7 +56,7 @@ def _report(name: str) -> None:
 
 
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
-    from shardadopt.tp import install_partial_gradient_sums
+    from shardadopt.parallel.tp import install_partial_gradient_sums
 
     model = wrapped(*args, **kwargs)
     bound = dict(zip(("model", "distributed_config", "mesh"), args)) | kwargs
@@ -76,7 +76,7 @@ PATCH = Patch(
     id=ID,
     summary="TP: parameters the plan leaves out inside a sharded region (Apertus xIELU alpha_p/alpha_n) get their "
             "partial gradients summed over the TP group (found by comparing the ranks' copies)",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-tp-partial-grad.diff",
+    upstream="proposal for transformers main (not reported yet); upstream-fixes/transformers-tp-partial-grad.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
     needed_by=_tensor_parallel,

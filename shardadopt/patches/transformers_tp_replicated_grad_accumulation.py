@@ -1,7 +1,7 @@
 """TP style ``replicated_with_grad_allreduce``: all-reduce each backward's new gradient, not the accumulated ``.grad``.
 
 Upstream: not reported yet (anticipates a transformers fix; the diffs are
-patches/transformers-tp-replicated-grad-accumulation@<release>.diff, one per upstream layout). The style keeps a
+upstream-fixes/transformers-tp-replicated-grad-accumulation@<release>.diff, one per upstream layout). The style keeps a
 parameter whole on every TP rank while each rank's gradient covers only its own heads (Qwen3 / Qwen3-MoE / Gemma3 /
 ... ``q_norm``/``k_norm``). transformers 5.21 and later (``transformers/distributed/tensor_parallel.py``,
 ``ReplicatedWithGradAllReduce.install_forward``) sums the *accumulated* gradient after every backward::
@@ -16,7 +16,7 @@ and 5.16 .. 5.20 (``install_forward``: ``dist.all_reduce(param.grad, ...)``) do 
 backward hook. Without gradient accumulation that is right; with it, each backward sums the earlier micro-batches'
 already-summed gradient again (2 micro-batches on a tiny Qwen3: q_norm/k_norm gradients 58-110 % off; Trainer's
 grad_norm off from step 1). The fix reduces the gradient flowing into the parameter instead (a tensor hook, before
-accumulation): :func:`shardadopt.tp.install_replicated_grad_allreduce` replaces upstream's installer.
+accumulation): :func:`shardadopt.parallel.tp.install_replicated_grad_allreduce` replaces upstream's installer.
 
 The hook is installed while ``from_pretrained`` applies the TP plan, so ``shardadopt.enable()`` must run before the
 model is loaded; for a model loaded earlier, call ``shardadopt.fix_tp_grad_accumulation(model)`` on every rank.
@@ -28,9 +28,9 @@ from __future__ import annotations
 import importlib
 import threading
 
-from shardadopt.probing import package_file
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.probing import package_file
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-tp-replicated-grad-accumulation"
 
@@ -74,7 +74,7 @@ def probe() -> Probe:
     import torch
     import torch.distributed as dist
 
-    from shardadopt.probing import Undecided, upstream_function
+    from shardadopt.upstream.probing import Undecided, upstream_function
 
     where = "transformers-tp-replicated-grad-accumulation probe"
     style = upstream_function(importlib.import_module(MODULE), "ReplicatedWithGradAllReduce", where)
@@ -122,7 +122,7 @@ def probe() -> Probe:
 
 
 def _install(wrapped, instance, args, kwargs):
-    from shardadopt.tp import install_replicated_grad_allreduce
+    from shardadopt.parallel.tp import install_replicated_grad_allreduce
 
     bound = dict(zip(("module", "mesh"), args)) | kwargs
     module = bound["module"]
@@ -134,7 +134,7 @@ def _install(wrapped, instance, args, kwargs):
 def _hooked_by_upstream(model, layout) -> bool:
     """A model carrying upstream's replicated_with_grad_allreduce hooks (Qwen3 q_norm/k_norm under TP) needs the fix
     (gradient accumulation would sum earlier micro-batches again)."""
-    from shardadopt.tp import has_upstream_replicated_hooks
+    from shardadopt.parallel.tp import has_upstream_replicated_hooks
 
     return layout.tp_size > 1 and has_upstream_replicated_hooks(model)
 
@@ -144,7 +144,7 @@ PATCH = Patch(
     id=ID,
     summary="TP replicated_with_grad_allreduce (Qwen3 q_norm/k_norm): reduce each backward's gradient once, so "
             "gradient accumulation is right",
-    upstream="anticipates a transformers fix (not reported yet); patches/transformers-tp-replicated-grad-"
+    upstream="anticipates a transformers fix (not reported yet); upstream-fixes/transformers-tp-replicated-grad-"
              "accumulation@<release>.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, f"ReplicatedWithGradAllReduce.{METHOD}"): _install},

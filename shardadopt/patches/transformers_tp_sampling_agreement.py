@@ -1,13 +1,14 @@
 """Tensor parallelism: the ranks of a TP group sample the same tokens in ``generate``.
 
-Upstream: not reported yet (proposal, ``patches/transformers-tp-sampling-agreement.diff``). ``generate(do_sample=
+Upstream: not reported yet (proposal, ``upstream-fixes/transformers-tp-sampling-agreement.diff``). ``generate(do_sample=
 True)`` draws each token with ``torch.multinomial`` from this process's generator. TRL's GRPO and RLOO trainers seed
 every process differently (``set_seed(args.seed, device_specific=True)``), and so does a user loop that seeds by
 rank, so the two ranks of a ``tp_size=2`` model sample different completions from the same logits: the TP forward
 and backward then mix two batches, and TRL's logged reward averages completions one replica never trained on
 (GRPO ``tp_size=2``: step-1 grad norm 4.85 where one process gives 3.05). transformers 5.15 .. 5.25 sample this way.
 
-The wrapper calls :func:`shardadopt.sampling.agree_sampling_rng` on the model before ``GenerationMixin.generate``
+The wrapper calls :func:`shardadopt.parallel.sampling.agree_sampling_rng` on the model before
+``GenerationMixin.generate``
 runs: every rank of the TP group takes the random state of the group's first rank, and data-parallel ranks keep
 their own streams. The probe reads ``GenerationMixin.generate`` and ``_sample``: ``multinomial`` sampling with no
 random state shared (``set_rng_state`` / a broadcast) means ``needed``; generate sharing it means ``not-needed``.
@@ -18,8 +19,8 @@ nothing (it warns, as every unsupported patch does).
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-tp-sampling-agreement"
 GENERATE = Target("transformers.generation.utils", "GenerationMixin.generate")
@@ -28,7 +29,7 @@ _SHARED_STATE = {"set_rng_state", "broadcast", "broadcast_object_list"}
 
 
 def probe() -> Probe:
-    from shardadopt.probing import calls, names, source_tree, undecided
+    from shardadopt.upstream.probing import calls, names, source_tree, undecided
 
     where = "transformers-tp-sampling-agreement probe"
     generate = source_tree(upstream.upstream_method(GENERATE, where))
@@ -45,8 +46,8 @@ def probe() -> Probe:
 
 
 def _generate(wrapped, instance, args, kwargs):
-    from shardadopt.sampling import agree_sampling_rng
-    from shardadopt.topology import TopologyError
+    from shardadopt.parallel.sampling import agree_sampling_rng
+    from shardadopt.parallel.topology import TopologyError
 
     try:
         agree_sampling_rng(instance)
@@ -59,7 +60,8 @@ PATCH = Patch(
     id=ID,
     summary="TP: generate() gives every rank of a tensor-parallel group its first rank's random state, so "
             "per-process seeds (TRL GRPO/RLOO, a user's per-rank seed) sample the same tokens on one replica",
-    upstream="proposal for transformers main (not reported yet); patches/transformers-tp-sampling-agreement.diff",
+    upstream=("proposal for transformers main (not reported yet); "
+              "upstream-fixes/transformers-tp-sampling-agreement.diff"),
     requires=supported("transformers"),
     wrappers={GENERATE: _generate},
     probe=probe,

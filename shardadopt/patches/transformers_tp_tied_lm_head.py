@@ -1,8 +1,8 @@
 """Tensor parallelism at load time: a vision-language model's tied LM head is sharded and gathered like a causal LM's.
 
 Upstream: fixed in transformers 5.20, which gives each vision-language class ``_tp_plan = {"lm_head":
-"colwise_gather_output"}`` (backport, ``patches/transformers-tp-tied-lm-head@*.diff``). In 5.15 .. 5.19 most of those
-classes have no entry, while tying the word embeddings shards the shared table by vocabulary
+"colwise_gather_output"}`` (backport, ``upstream-fixes/transformers-tp-tied-lm-head@*.diff``). In 5.15 .. 5.19 most
+of those classes have no entry, while tying the word embeddings shards the shared table by vocabulary
 (``embedding_rowwise``): on ``tp_size=2`` the head computes logits over this rank's half of the vocabulary and nothing
 gathers them (Gemma 3 on 5.15: the loss raises ``Expected input batch_size (17) to match target batch_size (34)``;
 ``generate`` picks each token from a rank's half of the vocabulary, silently). The wrapper runs
@@ -21,8 +21,8 @@ import ast
 import logging
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "transformers-tp-tied-lm-head"
 MODULE = "transformers.distributed.mixin"
@@ -41,7 +41,7 @@ def _class_dict_keys(class_node: ast.ClassDef, attribute: str) -> set[str] | Non
 
 
 def probe() -> Probe:
-    from shardadopt.probing import package_file, undecided
+    from shardadopt.upstream.probing import package_file, undecided
 
     where = f"{REPRESENTATIVE_CLASS} in transformers/{'/'.join(REPRESENTATIVE)}"
     path = package_file("transformers", *REPRESENTATIVE)
@@ -82,7 +82,7 @@ PATCH = Patch(
     summary="TP at load time: a vision-language model's LM head tied to the vocabulary-sharded embedding is sharded "
             "and gathered as a causal LM's (transformers 5.15-5.19 computed logits over part of the vocabulary)",
     upstream="fixed in transformers 5.20 (lm_head in each vision-language class's _tp_plan); "
-             "patches/transformers-tp-tied-lm-head@*.diff",
+             "upstream-fixes/transformers-tp-tied-lm-head@*.diff",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),

@@ -1,7 +1,7 @@
 """TRL's DistillationTrainer counts data-parallel ranks on a model sharded at load time, and refuses what cannot
 work.
 
-Upstream: not reported yet (proposal, ``patches/trl-distillation-data-parallel.diff``). trl 1.16's
+Upstream: not reported yet (proposal, ``upstream-fixes/trl-distillation-data-parallel.diff``). trl 1.16's
 ``DistillationTrainer`` (on-policy: the student samples its completions) treats every process as a data-parallel
 rank, as GRPO does: ``__init__`` seeds process ``i`` with ``seed + i`` (``set_seed(args.seed,
 device_specific=True)``), its repeat sampler sizes its blocks by ``accelerator.num_processes``, and the loss
@@ -10,8 +10,8 @@ not all data parallel (``fsdp_size x tp_size``) the second TP group samples with
 process has ``seed + 1`` (measured: step-1 loss 4.6e-4 off DDP's on the tests' tiny Qwen3), and with
 ``gradient_accumulation_steps > 1`` the sampler's blocks hold ``tp`` data-parallel windows (``tp_size=2``, 2 x 2
 accumulated: step 2 trained step 1's prompts again, loss 0.02356 where one process gives 0.02580). The wrappers
-(:mod:`shardadopt.online`, :mod:`shardadopt.online_view`) refuse ``use_vllm`` on a sharded student and, where TP
-ranks share batches, seed each process by its data-parallel rank after TRL's seeding and run the train sampler,
+(:mod:`shardadopt.online.trainers`, :mod:`shardadopt.online.view`) refuse ``use_vllm`` on a sharded student and,
+where TP ranks share batches, seed each process by its data-parallel rank after TRL's seeding and run the train sampler,
 ``_prepare_inputs`` and ``compute_loss`` under the trainer's data-parallel view (blocks, gathers and counts by
 data-parallel rank).
 
@@ -24,10 +24,10 @@ No ``needed_by``: the trainer is what the wrapper changes; an ``unsupported`` pr
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.online_view import scoped
+from shardadopt.online.view import scoped
 from shardadopt.patches.trl_grpo_data_parallel import data_parallel_wrappers, seeding_probe
-from shardadopt.registry import Patch, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Target
+from shardadopt.upstream.versions import supported
 
 ID = "trl-distillation-data-parallel"
 MODULE = "trl.trainer.distillation_trainer"
@@ -39,7 +39,7 @@ def trainer_init(wrapped, instance, args, kwargs):
     after."""
     import inspect
 
-    from shardadopt.online import after_distillation_init, before_distillation_init
+    from shardadopt.online.trainers import after_distillation_init, before_distillation_init
 
     bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
     before_distillation_init(bound.get("model"), bound.get("args"))
@@ -52,7 +52,7 @@ PATCH = Patch(
     id=ID,
     summary="TRL DistillationTrainer on TP/2-D students: seeds, sampler blocks, gathers and loss normalisation by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
-    upstream="proposal for trl main (not reported yet); patches/trl-distillation-data-parallel.diff",
+    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-distillation-data-parallel.diff",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init, upstream.DISTILLATION_TRAIN_SAMPLER: scoped,
               Target(MODULE, "DistillationTrainer.get_train_dataloader"): scoped,

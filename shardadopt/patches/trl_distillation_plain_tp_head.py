@@ -1,6 +1,6 @@
 """TRL's DistillationTrainer refuses a student or teacher whose LM head is a plain local tensor-parallel shard.
 
-Upstream: not reported yet (proposal, ``patches/trl-distillation-plain-tp-head.diff``). trl 1.16's
+Upstream: not reported yet (proposal, ``upstream-fixes/trl-distillation-plain-tp-head.diff``). trl 1.16's
 ``DistillationTrainer._compute_loss`` projects the student's and the teacher's hidden states through their
 ``get_output_embeddings().weight`` itself (a chunked divergence loss, not the models' forward) and gathers a weight
 only when it is a DTensor. transformers 5.15/5.16 keep tensor-parallel shards as plain tensors, so on a ``tp_size``
@@ -21,8 +21,8 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "trl-distillation-plain-tp-head"
 INIT = Target("trl.trainer.distillation_trainer", "DistillationTrainer.__init__")
@@ -31,7 +31,7 @@ INIT = Target("trl.trainer.distillation_trainer", "DistillationTrainer.__init__"
 def reads_head_weight(function) -> bool:
     """Whether ``function`` reads ``.weight`` of what ``get_output_embeddings()`` returns (directly or through a
     name it assigns it to)."""
-    from shardadopt.probing import calls, source_tree
+    from shardadopt.upstream.probing import calls, source_tree
 
     tree = source_tree(function)
     heads: set[str] = set()
@@ -50,14 +50,14 @@ def reads_head_weight(function) -> bool:
 
 def checks_head_rows(function) -> bool:
     """Whether ``function`` compares a weight's ``shape`` with ``vocab_size`` (the proposed fix's check)."""
-    from shardadopt.probing import names, source_tree
+    from shardadopt.upstream.probing import names, source_tree
 
     return any(isinstance(node, ast.Compare) and {"shape", "weight", "vocab_size"} <= names(node)
                for node in ast.walk(source_tree(function)))
 
 
 def probe() -> Probe:
-    from shardadopt.probing import undecided
+    from shardadopt.upstream.probing import undecided
 
     where = f"{ID} probe"
     if checks_head_rows(upstream.upstream_method(INIT, where)):
@@ -85,7 +85,7 @@ PATCH = Patch(
     id=ID,
     summary="TRL DistillationTrainer refused by name on a student or teacher whose LM head is a plain TP shard "
             "(transformers 5.15/5.16), which its loss reads itself",
-    upstream="proposal for trl main (not reported yet); patches/trl-distillation-plain-tp-head.diff",
+    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-distillation-plain-tp-head.diff",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init},
     probe=probe,

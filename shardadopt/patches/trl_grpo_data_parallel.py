@@ -1,14 +1,15 @@
 """TRL's GRPOTrainer counts data-parallel ranks on a model sharded at load time, and refuses what cannot work.
 
-Upstream: not reported yet (proposal, ``patches/trl-grpo-data-parallel.diff``). trl 1.16's ``GRPOTrainer`` treats
+Upstream: not reported yet (proposal, ``upstream-fixes/trl-grpo-data-parallel.diff``). trl 1.16's ``GRPOTrainer`` treats
 every process as a data-parallel rank: ``__init__`` seeds process ``i`` with ``seed + i`` (``set_seed(args.seed,
 device_specific=True)``), ``GRPOConfig.__post_init__`` sizes the generation batch by ``world_size``, and scoring
 gathers the rewards of every process and slices the advantages by ``process_index``. On a model whose ranks are
 not all data parallel (``tp_size``, ``fsdp_size x tp_size``) the TP ranks' copies of a batch count as other ranks'
 rows: the second TP group of a 2-D load samples with ``seed + 2`` where DDP's second process has ``seed + 1``, the
 repeat sampler's blocks hold other prompts than DDP's, a group of ``num_generations`` that spans processes is built
-from copies, and ``scale_rewards="batch"`` counts each row ``tp`` times. The wrappers (:mod:`shardadopt.online`,
-:mod:`shardadopt.online_view`): ``GRPOConfig.__post_init__`` records the generation batch the user gave;
+from copies, and ``scale_rewards="batch"`` counts each row ``tp`` times. The wrappers
+(:mod:`shardadopt.online.trainers`, :mod:`shardadopt.online.view`): ``GRPOConfig.__post_init__`` records the
+generation batch the user gave;
 ``GRPOTrainer.__init__`` refuses ``use_vllm`` on a sharded load and, where TP ranks share batches, resizes the
 generation batch by data-parallel ranks, seeds each process by its data-parallel rank after TRL's seeding and gives
 the trainer a data-parallel view; ``_prepare_inputs`` and ``compute_loss`` run under it (the accelerator's
@@ -26,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shardadopt import upstream
-from shardadopt.online_view import gather, gather_object, scoped
-from shardadopt.registry import Patch, Probe, Target
-from shardadopt.versions import supported
+from shardadopt.online.view import gather, gather_object, scoped
+from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.upstream.versions import supported
 
 ID = "trl-grpo-data-parallel"
 MODULE = "trl.trainer.grpo_trainer"
@@ -42,8 +43,8 @@ def seeding_probe(trainer: str, sizer: str, init: Target, counts: Target, counte
     names what sizes its generation batch by the process count, for the reason."""
 
     def probe() -> Probe:
-        from shardadopt.online import seeding
-        from shardadopt.probing import names, source_tree, undecided
+        from shardadopt.online.trainers import seeding
+        from shardadopt.upstream.probing import names, source_tree, undecided
 
         where = f"{trainer} data-parallel probe"
         found = seeding(upstream.upstream_method(init, where))
@@ -67,8 +68,8 @@ def seeding_probe(trainer: str, sizer: str, init: Target, counts: Target, counte
 def data_parallel_wrappers(module: str, trainer: str, prepare_inputs: Target,
                            objects_only: bool = False) -> dict[Target, Callable]:
     """The wrappers that run a TRL online trainer's generation, scoring and loss under its data-parallel view
-    (:mod:`shardadopt.online_view`): ``prepare_inputs``, ``<trainer>.compute_loss`` and the module's ``gather`` (not
-    with ``objects_only``: a module that imports only ``gather_object``) and ``gather_object``."""
+    (:mod:`shardadopt.online.view`): ``prepare_inputs``, ``<trainer>.compute_loss`` and the module's ``gather``
+    (not with ``objects_only``: a module that imports only ``gather_object``) and ``gather_object``."""
     wrappers: dict[Target, Callable] = {prepare_inputs: scoped, Target(module, f"{trainer}.compute_loss"): scoped,
                                         Target(module, "gather_object"): gather_object}
     if not objects_only:
@@ -78,7 +79,7 @@ def data_parallel_wrappers(module: str, trainer: str, prepare_inputs: Target,
 
 def config_post_init(wrapped, instance, args, kwargs):
     """Wraps the config's ``__post_init__``: records the generation batch the user gave."""
-    from shardadopt.online import record_given_generation_batch
+    from shardadopt.online.trainers import record_given_generation_batch
 
     record_given_generation_batch(instance)
     return wrapped(*args, **kwargs)
@@ -89,7 +90,7 @@ def trainer_init(wrapped, instance, args, kwargs):
     data-parallel view after."""
     import inspect
 
-    from shardadopt.online import after_trainer_init, before_trainer_init
+    from shardadopt.online.trainers import after_trainer_init, before_trainer_init
 
     bound = inspect.signature(wrapped).bind_partial(*args, **kwargs).arguments
     fitted = before_trainer_init(bound.get("model"), bound.get("args"))
@@ -102,7 +103,7 @@ PATCH = Patch(
     id=ID,
     summary="TRL GRPOTrainer on TP/2-D loads: seeds, generation batch, gathers and advantage slices by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
-    upstream="proposal for trl main (not reported yet); patches/trl-grpo-data-parallel.diff",
+    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-grpo-data-parallel.diff",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init, CONFIG: config_post_init,
               **data_parallel_wrappers(MODULE, "GRPOTrainer", upstream.GRPO_PREPARE_INPUTS)},

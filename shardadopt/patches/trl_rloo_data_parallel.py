@@ -1,14 +1,14 @@
 """TRL's RLOOTrainer counts data-parallel ranks on a model sharded at load time, and refuses what cannot work.
 
-Upstream: not reported yet (proposal, ``patches/trl-rloo-data-parallel.diff``). trl 1.16's ``RLOOTrainer`` treats
+Upstream: not reported yet (proposal, ``upstream-fixes/trl-rloo-data-parallel.diff``). trl 1.16's ``RLOOTrainer`` treats
 every process as a data-parallel rank: ``__init__`` seeds process ``i`` with ``seed + i`` (``set_seed(args.seed,
 device_specific=True)``), ``RLOOConfig.__post_init__`` sizes the generation batch by ``world_size``, and scoring
 gathers the rewards of every process and slices the advantages by ``process_index``. On a model whose ranks are
 not all data parallel (``tp_size``, ``fsdp_size x tp_size``) the second TP group of a 2-D load samples with
 ``seed + 2`` where DDP's second process has ``seed + 1``, the repeat sampler's blocks hold other prompts than DDP's,
 a group of ``num_generations`` that spans processes is built from the TP ranks' copies, and
-``normalize_advantages=True`` counts each row ``tp`` times. The wrappers (:mod:`shardadopt.online`,
-:mod:`shardadopt.online_view`) are ``trl-grpo-data-parallel``'s: the generation batch the user gave recorded, vLLM
+``normalize_advantages=True`` counts each row ``tp`` times. The wrappers (:mod:`shardadopt.online.trainers`,
+:mod:`shardadopt.online.view`) are ``trl-grpo-data-parallel``'s: the generation batch the user gave recorded, vLLM
 refused on a sharded load, the generation batch and seeds by data-parallel rank, and ``_prepare_inputs`` and
 ``compute_loss`` run under the trainer's data-parallel view (gathers, slices and counts by data-parallel rank).
 
@@ -28,8 +28,8 @@ from shardadopt.patches.trl_grpo_data_parallel import (
     seeding_probe,
     trainer_init,
 )
-from shardadopt.registry import Patch, Target
-from shardadopt.versions import supported
+from shardadopt.patching.registry import Patch, Target
+from shardadopt.upstream.versions import supported
 
 ID = "trl-rloo-data-parallel"
 MODULE = "trl.trainer.rloo_trainer"
@@ -40,7 +40,7 @@ PATCH = Patch(
     id=ID,
     summary="TRL RLOOTrainer on TP/2-D loads: seeds, generation batch, gathers and advantage slices by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
-    upstream="proposal for trl main (not reported yet); patches/trl-rloo-data-parallel.diff",
+    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-rloo-data-parallel.diff",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init, CONFIG: config_post_init,
               **data_parallel_wrappers(MODULE, "RLOOTrainer", upstream.RLOO_PREPARE_INPUTS)},

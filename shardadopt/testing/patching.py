@@ -23,8 +23,8 @@ def enabled_patches() -> frozenset[str]:
     Returns:
         Patch ids, as ``shardadopt.status()`` names them.
     """
-    from shardadopt.patchstate import OFF
-    from shardadopt.registry import process_wide
+    from shardadopt.patching.registry import process_wide
+    from shardadopt.patching.states import OFF
 
     registry = process_wide()
     if registry is None:
@@ -73,7 +73,7 @@ def probe_state(pid: str) -> tuple[str, str]:
     import importlib
 
     from shardadopt.patches import ALL_PATCHES
-    from shardadopt.registry import Registry
+    from shardadopt.patching.registry import Registry
 
     registry = Registry(ALL_PATCHES)
     patch = next(p for p in ALL_PATCHES if p.id == pid)

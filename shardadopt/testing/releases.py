@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from packaging.version import Version
 
-from shardadopt.versions import installed_version
+from shardadopt.upstream.versions import installed_version
 
 
 def newer_than_recorded(distribution: str, recorded: Iterable[str]) -> str | None:

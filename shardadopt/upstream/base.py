@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from shardadopt.probing import Undecided, upstream_function
-from shardadopt.versions import installed_version
+from shardadopt.upstream.probing import Undecided, upstream_function
+from shardadopt.upstream.versions import installed_version
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Target:
 class UpstreamChanged(Undecided):
     """A private upstream name that an accessor of :mod:`shardadopt.upstream` reaches is gone in this release.
 
-    An :class:`~shardadopt.probing.Undecided`, so a probe that hits it reports its patch ``unsupported``."""
+    An :class:`~shardadopt.upstream.probing.Undecided`, so a probe that hits it reports its patch ``unsupported``."""
 
 
 def _changed(accessor: str, what: str, distribution: str) -> UpstreamChanged:
@@ -62,7 +62,8 @@ def _module_attribute(module: str, name: str, accessor: str, distribution: str) 
 
 def upstream_method(target: Target, where: str) -> Callable[..., Any]:
     """The function ``target`` names (its module imported), for probes that read or run it; a missing class or
-    method raises :class:`~shardadopt.probing.Undecided` saying ``<Class>.<method> does not exist in this release``."""
+    method raises :class:`~shardadopt.upstream.probing.Undecided` saying ``<Class>.<method> does not exist in this
+    release``."""
     *path, name = target.qualname.split(".")
     try:
         owner: Any = importlib.import_module(target.module)

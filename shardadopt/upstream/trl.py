@@ -13,8 +13,8 @@ from shardadopt.upstream.base import Target
 DISTILLATION_COMPUTE_LOSS = Target("trl.trainer.distillation_trainer", "DistillationTrainer._compute_loss")
 
 # The methods of TRL's online trainers inside which they gather, slice and count by process (the
-# ``trl-*-data-parallel`` patches run them under a data-parallel view, shardadopt.online_view): generation and scoring
-# (``_prepare_inputs``, which calls ``_generate_and_score_completions``), the loss (``compute_loss``), and
+# ``trl-*-data-parallel`` patches run them under a data-parallel view, shardadopt.online.view): generation and
+# scoring (``_prepare_inputs``, which calls ``_generate_and_score_completions``), the loss (``compute_loss``), and
 # DistillationTrainer's train sampler (``_get_train_sampler``, reached from ``get_train_dataloader``). The scoring
 # method and the sampler are what the patches' probes read (slicing by ``process_index``, blocks sized by
 # ``num_processes``). Checked on trl 1.16.0.

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import shardadopt.testing
-from shardadopt import restarts
+from shardadopt.lifecycle import restarts
 from shardadopt.selftest import checkpoint as scenario
 
 pytestmark = pytest.mark.multiproc
@@ -133,7 +133,7 @@ import json, os, signal, sys
 import shardadopt
 shardadopt.enable()
 import torch, torch.distributed as dist
-from shardadopt import restarts
+from shardadopt.lifecycle import restarts
 
 dist.init_process_group("gloo")
 total = torch.tensor([float(dist.get_rank() + 1)])

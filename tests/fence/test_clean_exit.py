@@ -41,7 +41,7 @@ def _rank_main(scenario: str, models: str, report: str) -> None:
     def record() -> None:  # runs after shardadopt's handler (registered later)
         import torch.distributed as dist
 
-        from shardadopt import cleanexit
+        from shardadopt.lifecycle import cleanexit
 
         initialized = dist.is_initialized()
         groups = len(upstream.registered_process_groups()) if initialized else 0

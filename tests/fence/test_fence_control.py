@@ -10,7 +10,8 @@ one that publishes; and with the watchers' break of the groups late, so DCP gath
 ``CheckpointException``): the trial fails once as ``hang`` naming that rank, the search goes on, the checkpoint
 before resumes exactly; a rank whose trial close raises (a Ctrl-C deferred past the end round) still takes part in
 the rebuild decision; ``ControlOptions(group=...)`` warns that the fence is off; the HPO control group is freed once
-its world is destroyed (``rebuild_world``, ``shardadopt.cleanexit`` at exit), even while torch holds that world's
+its world is destroyed (``rebuild_world``, ``shardadopt.lifecycle.cleanexit`` at exit), even while torch holds that
+world's
 object; a break leaves the control group whole even where the store's list of training listeners names its sockets'
 ports (a closed listener's port the kernel gave to a control socket); the fence watcher survives a rebuild that it
 starts into (a late thread start while the default group is destroyed).
@@ -614,9 +615,10 @@ def _control_group_freed(how: str) -> bool:
     import optuna
     import torch.distributed as dist
 
-    from shardadopt import cleanexit, fence
+    from shardadopt import fence
     from shardadopt.hpo import optimize
     from shardadopt.hpo.channel import control_group, control_groups, control_timeout
+    from shardadopt.lifecycle import cleanexit
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     study = optuna.create_study() if dist.get_rank() == 0 else None

@@ -5,10 +5,10 @@ The decision is made by a stalled rank from every rank's published beat; these t
 
 from __future__ import annotations
 
-from shardadopt import restarts
-from shardadopt.errors import HANG_KIND
 from shardadopt.fence import records
+from shardadopt.fence.errors import HANG_KIND
 from shardadopt.fence.hang_decision import Beat, Verdict, decide, format_beat, parse_beat
+from shardadopt.lifecycle import restarts
 
 TICK = 0.5
 

@@ -58,8 +58,8 @@ def layout_run(path: str, config: dict) -> dict:
 
     import shardadopt
     from shardadopt.gradnorm import clip_grad_norm_, total_norm
+    from shardadopt.parallel.topology import topology
     from shardadopt.testing import full, token_batch
-    from shardadopt.topology import topology
 
     # The backports (F2 on 5.15/5.16: the grouped GEMM's backward leaves the sentinel-tail rows of d_input
     # undefined, NaN now and then even on CPU; F3: EP router gradients) make old releases' EP gradients correct; this
@@ -361,8 +361,8 @@ def training_changes_run(path: str, config: dict) -> list:
     from transformers.distributed import DistributedConfig
 
     import shardadopt
+    from shardadopt.parallel.topology import topology
     from shardadopt.testing import full, token_batch
-    from shardadopt.topology import topology
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  distributed_config=DistributedConfig(**config))

@@ -1,11 +1,11 @@
-"""shardadopt.optim: foreach/fused optimizers over DTensors on several meshes plus plain tensors."""
+"""shardadopt.parallel.optim: foreach/fused optimizers over DTensors on several meshes plus plain tensors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardadopt.optim import split_param_groups, split_param_groups_by_mesh, unsplit_param_groups_by_mesh
+from shardadopt.parallel.optim import split_param_groups, split_param_groups_by_mesh, unsplit_param_groups_by_mesh
 
 STEPS = 4
 

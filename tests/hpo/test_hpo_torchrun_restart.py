@@ -26,7 +26,7 @@ import shardadopt.testing
 from shardadopt import upstream
 from shardadopt.hpo.failures import ATTR_KIND, ATTR_RETRY_OF, COMM_ERROR, PREEMPTED, TRANSIENT
 from shardadopt.hpo.restart import ATTR_ATTEMPT, ATTR_JOB, resume_search
-from shardadopt.restarts import Attempt
+from shardadopt.lifecycle.restarts import Attempt
 
 WORKER = Path(shardadopt.testing.__file__).with_name("torchrun_hpo_worker.py")
 TIMEOUT = 900  # seconds for the job's three attempts (under 2 minutes on 2 idle cores)

@@ -289,7 +289,7 @@ def _line() -> str:
 
 
 def test_doctor_model_on_a_failing_architecture_exits_1(capsys, tmp_path):
-    from shardadopt.coverage import parse_layout
+    from shardadopt.commands.coverage import parse_layout
     from shardadopt.testing.archs import tiny_config
 
     cells = _installed_matrix()["cells"]
@@ -311,7 +311,7 @@ def test_doctor_model_on_an_unknown_architecture(capsys, tmp_path):
 
 
 def test_doctor_model_without_a_recorded_cell_says_why(capsys, monkeypatch):
-    import shardadopt.coverage as coverage
+    import shardadopt.commands.coverage as coverage
 
     # a recorded release line with no cell for the type: each layout's line says why
     monkeypatch.setattr(coverage, "matrices", lambda task="causal-lm": {"5.0": {"transformers": "5.0.0", "cells": {}}})
@@ -371,7 +371,7 @@ def test_doctor_check_runs_the_sweep_check_here(capsys):
 
 
 def test_layout_flags_name_the_sweep_layouts():
-    from shardadopt.coverage import LayoutError, parse_layout
+    from shardadopt.commands.coverage import LayoutError, parse_layout
 
     assert {name: parse_layout(flags) for name, flags in LAYOUT_FLAGS.items()} == {n: n for n in LAYOUT_FLAGS}
     assert parse_layout("ep=2") == "ep" and parse_layout("fsdp=4") == "fsdp"

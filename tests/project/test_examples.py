@@ -94,7 +94,7 @@ def dependency_set() -> str:
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    from shardadopt.versions import SUPPORTED, installed_version
+    from shardadopt.upstream.versions import SUPPORTED, installed_version
 
     lowest = next(Version(s.version) for s in SpecifierSet(SUPPORTED["transformers"]) if s.operator == ">=")
     return "oldest" if installed_version("transformers").release[:2] == lowest.release[:2] else "newest"

@@ -27,27 +27,21 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "shardadopt"
 
 # Bottom to top: (layer, module prefixes).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # what every layer may use: reading upstream and the installed releases, the names of the patch states, the
-    # errors fence and hpo share (shardadopt/errors.py arrives with the fence package)
-    ("foundations", ("shardadopt.probing", "shardadopt.versions", "shardadopt.upstream", "shardadopt.patchstate",
-                     "shardadopt.errors")),
+    # reading upstream: the private-name accessors, source probes, the installed releases, behaviour probes of torch
+    ("foundations", ("shardadopt.upstream",)),
     # the core, from here up to hpo: it knows nothing about patching (no patch contract, patches or package API)
-    ("mechanisms", ("shardadopt.topology", "shardadopt.gradnorm", "shardadopt.tp", "shardadopt.moe",
-                    "shardadopt.optim", "shardadopt.optimizer_ready", "shardadopt.loadtime", "shardadopt.cleanexit",
-                    "shardadopt.torchprobe", "shardadopt.trainer_parallelism", "shardadopt.fence",
-                    "shardadopt.worldbound", "shardadopt.sampling", "shardadopt.restarts", "shardadopt.dtensor_grads",
-                    "shardadopt.ringcpu",
-                    "shardadopt.fsdpunits")),
-    ("adoption", ("shardadopt.adapters", "shardadopt.adopt", "shardadopt.online", "shardadopt.online_view")),
+    ("mechanisms", ("shardadopt.parallel", "shardadopt.gradnorm", "shardadopt.loadtime", "shardadopt.lifecycle",
+                    "shardadopt.fence")),
+    ("adoption", ("shardadopt.adapters", "shardadopt.adopt", "shardadopt.online")),
     ("checkpoint", ("shardadopt.checkpoint",)),
     ("hpo", ("shardadopt.hpo",)),
-    # the patch contract: what a patch is, the registry that applies patches, the refusal where one could not apply
-    ("patch contract", ("shardadopt.registry", "shardadopt.refusal")),
+    # the patch machinery: what a patch is, the registry that applies patches, the refusal where one could not apply
+    ("patch contract", ("shardadopt.patching",)),
     ("patches", ("shardadopt.patches",)),
     ("package API", ("shardadopt",)),  # enable() / disable() / status() and the lazy public names
     # test support for the suite, selftest and the benchmarks
     ("testing", ("shardadopt.testing",)),
-    ("commands", ("shardadopt.selftest", "shardadopt.coverage", "shardadopt.cli", "shardadopt.__main__")),
+    ("commands", ("shardadopt.selftest", "shardadopt.commands", "shardadopt.cli", "shardadopt.__main__")),
 ]
 
 @dataclass(frozen=True)
@@ -203,3 +197,17 @@ def test_no_import_from_a_layer_above(arrows):
                         f"(layer {LAYERS[high][0]!r}, above it): imports run from a layer down only; move what both "
                         f"need below both")
     assert not problems, "\n".join(problems)
+
+
+ROOT_MODULES = {"shardadopt", "shardadopt.__main__", "shardadopt.cli"}  # the public entry points
+
+
+def test_folders_are_the_layers():
+    """Each layer is a set of whole packages (the folders show the layers); the root holds only the entry points."""
+    root = {name for name in MODULES if name.count(".") <= 1 and MODULES[name].name != "__init__.py"
+            or name == "shardadopt"}
+    assert root == ROOT_MODULES, f"modules at the package root beside the entry points: {sorted(root - ROOT_MODULES)}"
+    for layer, prefixes in LAYERS:
+        for prefix in prefixes:
+            is_package = prefix in MODULES and MODULES[prefix].name == "__init__.py"
+            assert is_package or prefix in ROOT_MODULES, f"layer {layer!r} names {prefix}, which is not a package"

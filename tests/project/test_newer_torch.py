@@ -20,9 +20,10 @@ import venv
 from packaging.version import Version
 
 import shardadopt
-from shardadopt import registry, versions
 from shardadopt.cli import main
-from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.patching import registry
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED
+from shardadopt.upstream import versions
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 NEWER_TORCH = "2.99.0"

@@ -14,8 +14,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 import shardadopt
-from shardadopt import registry, versions
 from shardadopt.cli import main
+from shardadopt.patching import registry
+from shardadopt.upstream import versions
 
 PYPROJECT = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
 
@@ -103,7 +104,7 @@ def test_no_upper_bound_makes_pip_downgrade_a_newer_release():
     assert capped == []
     for name in UNCAPPED:
         spec = versions.SUPPORTED.get(name) or versions.OPTIONAL[name]
-        assert Version("99.0") in SpecifierSet(spec), f"shardadopt.versions: {name}{spec}"
+        assert Version("99.0") in SpecifierSet(spec), f"shardadopt.upstream.versions: {name}{spec}"
 
 
 def test_the_tested_line_ends_the_tested_range():

@@ -18,10 +18,10 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt import upstream
-from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED
 from shardadopt.selftest.trainer import full_grads, single_process_grads
 from shardadopt.testing.layouts import distributed_sizes
-from shardadopt.versions import installed_version
+from shardadopt.upstream.versions import installed_version
 
 SIZES = "transformers-sharding-sizes"
 SENTINEL = "transformers-ep-grouped-mm-sentinel"

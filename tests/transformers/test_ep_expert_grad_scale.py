@@ -13,10 +13,10 @@ import torch
 from packaging.version import Version
 
 import shardadopt
-from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED
 from shardadopt.selftest.trainer import full_grads, single_process_grads
 from shardadopt.testing.layouts import distributed_sizes
-from shardadopt.versions import installed_version
+from shardadopt.upstream.versions import installed_version
 
 ID = "transformers-ep-expert-grad-scale"
 PER_RANK_BATCH = 2
@@ -33,7 +33,7 @@ def ep_gradients(models: dict[str, str], exclude: list[str], micro_batches: int)
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from shardadopt.moe import fix_single_rank_expert_grad_divide
+    from shardadopt.parallel.moe import fix_single_rank_expert_grad_divide
     from shardadopt.testing import token_batch
 
     shardadopt.enable(exclude=exclude)

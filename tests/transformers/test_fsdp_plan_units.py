@@ -1,11 +1,11 @@
 """transformers-fsdp-plan-unmatched-units: the FSDP plan of a VLM gets a unit per vision block; and the units a call
 outside the root's forward reads (transformers-fsdp-generate-encoder-unshard).
 
-One process, models built on the meta device: which rules :func:`shardadopt.fsdpunits.complete_fsdp_plan` adds and
-drops for vision towers named in each way upstream names them, and that it leaves a matching plan alone. The
+One process, models built on the meta device: which rules :func:`shardadopt.parallel.fsdpunits.complete_fsdp_plan` adds
+and drops for vision towers named in each way upstream names them, and that it leaves a matching plan alone. The
 multi-process checks of the plan (the units a load with ``fsdp_size=2`` really has, and training equal to one process)
-and of generate with images are in ``tests/project/test_arch_sweep.py``; :func:`shardadopt.fsdpunits.gathered_for_call`
-on 2 ranks is checked here.
+and of generate with images are in ``tests/project/test_arch_sweep.py``;
+:func:`shardadopt.parallel.fsdpunits.gathered_for_call` on 2 ranks is checked here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from shardadopt.fsdpunits import complete_fsdp_plan, unmatched_rules
+from shardadopt.parallel.fsdpunits import complete_fsdp_plan, unmatched_rules
 from shardadopt.testing.archs import IMAGE_TEXT, model_class, tiny_config
 
 # model type -> the block lists of its vision tower that upstream's plan misses
@@ -90,7 +90,7 @@ def test_probe_reads_the_qwen_vision_tower():
 
 
 def test_a_call_into_a_model_without_fsdp_units_gathers_nothing():
-    from shardadopt.fsdpunits import enclosing_units, gathered_for_call
+    from shardadopt.parallel.fsdpunits import enclosing_units, gathered_for_call
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
     assert enclosing_units(model, model[1]) == [] and enclosing_units(model, torch.nn.Linear(2, 2)) == []
@@ -105,7 +105,7 @@ def gathered_call_rank() -> dict[str, bool]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from shardadopt.fsdpunits import enclosing_units, gathered_for_call
+    from shardadopt.parallel.fsdpunits import enclosing_units, gathered_for_call
 
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)

@@ -1,12 +1,13 @@
-"""shardadopt.topology: sizes and ranks of load-time-sharded and hand-sharded models; clear errors otherwise."""
+"""shardadopt.parallel.topology: sizes and ranks of load-time-sharded and hand-sharded models; clear errors
+otherwise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from shardadopt.parallel.topology import Topology, TopologyError, topology
 from shardadopt.testing.layouts import LayoutUnsupported, distributed_sizes
-from shardadopt.topology import Topology, TopologyError, topology
 
 
 def _load(path: str, **sizes):
@@ -160,6 +161,6 @@ def test_public_name_is_callable_after_module_import():
 
     import shardadopt
 
-    importlib.import_module("shardadopt.topology")  # binds the package attribute to the module
+    importlib.import_module("shardadopt.parallel.topology")  # binds the package attribute to the module
     assert shardadopt.topology(torch.nn.Linear(2, 2)).source == "plain"
     assert shardadopt.Topology is Topology

@@ -19,9 +19,9 @@ import torch
 
 import shardadopt
 from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID, MODULE
-from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED
 from shardadopt.testing.scripts import load_tool
-from shardadopt.versions import installed_version
+from shardadopt.upstream.versions import installed_version
 
 tool = load_tool("upstream_diffs")
 DIFF = tool.diff_for(tool.load_fixes([ID])[ID], str(installed_version("transformers")))  # the installed release's

@@ -1,4 +1,5 @@
-"""The generation-batch arithmetic of ``trl-grpo-data-parallel`` / ``trl-rloo-data-parallel`` (shardadopt.online) on
+"""The generation-batch arithmetic of ``trl-grpo-data-parallel`` / ``trl-rloo-data-parallel``
+(shardadopt.online.trainers) on
 TRL's own configs, in one process: a layout of 2 data-parallel ranks x 2 tensor-parallel ranks (4 processes) gets the
 generation batch TRL gives DDP over 2 processes with the same config, the value the user gave kept. The trainers
 themselves, on 2 and 4 ranks: ``tests/trl/test_online.py``."""
@@ -10,12 +11,12 @@ import pytest
 pytest.importorskip("trl")
 
 from shardadopt.adopt import AdoptionError  # noqa: E402
-from shardadopt.online import (  # noqa: E402
+from shardadopt.online.trainers import (  # noqa: E402
     count_data_parallel_ranks,
     refuse_partial_groups,
     refuse_split_eval_groups,
 )
-from shardadopt.topology import Topology  # noqa: E402
+from shardadopt.parallel.topology import Topology  # noqa: E402
 
 # rank 2 of fsdp_size=2 x tp_size=2: data-parallel rank 1 of 2
 LAYOUT_2D = Topology(source="transformers", world_size=4, rank=2, dp_shard_size=2, dp_shard_rank=1, tp_size=2)

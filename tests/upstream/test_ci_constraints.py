@@ -23,7 +23,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from shardadopt import versions
+from shardadopt.upstream import versions
 
 REPO = Path(__file__).resolve().parents[2]
 LOCKS = REPO / ".ci" / "constraints"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED, UNSUPPORTED
 from shardadopt.testing.patching import probe_state
 
 PID = "peft-sharded-adapters"

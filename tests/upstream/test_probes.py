@@ -20,9 +20,9 @@ import pytest
 
 from shardadopt import cli, upstream
 from shardadopt.patches import ALL_PATCHES
-from shardadopt.probing import Undecided
-from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED, Registry
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED, UNSUPPORTED, Registry
 from shardadopt.testing.patching import probe_state as state_of
+from shardadopt.upstream.probing import Undecided
 
 _files = itertools.count()
 
@@ -108,8 +108,8 @@ def test_a_renamed_upstream_name_is_unsupported_not_not_needed(pid, owner, name,
 
 
 def test_sampling_probe_finds_a_generate_that_shares_the_random_state(tmp_path, monkeypatch):
-    """The fix's shape (patches/transformers-tp-sampling-agreement.diff sets the group's random state in generate)
-    reads as not-needed."""
+    """The fix's shape (upstream-fixes/transformers-tp-sampling-agreement.diff sets the group's random state in
+    generate) reads as not-needed."""
     from transformers.generation.utils import GenerationMixin
 
     call = "self._validate_model_kwargs(model_kwargs.copy())"
@@ -121,7 +121,7 @@ def test_sampling_probe_finds_a_generate_that_shares_the_random_state(tmp_path, 
 
 
 def test_tp_heads_probe_finds_a_load_that_checks_the_heads(tmp_path, monkeypatch):
-    """The fix's shape (patches/transformers-tp-heads-refused.diff checks the heads before applying tensor
+    """The fix's shape (upstream-fixes/transformers-tp-heads-refused.diff checks the heads before applying tensor
     parallelism; upstream would likely reuse get_kv_heads_per_rank) reads as not-needed."""
     from transformers.distributed.mixin import DistributedMixin
 
@@ -149,7 +149,7 @@ def _generate_encoder_method():
 ], ids=["no-feature-call", "gathers"])
 def test_generate_encoder_probe_reads_the_encoding(replacements, expected, said, tmp_path, monkeypatch):
     """A renamed feature call is unknown (unsupported); an encoding that gathers the FSDP units itself (the fix's
-    shape, patches/transformers-fsdp-generate-encoder-unshard.diff) reads as not-needed."""
+    shape, upstream-fixes/transformers-fsdp-generate-encoder-unshard.diff) reads as not-needed."""
     from transformers.generation.utils import GenerationMixin
 
     name = _generate_encoder_method()
@@ -159,7 +159,7 @@ def test_generate_encoder_probe_reads_the_encoding(replacements, expected, said,
 
 
 def test_transpose_check_probe_finds_a_check_against_the_local_shard(tmp_path, monkeypatch):
-    """The fix's shape (patches/transformers-sharded-transpose-check.diff also compares with the local shard's
+    """The fix's shape (upstream-fixes/transformers-sharded-transpose-check.diff also compares with the local shard's
     shape) reads as not-needed."""
     from transformers.core_model_loading import Transpose
 
@@ -179,12 +179,12 @@ def test_transpose_check_probe_finds_a_check_against_the_local_shard(tmp_path, m
 def test_tied_head_probe_reads_the_representative_class_body(body, expected, tmp_path, monkeypatch):
     """transformers-tp-tied-lm-head reads Gemma3ForConditionalGeneration's class body from the installed source: the
     gap (a tied head, no plan entry: 5.15-5.19), the fix (5.20+), or a shape it does not know."""
-    import shardadopt.probing
+    import shardadopt.upstream.probing
     from shardadopt.patches import transformers_tp_tied_lm_head as tied
 
     source = tmp_path / "modeling_gemma3.py"
     source.write_text(f"class {tied.REPRESENTATIVE_CLASS}:\n{body}")
-    monkeypatch.setattr(shardadopt.probing, "package_file",
+    monkeypatch.setattr(shardadopt.upstream.probing, "package_file",
                         lambda package, *parts: str(source) if parts == tied.REPRESENTATIVE else None)
     state, reason = state_of(tied.ID)
     assert state == expected, reason
@@ -199,7 +199,7 @@ def test_tied_head_probe_reads_the_representative_class_body(body, expected, tmp
      upstream.DISTILLATION_TRAIN_SAMPLER, "num_processes", "data_parallel_size")])
 def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid, owner, counts, counted, by_dp,
                                                                           tmp_path, monkeypatch):
-    """The fix's shape (patches/trl-*-data-parallel.diff seeds by ``dp_rank`` and slices or sizes by the
+    """The fix's shape (upstream-fixes/trl-*-data-parallel.diff seeds by ``dp_rank`` and slices or sizes by the
     data-parallel rank or size) reads as not-needed; either half left as upstream has it reads as needed, naming it."""
     pytest.importorskip("trl")
     target = _owner(owner)
@@ -216,8 +216,8 @@ def test_trl_seeding_probe_finds_a_trainer_that_seeds_by_data_parallel_rank(pid,
 
 
 def test_distillation_head_probe_finds_a_trainer_that_checks_the_head_rows(tmp_path, monkeypatch):
-    """The fix's shape (patches/trl-distillation-plain-tp-head.diff compares the LM head's rows with vocab_size in
-    ``__init__``) reads as not-needed."""
+    """The fix's shape (upstream-fixes/trl-distillation-plain-tp-head.diff compares the LM head's rows with
+    vocab_size in ``__init__``) reads as not-needed."""
     pytest.importorskip("trl")
     from trl.trainer.distillation_trainer import DistillationTrainer
 
@@ -436,7 +436,7 @@ AGENT_STORE_RETURN = ("return TCPStore(host_name=hostname, port=port, world_size
 
 
 @pytest.mark.parametrize("replacement,expected", [
-    # the fix (patches/fixes/torch_elastic_attempt_store.py): a prefix every rank agreed on
+    # the fix (upstream-fixes/fixes/torch_elastic_attempt_store.py): a prefix every rank agreed on
     ("return PrefixStore(f'/worker/attempt_{agree(rank)}/', TCPStore(host_name=hostname, port=port))", NOT_NEEDED),
     # the shape pytorch#135712 reverted: a prefix from the agent's own restart count, which nodes disagree on
     ("return PrefixStore(f\"/worker/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}\", TCPStore(hostname, port))",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import shardadopt
-from shardadopt.registry import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Patch, Probe, Registry, Target
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Patch, Probe, Registry, Target
 
 REPO = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
@@ -402,11 +402,12 @@ def test_documented_subpackages_work_after_a_plain_import():
 
 def test_every_file_a_patch_names_exists():
     """A patch module's docstring and its ``upstream`` field (shown by ``shardadopt doctor``) name files under
-    ``patches/`` (``<id>@*.diff`` for a diff split by upstream release): each must match a file in the checkout."""
+    ``upstream-fixes/`` (``<id>@*.diff`` for a diff split by upstream release): each must match a file in the
+    checkout."""
     repo = Path(__file__).resolve().parents[2]
     missing = {}
     for module in sorted((repo / "shardadopt" / "patches").glob("*.py")):
-        for name in set(re.findall(r"patches/[\w@*.+/-]+\.(?:diff|py)", module.read_text())):
+        for name in set(re.findall(r"upstream-fixes/[\w@*.+/-]+\.(?:diff|py)", module.read_text())):
             if not list(repo.glob(name)):
                 missing.setdefault(module.name, []).append(name)
     assert not missing, f"files named by patch modules that do not exist: {missing}"

@@ -18,11 +18,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 import shardadopt
-from shardadopt import versions
-from shardadopt.registry import APPLIED, NOT_NEEDED
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED
 from shardadopt.testing.releases import newer_than_recorded
 from shardadopt.testing.scripts import load_tool
-from shardadopt.versions import installed_version
+from shardadopt.upstream import versions
+from shardadopt.upstream.versions import installed_version
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = json.loads((REPO / "tests" / "data" / "release_matrix.json").read_text())["releases"]
@@ -38,7 +38,7 @@ def test_pyproject_dependencies_are_the_supported_ranges():
     declared = {(r := Requirement(line)).name: str(r.specifier) for line in project["dependencies"]}
     for name, spec in versions.SUPPORTED.items():
         assert SpecifierSet(declared.get(name, "")) == SpecifierSet(spec), (
-            f"pyproject.toml declares {name}{declared.get(name, '')!s}, shardadopt.versions.SUPPORTED {spec}")
+            f"pyproject.toml declares {name}{declared.get(name, '')!s}, shardadopt.upstream.versions.SUPPORTED {spec}")
     assert set(declared) - set(versions.SUPPORTED) <= {"packaging"}, declared
 
 

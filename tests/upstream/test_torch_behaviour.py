@@ -1,4 +1,4 @@
-"""The torch behaviours shardadopt works around (shardadopt.torchprobe), on whichever torch runs the suite.
+"""The torch behaviours shardadopt works around (shardadopt.upstream.torchprobe), on whichever torch runs the suite.
 
 CI runs this module on torch 2.13.0 and 2.15.0 (.ci/run) and .ci/matrix on 2.14.1. Each test checks that the
 probe answers what torch really does here, and that the workaround gives the right result either way, so a torch
@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from shardadopt import torchprobe, upstream
+from shardadopt import upstream
 from shardadopt.gradnorm import total_norm
 from shardadopt.gradnorm.layout import Group, count_shards
-from shardadopt.optimizer_ready import make_shards_contiguous
+from shardadopt.parallel.optimizer_ready import make_shards_contiguous
+from shardadopt.upstream import torchprobe
 
 StridedShard = upstream.strided_shard_type()
 

@@ -24,10 +24,11 @@ import pytest
 from packaging.version import Version
 
 import shardadopt
-from shardadopt import registry, versions
 from shardadopt.cli import main
 from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID as TP_ID
-from shardadopt.registry import APPLIED, NOT_NEEDED, UNSUPPORTED
+from shardadopt.patching import registry
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED, UNSUPPORTED
+from shardadopt.upstream import versions
 
 FAKE = {"transformers": "5.99.0", "accelerate": "1.99.0"}
 
@@ -46,7 +47,7 @@ def fake_newer_releases(monkeypatch: Any) -> None:
 def undecidable_tp_probe(monkeypatch: Any) -> None:
     """The replicated-grad probe finds neither upstream's broken shape nor the fixed one (a new upstream layout)."""
     from shardadopt.patches import transformers_tp_replicated_grad_accumulation as patch
-    from shardadopt.probing import Undecided
+    from shardadopt.upstream.probing import Undecided
 
     def probe():
         raise Undecided("ReplicatedWithGradAllReduce: a hook layout this shardadopt does not know")

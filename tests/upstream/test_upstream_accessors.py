@@ -30,8 +30,8 @@ import torch
 from packaging.version import Version
 
 from shardadopt import upstream
-from shardadopt.probing import Undecided
-from shardadopt.versions import installed_version
+from shardadopt.upstream.probing import Undecided
+from shardadopt.upstream.versions import installed_version
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -248,7 +248,7 @@ def test_experts_is_expert_parallel():
 
 
 def test_set_experts_expert_parallel():
-    from shardadopt.moe import is_expert_parallel
+    from shardadopt.parallel.moe import is_expert_parallel
 
     experts = _experts()
     upstream.set_experts_expert_parallel(experts, True)
@@ -287,7 +287,7 @@ def test_moe_grouped_linear_name():
     """The constant the EP sentinel probe looks for in upstream's ``grouped_mm_experts_forward``."""
     from transformers.integrations import moe
 
-    from shardadopt.probing import calls, source_tree
+    from shardadopt.upstream.probing import calls, source_tree
 
     assert calls(source_tree(moe.grouped_mm_experts_forward), upstream.MOE_GROUPED_LINEAR)
 

@@ -1,0 +1,3 @@
+"""What the ``shardadopt`` command runs beside the self-test (``shardadopt.selftest``): ``doctor --model``'s
+architecture coverage.
+"""
