@@ -304,7 +304,7 @@ def bf16_parity(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, s
     """The examples' accelerate loop on a bf16 model sharded fsdp_size=N against one process in bf16."""
     import torch
 
-    from shardadopt.selftest.accelerate import LR, STEPS, _whole, train_reference
+    from shardadopt.selftest.accelerate import LR, STEPS, train_reference, whole_tensor
     from shardadopt.testing import RankPool, tiny_checkpoints
 
     if args.nproc < 2:
@@ -320,7 +320,7 @@ def bf16_parity(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, s
                 if not torch.allclose(torch.tensor(result[what]), torch.tensor(expected[what]), rtol=BF16_RTOL)]
     worst = 0.0  # the largest parameter difference as a fraction of its tolerance
     for name, want in expected["params"].items():
-        got = _whole([r[name] for r in result["params"]], want.shape).float()
+        got = whole_tensor([r[name] for r in result["params"]], want.shape).float()
         bound = BF16_PARAM_STEPS_OF_LR * LR * STEPS + BF16_PARAM_RTOL * want.float().abs()
         worst = max(worst, float(((got - want.float()).abs() / bound).max()) if got.shape == want.shape else 1e9)
     if worst > 1:

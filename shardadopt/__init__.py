@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any
 
-from shardadopt.patching.registry import PatchStatus, Registry, make_process_wide, process_wide
+from shardadopt.patching.registry import PatchStatus, Registry
 
 __version__ = "0.1.0"  # pyproject.toml reads it from here
 
@@ -68,12 +68,9 @@ _LAZY = {
 
 
 def _registry() -> Registry:
-    registry = process_wide()
-    if registry is None:
-        from shardadopt.patches import ALL_PATCHES
+    from shardadopt.patches import process_registry
 
-        registry = make_process_wide(Registry(ALL_PATCHES))
-    return registry
+    return process_registry()
 
 
 def enable(only: Iterable[str] | None = None, exclude: Iterable[str] | None = None) -> list[PatchStatus]:

@@ -1,3 +1,3 @@
-from shardadopt.cli import _entry
+from shardadopt.cli import entry
 
-_entry()
+entry()

@@ -19,6 +19,7 @@ def doctor(as_json: bool = False) -> int:
     not an error either: one line says so and names the patches that could not decide.
     """
     import shardadopt
+    from shardadopt.patches import process_registry
     from shardadopt.patching import states
     from shardadopt.upstream import versions
     from shardadopt.upstream.versions import installed_version
@@ -27,11 +28,11 @@ def doctor(as_json: bool = False) -> int:
     integrations = versions.integrations()
     backends = _backends()
     behaviour = _torch_behaviour(backends)
-    shardadopt._registry().enable()  # not shardadopt.enable(): its untested-release warning is printed below
+    process_registry().enable()  # not shardadopt.enable(): its untested-release warning is printed below
     import_errors = {}
     try:
         absent = {name for name in versions.OPTIONAL if installed_version(name) is None}  # e.g. no peft: pending
-        for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules
+        for module in sorted({m for p in process_registry().patches() for m in p.modules
                               if m.split(".")[0] not in absent}):
             try:
                 importlib.import_module(module)  # lets every patch's probe look at the real upstream
@@ -213,9 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _entry(argv: Any = None) -> None:
+def entry(argv: Any = None) -> None:
+    """The ``shardadopt`` console script: :func:`main`, its return value the exit status."""
     sys.exit(main(argv))
 
 
 if __name__ == "__main__":
-    _entry()
+    entry()

@@ -121,10 +121,10 @@ def derived_cells() -> dict[str, str]:
     """patch id -> the "needed on" cell derived from the recorded matrix (each patch named by the upstream its probe
     reads: the first distribution of its ``requires``)."""
     sys.path.insert(0, str(REPO))
-    import shardadopt
+    from shardadopt.patches import process_registry
 
     releases = json.loads(DATA.read_text())["releases"]
-    return {p.id: needed_on(releases, p.id, next(iter(p.requires))) for p in shardadopt._registry().patches()}
+    return {p.id: needed_on(releases, p.id, next(iter(p.requires))) for p in process_registry().patches()}
 
 
 def write_readme() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from shardadopt.parallel.topology import Topology
 
 _STATE_ATTR = "_shardadopt_adoption"
-_KWARGS_ATTR = "_shardadopt_kwargs"
+KWARGS_ATTR = "_shardadopt_kwargs"
 
 
 @dataclass
@@ -89,7 +89,7 @@ def adoption_kwargs(accelerator: Any) -> AdoptionKwargs:
     Returns:
         Its options.
     """
-    return getattr(accelerator, _KWARGS_ATTR, None) or AdoptionKwargs()
+    return getattr(accelerator, KWARGS_ATTR, None) or AdoptionKwargs()
 
 
 def adopted(accelerator: Any) -> Adoption | None:

@@ -17,7 +17,7 @@ from shardadopt import upstream
 from shardadopt.checkpoint.errors import IncompleteCheckpointError
 from shardadopt.checkpoint.export import full_state_dict, save_full
 from shardadopt.checkpoint.integrity import agreement, read_agreed, verify
-from shardadopt.checkpoint.publish import _STATE_DIR, is_complete, read_info, staged
+from shardadopt.checkpoint.publish import STATE_DIR, is_complete, read_info, staged
 from shardadopt.checkpoint.sharding import is_sharded
 from shardadopt.checkpoint.state import check_compatible, is_adapter_model, load_sharded_state, save_sharded_state
 
@@ -146,7 +146,7 @@ def load_state(accelerator: Any, input_dir: str | None = None, load_kwargs: dict
     models = [_unwrapped(m) for m in prepared]
     resharded = check_compatible(info, models, reshard=adoption_kwargs(accelerator).reshard_checkpoints)
     with agreement(f"the checkpoint load from {info.directory}"):  # every file checked before anything is loaded
-        verify(info.directory, info.files, _STATE_DIR)
+        verify(info.directory, info.files, STATE_DIR)
         # what accelerate's loaders read on this process, read first and agreed on (accelerate skips an RNG file it
         # cannot read, on that process alone): a file one process cannot read stops every process here
         reads = _upstream_reads(info.directory, accelerator.state.process_index)

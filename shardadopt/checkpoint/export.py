@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from shardadopt import upstream
 from shardadopt.checkpoint.errors import CheckpointError
-from shardadopt.checkpoint.publish import _publish_files, _staging_path
-from shardadopt.checkpoint.sharding import _barrier, _is_dtensor, rank_local
+from shardadopt.checkpoint.publish import publish_files, staging_path
+from shardadopt.checkpoint.sharding import barrier, is_dtensor, rank_local
 from shardadopt.fence import fenced
-from shardadopt.parallel.topology import _world
+from shardadopt.parallel.topology import rank_and_world_size
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
@@ -71,7 +71,7 @@ def _reverter(model: torch.nn.Module, original_format: bool):
 
 def _full_value(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor on CPU (a collective for a DTensor: every rank must call it in the same order)."""
-    if _is_dtensor(tensor):
+    if is_dtensor(tensor):
         tensor = tensor.full_tensor()
     return tensor.detach().to("cpu")
 
@@ -127,8 +127,8 @@ def _gather_to_root(tensor: torch.Tensor) -> torch.Tensor | None:
     rank 0 preallocates the full tensor once and receives each other holder's local piece straight into its place
     (point-to-point), so the other ranks allocate nothing and rank 0 holds one full parameter.
     """
-    rank = _world()[1]
-    if not _is_dtensor(tensor):
+    rank = rank_and_world_size()[1]
+    if not is_dtensor(tensor):
         return tensor.detach().to("cpu") if rank == 0 else None
     pieces = _pieces(tensor)
     if pieces is None:
@@ -226,7 +226,7 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
                               "tensor parallelism alone (transformers 5.15 writes expert-parallel models with wrong "
                               "shapes: no consolidated export there)")
     directory = os.path.abspath(os.fspath(directory))
-    rank = _world()[1]
+    rank = rank_and_world_size()[1]
     limit = _parse_size(max_shard_size)
     revert = _reverter(model, original_format)
     entries = _unique_state(model)
@@ -251,7 +251,7 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
              else [constants.SAFETENSORS_SINGLE_FILE])
 
     with fenced(f"save_full into {directory}"):  # a rank raising anywhere in here: every rank raises
-        staging = _staging_path(directory)
+        staging = staging_path(directory)
         if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
             os.makedirs(staging)
@@ -285,6 +285,6 @@ def save_full(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard
                     generation.save_pretrained(staging)
         # Rank 0 received every piece it wrote (each gather ends on rank 0), so it publishes at once; the others
         # wait for publication only.
-        written = _publish_files(staging, directory, names) if rank == 0 else []
-        _barrier()
+        written = publish_files(staging, directory, names) if rank == 0 else []
+        barrier()
     return written

@@ -22,7 +22,7 @@ from typing import Any
 from shardadopt.checkpoint.errors import CheckpointError, DamagedCheckpointError, UntrustedCheckpointError
 from shardadopt.checkpoint.safeload import damaged, load_file
 from shardadopt.fence import fenced, progress
-from shardadopt.parallel.topology import _world
+from shardadopt.parallel.topology import rank_and_world_size
 
 FILES = "files"  # the marker's per-file record
 SEAL = "marker_sha256"  # the marker's checksum of itself
@@ -54,7 +54,7 @@ def _listing(directory: str, skip: str) -> list[str]:
 def _all_gather(value: Any) -> list[Any]:
     import torch.distributed as dist
 
-    world_size = _world()[0]
+    world_size = rank_and_world_size()[0]
     if world_size == 1:
         return [value]
     progress()
@@ -74,7 +74,7 @@ def manifest(staging: str, marker: str) -> dict[str, dict[str, Any]]:
     Returns:
         ``{file: {"size": bytes, "sha256": hex}}``, the same on every rank.
     """
-    world_size, rank = _world()
+    world_size, rank = rank_and_world_size()
     names = _all_gather(_listing(staging, marker) if rank == 0 else None)[0]  # rank 0's listing, for all
     mine = {}
     for name in names[rank::world_size]:
@@ -110,7 +110,7 @@ def check_seal(directory: str, name: str, marker: Any) -> None:
 def _local_problems(directory: str, files: dict[str, dict[str, Any]], state_dir: str) -> list[tuple[str, str]]:
     """(file, what is wrong) for each damaged file this rank finds: every file's size, its share's sha256, and
     files under ``state_dir`` the marker does not list."""
-    world_size, rank = _world()
+    world_size, rank = rank_and_world_size()
     names = sorted(files)
     problems = []
     for name in names:

@@ -24,14 +24,14 @@ import torch
 from shardadopt.checkpoint.errors import CheckpointError, DamagedCheckpointError, IncompleteCheckpointError
 from shardadopt.checkpoint.integrity import FILES, check_seal, manifest, seal
 from shardadopt.checkpoint.safeload import damaged
-from shardadopt.checkpoint.sharding import _barrier, layout
+from shardadopt.checkpoint.sharding import barrier, layout
 from shardadopt.fence import fenced
 from shardadopt.fence.errors import summary
-from shardadopt.parallel.topology import _world
+from shardadopt.parallel.topology import rank_and_world_size
 
 MARKER = "shardadopt_checkpoint.json"
 FORMAT = 1
-_STATE_DIR = "state"  # the DCP files
+STATE_DIR = "state"  # the DCP files
 _STAGING_SUFFIX = ".partial"
 
 
@@ -63,14 +63,14 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _staging_path(directory: str) -> str:
+def staging_path(directory: str) -> str:
     parent, name = os.path.split(os.path.abspath(directory))
     return os.path.join(parent, f".{name}{_STAGING_SUFFIX}")
 
 
 def _aside_path(directory: str) -> str:
     """Where a same-name re-save moves the previous ``directory`` between its two renames."""
-    return f"{_staging_path(directory)}.old"
+    return f"{staging_path(directory)}.old"
 
 
 def _recover_aside(directory: str) -> None:
@@ -118,22 +118,22 @@ def staged(directory: str | os.PathLike, *, step: int | None = None, models: Seq
     """
     directory = os.path.abspath(os.fspath(directory))
     with fenced(f"the checkpoint save into {directory}"):  # a rank raising anywhere in here: every rank raises
-        staging = _staging_path(directory)
-        world_size, rank = _world()
+        staging = staging_path(directory)
+        world_size, rank = rank_and_world_size()
         if rank == 0:
             _recover_aside(directory)  # before anything of this save can replace or remove it
             shutil.rmtree(staging, ignore_errors=True)  # left by an earlier crash
             os.makedirs(staging)
-        _barrier()
+        barrier()
         yield staging
-        _barrier()
+        barrier()
         files = manifest(staging, MARKER)  # every rank hashes its share of the files, once all are written
         if rank == 0:
             _publish(staging, directory, step, world_size, models, metadata, files)
-        _barrier()
+        barrier()
         if after_publish is not None:
             after_publish()
-            _barrier()  # no rank reads what it removes
+            barrier()  # no rank reads what it removes
 
 
 def _publish(staging: str, directory: str, step: int | None, world_size: int, models: Sequence[torch.nn.Module],
@@ -192,7 +192,7 @@ def read_info(directory: str | os.PathLike) -> CheckpointInfo:
     path = os.path.join(directory, MARKER)
     if not os.path.isfile(path):
         partial = os.path.basename(directory).endswith(_STAGING_SUFFIX) or os.path.isdir(
-            os.path.join(directory, _STATE_DIR))
+            os.path.join(directory, STATE_DIR))
         what = ("a save into it was interrupted before every rank finished" if partial
                 else "it was not written by shardadopt.checkpoint")
         root = os.path.dirname(directory)
@@ -266,7 +266,7 @@ def _stale_weights(directory: str, written: set[str]) -> list[str]:
             and os.path.isfile(os.path.join(directory, name))]
 
 
-def _publish_files(staging: str, directory: str, weights: list[str]) -> list[str]:
+def publish_files(staging: str, directory: str, weights: list[str]) -> list[str]:
     """Move the finished files of ``save_full`` into ``directory``, each with one rename (weights before the index
     and config that name them), so a reader never sees a partly written file; weight files of an earlier export
     that this one does not write are removed before the index and config that describe the new ones arrive."""

@@ -17,11 +17,11 @@ import torch
 
 from shardadopt.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from shardadopt.checkpoint.integrity import agreed, agreement, mark_agreed, verify
-from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo, read_info, staged
+from shardadopt.checkpoint.publish import STATE_DIR, CheckpointInfo, read_info, staged
 from shardadopt.checkpoint.rng import read_rng_state, restore_rng_state, save_rng_state
 from shardadopt.checkpoint.safeload import EXTRA_HINT, damaged, load_file
-from shardadopt.checkpoint.state import _as_list, check_compatible, load_sharded_state, save_sharded_state
-from shardadopt.parallel.topology import _world
+from shardadopt.checkpoint.state import as_list, check_compatible, load_sharded_state, save_sharded_state
+from shardadopt.parallel.topology import rank_and_world_size
 
 SCHEDULERS = "schedulers.pt"
 EXTRA = "extra.pt"
@@ -51,11 +51,11 @@ def save(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.n
     Returns:
         ``directory``, as a string.
     """
-    models = _as_list(model)
+    models = as_list(model)
     with staged(directory, step=step, models=models, metadata=metadata) as stage:
         save_sharded_state(stage, models, optimizer)
-        if _world()[1] == 0:
-            schedulers = _as_list(scheduler)
+        if rank_and_world_size()[1] == 0:
+            schedulers = as_list(scheduler)
             if schedulers:
                 torch.save([s.state_dict() for s in schedulers], os.path.join(stage, SCHEDULERS))
             if extra is not None:
@@ -109,11 +109,11 @@ def load(directory: str | os.PathLike, model: torch.nn.Module | Sequence[torch.n
         The checkpoint's :class:`CheckpointInfo` (``step``, ``extra``, ``resharded``, ...).
     """
     info = read_info(directory)
-    models = _as_list(model)
+    models = as_list(model)
     info.resharded = check_compatible(info, models, reshard=reshard)
-    schedulers = _as_list(scheduler)
+    schedulers = as_list(scheduler)
     with agreement(f"the checkpoint load from {info.directory}"):
-        verify(info.directory, info.files, _STATE_DIR)
+        verify(info.directory, info.files, STATE_DIR)
         try:
             found, problem = _read_local(info, schedulers, rng, trust_extra), None
         except CheckpointError as exc:  # damaged or untrusted: every rank learns it before anything is loaded

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from shardadopt.checkpoint.safeload import damaged, load_file
-from shardadopt.parallel.topology import _world
+from shardadopt.parallel.topology import rank_and_world_size
 
 
 def _rng_file(directory: str, rank: int) -> str:
@@ -32,7 +32,7 @@ def save_rng_state(directory: str) -> None:
                              "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
-    torch.save(state, _rng_file(directory, _world()[1]))
+    torch.save(state, _rng_file(directory, rank_and_world_size()[1]))
 
 
 def read_rng_state(directory: str) -> dict[str, Any] | None:
@@ -44,7 +44,7 @@ def read_rng_state(directory: str) -> dict[str, Any] | None:
     Returns:
         The states. ``DamagedCheckpointError`` / ``UntrustedCheckpointError`` name a file that is not one.
     """
-    name = os.path.basename(_rng_file(directory, _world()[1]))
+    name = os.path.basename(_rng_file(directory, rank_and_world_size()[1]))
     if not os.path.isfile(os.path.join(directory, name)):
         return None
     state = load_file(directory, name, "this rank's RNG states")
@@ -64,8 +64,9 @@ def restore_rng_state(state: dict[str, Any], directory: str) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])  # the current device's, as saved
         else:
-            warnings.warn(f"{_rng_file(directory, _world()[1])} holds a CUDA RNG state, but CUDA is not available "
-                          f"here: the CPU, python and numpy RNG states are restored, CUDA random streams are not",
+            warnings.warn(f"{_rng_file(directory, rank_and_world_size()[1])} holds a CUDA RNG state, but CUDA is not "
+                          "available here: the CPU, python and numpy RNG states are restored, CUDA random streams "
+                          "are not",
                           stacklevel=3)
 
 

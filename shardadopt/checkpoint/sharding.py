@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from shardadopt.fence import progress
-from shardadopt.parallel.topology import _world
+from shardadopt.parallel.topology import rank_and_world_size
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
@@ -32,7 +32,7 @@ def rank_local(model: torch.nn.Module) -> bool:
     """
     config = getattr(getattr(model, "config", None), "distributed_config", None)
     return (config is not None and getattr(config, "tp_size", 1) > 1
-            and not any(_is_dtensor(p) for p in model.parameters()))
+            and not any(is_dtensor(p) for p in model.parameters()))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -46,7 +46,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    return (any(_is_dtensor(p) for p in model.parameters()) or any(isinstance(m, FSDPModule) for m in model.modules())
+    return (any(is_dtensor(p) for p in model.parameters()) or any(isinstance(m, FSDPModule) for m in model.modules())
             or rank_local(model))
 
 
@@ -61,7 +61,7 @@ def layout(model: torch.nn.Module) -> dict[str, Any]:
     """
     meshes = {}
     for p in model.parameters():
-        if _is_dtensor(p):
+        if is_dtensor(p):
             mesh = p.device_mesh
             names = list(mesh.mesh_dim_names or [])
             meshes[json.dumps([names, list(mesh.mesh.shape)])] = {"dims": names, "shape": list(mesh.mesh.shape)}
@@ -74,8 +74,8 @@ def layout(model: torch.nn.Module) -> dict[str, Any]:
             "rank_local": rank_local(model)}
 
 
-def _barrier() -> None:
-    if _world()[0] > 1:
+def barrier() -> None:
+    if rank_and_world_size()[0] > 1:
         progress()  # arriving here is progress: the hang monitor tells this rank from one still writing
         dist.barrier()
 

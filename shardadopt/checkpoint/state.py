@@ -21,15 +21,15 @@ import torch
 
 from shardadopt.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from shardadopt.checkpoint.integrity import mark_agreed
-from shardadopt.checkpoint.publish import _STATE_DIR, CheckpointInfo
+from shardadopt.checkpoint.publish import STATE_DIR, CheckpointInfo
 from shardadopt.checkpoint.safeload import damaged, safe_reader, saved_metadata
 from shardadopt.checkpoint.sharding import layout, rank_local
 from shardadopt.fence import gathered_error, progress
 from shardadopt.fence.errors import HangError, PeerFailedError, is_hang, summary
-from shardadopt.parallel.topology import _world
+from shardadopt.parallel.topology import rank_and_world_size
 
 
-def _as_list(x: Any) -> list:
+def as_list(x: Any) -> list:
     if x is None:
         return []
     return list(x) if isinstance(x, (list, tuple)) else [x]
@@ -50,7 +50,7 @@ def _pairs(models: list[torch.nn.Module], optimizers: list) -> list[tuple[torch.
 def _key(kind: str, i: int, model: torch.nn.Module) -> str:
     key = kind if i == 0 else f"{kind}_{i}"
     # rank-local shards share their names across ranks: a per-rank key keeps DCP from deduplicating them
-    return f"{key}@rank{_world()[1]}" if rank_local(model) else key
+    return f"{key}@rank{rank_and_world_size()[1]}" if rank_local(model) else key
 
 
 def _options(frozen: bool) -> Any:
@@ -122,8 +122,8 @@ def save_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
 
     from shardadopt.adapters.experts import checkpoint_views
 
-    path = os.path.join(directory, _STATE_DIR)
-    state = _state_dicts(_as_list(models), _as_list(optimizers), frozen)
+    path = os.path.join(directory, STATE_DIR)
+    state = _state_dicts(as_list(models), as_list(optimizers), frozen)
     progress()  # this rank's state is collected: a peer still collecting (or hung doing it) is behind
     with _own_errors():
         with checkpoint_views(state):  # expert LoRA's strided shards as contiguous views
@@ -141,8 +141,8 @@ def _own_errors(loading: str | None = None) -> Iterator[None]:
         failures = _read_failures(exc) if loading is not None else None
         if failures:
             rank, error = min(failures.items())
-            raise mark_agreed(damaged(loading, f"{_STATE_DIR}/ (a shard rank {rank} read)", summary(error))) from exc
-        own = gathered_error(exc, _world()[1])
+            raise mark_agreed(damaged(loading, f"{STATE_DIR}/ (a shard rank {rank} read)", summary(error))) from exc
+        own = gathered_error(exc, rank_and_world_size()[1])
         if own is exc:
             raise
         raise own from exc
@@ -180,7 +180,7 @@ def _saved_shapes(directory: str) -> dict[str, tuple[int, ...]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:  # DCP's metadata classes only: nothing else is unpickled
-        metadata = saved_metadata(directory, _STATE_DIR)
+        metadata = saved_metadata(directory, STATE_DIR)
     except CheckpointError as exc:  # every rank reads the same file
         raise mark_agreed(exc) from exc.__cause__
     return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -250,7 +250,7 @@ def load_sharded_state(directory: str, models: Sequence[torch.nn.Module] | torch
         weights: whether to read the models' weights too.
         frozen: whether to read each model's frozen base (one flag for all, or one per model).
     """
-    models, optimizers = _as_list(models), _as_list(optimizers)
+    models, optimizers = as_list(models), as_list(optimizers)
     flags = _per_model(frozen, len(models))
     with contextlib.ExitStack() as stack:
         for model, flag in zip(models, flags):
@@ -287,7 +287,7 @@ def _load(directory: str, models: list[torch.nn.Module], optimizers: list, flags
                 f"model or optimizer (or a different set of trainable parameters); load it into the same "
                 f"architecture."))
         with _own_errors(directory):  # into state
-            path = os.path.join(directory, _STATE_DIR)
+            path = os.path.join(directory, STATE_DIR)
             dcp.load(state, storage_reader=safe_reader()(path), checkpoint_id=path)
     for i, (model, opts) in enumerate(_pairs(models, optimizers)):
         if weights:
@@ -313,7 +313,7 @@ def check_compatible(info: CheckpointInfo, models: Sequence[torch.nn.Module], *,
     Returns:
         True when the load reshards, False when it resumes the layout it was saved with.
     """
-    world_size = _world()[0]
+    world_size = rank_and_world_size()[0]
     current = [layout(m) for m in models]
     if info.layouts and len(info.layouts) != len(current):
         raise CheckpointMismatchError(f"{info.directory} holds {len(info.layouts)} model(s), {len(current)} given")

@@ -18,7 +18,7 @@ from typing import Any
 from shardadopt import upstream
 from shardadopt.checkpoint.export import save_full
 from shardadopt.checkpoint.integrity import agreement, read_agreed, verify
-from shardadopt.checkpoint.publish import _STATE_DIR, MARKER, read_info, staged
+from shardadopt.checkpoint.publish import MARKER, STATE_DIR, read_info, staged
 from shardadopt.checkpoint.safeload import load_file
 from shardadopt.checkpoint.sharding import is_sharded
 from shardadopt.checkpoint.state import check_compatible, is_adapter_model, load_sharded_state, save_sharded_state
@@ -34,7 +34,7 @@ def manages(trainer: Any) -> bool:
 
 def is_sharded_checkpoint(directory: str) -> bool:
     """A shardadopt checkpoint, complete or not (a partial one must be refused, not read as upstream's)."""
-    return os.path.isfile(os.path.join(directory, MARKER)) or os.path.isdir(os.path.join(directory, _STATE_DIR))
+    return os.path.isfile(os.path.join(directory, MARKER)) or os.path.isdir(os.path.join(directory, STATE_DIR))
 
 
 # -- lifting the refusal in Trainer.__init__ ------------------------------------------------------------------------
@@ -170,7 +170,7 @@ def load_model(trainer: Any, directory: str) -> None:
                       stacklevel=3)
     rank = trainer.args.process_index
     with agreement(f"the checkpoint load from {info.directory}"):
-        verify(info.directory, info.files, _STATE_DIR)
+        verify(info.directory, info.files, STATE_DIR)
         # what upstream reads on each rank after this (its RNG file: one rank only), read first and agreed on, so a
         # file one rank cannot read stops every rank here rather than that one rank alone later
         read_agreed(info.directory, {f"rng_state_{rank}.pth": "this process's RNG states",

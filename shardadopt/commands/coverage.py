@@ -156,6 +156,7 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     import shardadopt
+    from shardadopt.patches import process_registry
     from shardadopt.testing import archs, sweep
 
     model_type, values = model_type_of(model)
@@ -198,7 +199,7 @@ def report(model: str, layout: str | None = None, check: bool = False, timeout: 
               f"{expert_lora_support(model_type, values)}")
     shardadopt.enable()
     try:
-        for module in sorted({m for p in shardadopt._registry().patches() for m in p.modules}):
+        for module in sorted({m for p in process_registry().patches() for m in p.modules}):
             try:
                 importlib.import_module(module)
             except Exception:  # `shardadopt doctor` reports import errors; here only the patch states matter

@@ -130,7 +130,7 @@ class Topology:
                 f"{self.dp_rank}, tp rank {self.tp_rank}, ep rank {self.ep_rank}")
 
 
-def _world() -> tuple[int, int]:
+def rank_and_world_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
@@ -188,7 +188,7 @@ def _from_override(model: nn.Module, override: Mapping[str, int]) -> Topology:
     sizes = {k: int(override.get(k, 1)) for k in OVERRIDE_KEYS}
     if any(v < 1 for v in sizes.values()):
         raise TopologyError(f"topology override sizes must be >= 1, got {sizes}")
-    world, rank = _world()
+    world, rank = rank_and_world_size()
     _check_product(sizes["dp_replicate"] * sizes["dp_shard"] * sizes["tp"], world,
                    "override dp_replicate x dp_shard x tp", "fix the sizes in the override")
     if (sizes["dp_shard"] * sizes["tp"]) % sizes["ep"]:
@@ -204,7 +204,7 @@ def _from_override(model: nn.Module, override: Mapping[str, int]) -> Topology:
 # -- transformers ------------------------------------------------------------------------------------------------
 
 def _from_transformers(model: nn.Module, config: Any) -> Topology:
-    world, rank = _world()
+    world, rank = rank_and_world_size()
     pp = int(getattr(config, "pp_size", 1) or 1)
     if pp > 1:
         raise TopologyError(f"DistributedConfig(pp_size={pp}): pipeline parallelism is not supported (accelerate's "
@@ -313,7 +313,7 @@ def _fsdp_mesh_infos(model: nn.Module) -> list[Any]:
 def _from_hand_sharding(model: nn.Module) -> Topology:
     from torch.distributed.tensor import DTensor
 
-    world, rank = _world()
+    world, rank = rank_and_world_size()
     params = [p for p in model.parameters() if isinstance(p, DTensor)]
     infos = _fsdp_mesh_infos(model)
     if not params and not infos:

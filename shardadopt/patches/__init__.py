@@ -42,7 +42,7 @@ from shardadopt.patches import (
                                 trl_grpo_data_parallel,
                                 trl_rloo_data_parallel,
 )
-from shardadopt.patching.registry import Patch
+from shardadopt.patching.registry import Patch, Registry, make_process_wide, process_wide
 
 ALL_PATCHES: list[Patch] = [
     transformers_sharding_sizes.PATCH,
@@ -80,3 +80,13 @@ ALL_PATCHES: list[Patch] = [
     torch_dcp_metadata_restricted.PATCH,
     torch_cp_cpu_flash_attention.PATCH,
 ]
+
+
+def process_registry() -> Registry:
+    """The registry of every patch shardadopt ships, created once per process; ``shardadopt.enable()``,
+    ``disable()`` and ``status()`` drive it.
+
+    Returns:
+        The process-wide registry.
+    """
+    return process_wide() or make_process_wide(Registry(ALL_PATCHES))

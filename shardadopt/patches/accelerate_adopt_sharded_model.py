@@ -53,7 +53,7 @@ def _plugin_managed(accelerator: Any) -> bool:
 
 
 def _init(wrapped, instance, args, kwargs):
-    from shardadopt.adopt.record import _KWARGS_ATTR, AdoptionKwargs
+    from shardadopt.adopt.record import KWARGS_ATTR, AdoptionKwargs
 
     handlers = kwargs.get("kwargs_handlers")
     ours = [h for h in handlers or () if isinstance(h, AdoptionKwargs)]
@@ -62,7 +62,7 @@ def _init(wrapped, instance, args, kwargs):
     if ours:
         kwargs = {**kwargs, "kwargs_handlers": [h for h in handlers if not isinstance(h, AdoptionKwargs)]}
     result = wrapped(*args, **kwargs)
-    setattr(instance, _KWARGS_ATTR, ours[0] if ours else None)
+    setattr(instance, KWARGS_ATTR, ours[0] if ours else None)
     return result
 
 

@@ -54,22 +54,22 @@ def probe() -> Probe:
 
     router = getattr(tensor_parallel, "RouterParallel", None)
     if tp_layer_output_hook(router) is not None:
-        return _probe_hook(lambda module, outputs, mesh: tp_layer_output_hook(router())(module, outputs, mesh))
+        return probe_hook(lambda module, outputs, mesh: tp_layer_output_hook(router())(module, outputs, mesh))
     if router is not None and hasattr(router, "transform_output_post_forward"):
         return Probe(False, "RouterParallel is EpRouterParallel (transformers >= 5.16), which masks in "
                             "transform_output_post_forward: see transformers-ep-router-grad-post-forward")
-    if router is None and _dispatches_tokens():
-        return Probe(False, _NO_ROUTER)
+    if router is None and dispatches_tokens():
+        return Probe(False, NO_ROUTER)
     raise undecided("transformers.integrations.tensor_parallel", "RouterParallel._prepare_output_fn, "
                     "EpRouterParallel.transform_output_post_forward nor the token-dispatch EPImplementation")
 
 
-_NO_ROUTER = ("upstream no longer masks router scores per rank: expert parallelism dispatches tokens "
+NO_ROUTER = ("upstream no longer masks router scores per rank: expert parallelism dispatches tokens "
               "(transformers.distributed.expert_parallel.EPImplementation: all-to-all, or an all-reduce that sums the "
               "routing-weight gradient)")
 
 
-def _dispatches_tokens() -> bool:
+def dispatches_tokens() -> bool:
     """Whether ``transformers/distributed/expert_parallel.py`` defines ``EPImplementation`` and no router class (the
     5.23+ design), read from its syntax tree: importing it from a post-import hook could catch it half-initialised."""
     path = package_file("transformers", "distributed", "expert_parallel.py")
@@ -80,7 +80,7 @@ def _dispatches_tokens() -> bool:
     return "EPImplementation" in classes and not {"EpRouterParallel", "RouterParallel"} & classes
 
 
-def _probe_hook(hook) -> Probe:
+def probe_hook(hook) -> Probe:
     import torch
 
     # Run the hook's forward on a 2-rank layout and read the autograd graph it records from the masked scores back

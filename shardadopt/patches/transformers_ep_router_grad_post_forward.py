@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
-from shardadopt.patches.transformers_ep_router_grad import _NO_ROUTER, _dispatches_tokens, _probe_hook
+from shardadopt.patches.transformers_ep_router_grad import NO_ROUTER, dispatches_tokens, probe_hook
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream import TENSOR_PARALLEL_MODULE, tp_layer_output_hook
 from shardadopt.upstream.probing import package_file, undecided
@@ -55,12 +55,12 @@ def probe() -> Probe:
         warnings.simplefilter("ignore", FutureWarning)
         router = getattr(tensor_parallel, "EpRouterParallel", None)
     if router is not None and hasattr(router, "transform_output_post_forward"):
-        return _probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
+        return probe_hook(lambda module, outputs, mesh: router().transform_output_post_forward(module, outputs, mesh))
     if router is None and tp_layer_output_hook(getattr(tensor_parallel, "RouterParallel", None)) is not None:
         return Probe(False, "transformers < 5.16 masks in RouterParallel._prepare_output_fn: see "
                             "transformers-ep-router-grad")
-    if router is None and _dispatches_tokens():
-        return Probe(False, _NO_ROUTER)
+    if router is None and dispatches_tokens():
+        return Probe(False, NO_ROUTER)
     raise undecided(POST_FORWARD_MODULE, "EpRouterParallel.transform_output_post_forward, "
                     "RouterParallel._prepare_output_fn nor the token-dispatch EPImplementation")
 

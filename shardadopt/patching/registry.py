@@ -159,8 +159,8 @@ def _resolve(target: Target) -> tuple[Any, str, Any]:
 
 
 class Registry:
-    """Applies a fixed list of patches. The process-wide instance is :func:`process_wide` (``shardadopt._registry()``
-    creates it)."""
+    """Applies a fixed list of patches. The process-wide instance is :func:`process_wide`
+    (``shardadopt.patches.process_registry()`` creates it)."""
 
     def __init__(self, patches: Sequence[Patch]):
         ids = [p.id for p in patches]
@@ -369,8 +369,9 @@ class Registry:
         self._set(entry, state, reason, blocked)
 
 
-# The registry ``shardadopt.enable()`` drives. ``shardadopt._registry()`` builds it from ``shardadopt.patches`` (which
-# import this module, so it cannot be built here) and hands it over; ``shardadopt.patching.refusal`` reads it here.
+# The registry ``shardadopt.enable()`` drives. ``shardadopt.patches.process_registry()`` builds it from the patch
+# modules (which import this module, so it cannot be built here) and hands it over; ``shardadopt.patching.refusal``
+# reads it here.
 _PROCESS_WIDE: Registry | None = None
 
 
@@ -380,7 +381,7 @@ def process_wide() -> Registry | None:
 
 
 def make_process_wide(registry: Registry) -> Registry:
-    """Make ``registry`` the process-wide one (``shardadopt._registry()`` does, once).
+    """Make ``registry`` the process-wide one (``shardadopt.patches.process_registry()`` does, once).
 
     Args:
         registry: the registry of every patch shardadopt ships.

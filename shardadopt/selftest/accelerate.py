@@ -174,7 +174,7 @@ def compare_training(result: dict[str, Any], expected: dict[str, Any], rtol: flo
             return f"per-step {what} {result[what]} != single-process {expected[what]}"
     if result.get("params") is not None:
         bad = [n for n, p in expected["params"].items()
-               if not _param_matches(_whole([r[n] for r in result["params"]], p.shape), p)]
+               if not _param_matches(whole_tensor([r[n] for r in result["params"]], p.shape), p)]
         if bad:
             return f"{len(bad)} parameters differ from the single-process run after training: {bad[:3]}"
     return None
@@ -187,7 +187,7 @@ def _param_matches(got: Any, want: Any) -> bool:
     return float(diff.max()) < PARAM_MAX_DIFF and float(diff.pow(2).mean().sqrt()) <= PARAM_RMS
 
 
-def _whole(pieces: list, shape) -> Any:
+def whole_tensor(pieces: list, shape) -> Any:
     """A parameter from the ranks' copies: the copy itself when whole, else the ranks' shards concatenated along
     the one dim where they are smaller (shards of a plain TP/EP tensor over the whole world)."""
     import torch

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.selftest.accelerate import ACCUM, LR, MAX_NORM, PER_DP_BATCH, STEPS, _whole
+from shardadopt.selftest.accelerate import ACCUM, LR, MAX_NORM, PER_DP_BATCH, STEPS, whole_tensor
 from shardadopt.testing.accelerator import fresh_accelerator
 from shardadopt.testing.models import PAD_ID, SEQUENCE_LABELS, TOKEN_LABELS, VOCAB_SIZE, local_copy
 
@@ -168,7 +168,7 @@ def wrong_grads(result: dict[str, Any], expected: dict[str, Any]) -> list[str]:
 
     bad = []
     for name, want in expected["grads"].items():
-        got = _whole([r[name] for r in result["grads"]], want.shape)
+        got = whole_tensor([r[name] for r in result["grads"]], want.shape)
         if got.shape != want.shape or not torch.allclose(got, want, rtol=GRAD_RTOL, atol=GRAD_ATOL):
             bad.append(name)
     return bad

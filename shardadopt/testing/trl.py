@@ -79,7 +79,7 @@ def lora_config(model: str, experts: str | None = None):
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM", **EXPERTS.get(experts, targets))
 
 
-def _load(path: str, layout: str | None, world: int, dtype: str = "float32", reward: bool = False):
+def load_model(path: str, layout: str | None, world: int, dtype: str = "float32", reward: bool = False):
     """The model in ``dtype``, sharded per ``layout`` over ``world`` ranks or plain (DDP); and the data-parallel
     size. In float64 the experts run transformers' ``"eager"`` implementation: CPU ``grouped_mm`` has no float64.
     ``reward``: ``AutoModelForSequenceClassification`` with one label (a reward model) from the causal-LM checkpoint,
@@ -172,7 +172,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
     ``world`` ranks (one process: ``world=1``); full fine-tuning, or
     LoRA added ``lora`` ("peft_config": by TRL, "wrapped": ``get_peft_model`` first), on the MoE experts too with
     ``experts`` (:func:`lora_config`), each step accumulating ``accum`` global batches, the model loaded in ``dtype``
-    (:func:`_load`). ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor:
+    (:func:`load_model`). ``{"log": [{"loss", "grad_norm"} per step], "adapter_grad_reductions": {LoRA factor:
     all_reduce calls on its gradient}, "dp": data-parallel size}`` or
     ``{"refused": shardadopt's error}``, and ``"plain_head_shard"`` (:func:`plain_head_shard` of the loaded model).
     With ``experts`` also ``"adapter"`` (every factor's full tensor after training), ``"export"`` (global rank 0:
@@ -190,7 +190,7 @@ def trl_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | Non
 
     shardadopt.enable()
     try:
-        network, dp = _load(models[model], layout, world, dtype, reward=kind == "reward")
+        network, dp = load_model(models[model], layout, world, dtype, reward=kind == "reward")
         result: dict[str, Any] = {"plain_head_shard": plain_head_shard(network)}
         extra: dict[str, Any] = {}
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-") as out:
@@ -318,7 +318,7 @@ def resume_log(models: dict[str, str], tokenizer: str, how: str, layout: str, mo
                 control.should_training_stop = True
 
     def run(seed: int, out: str, *, stop: bool, resume: bool) -> dict[str, Any]:
-        network, dp = _load(models[model], layout, 2)
+        network, dp = load_model(models[model], layout, 2)
         common = dict(output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // dp, max_steps=steps,
                       learning_rate=LR["lora"], lr_scheduler_type="constant", logging_steps=1,
                       save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, bf16=False, seed=0,

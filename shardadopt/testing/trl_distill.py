@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardadopt.testing.patching import keeps_patch_state
-from shardadopt.testing.trl import _load, plain_head_shard
+from shardadopt.testing.trl import load_model, plain_head_shard
 
 STEPS = 3
 GLOBAL_BATCH = 4
@@ -57,8 +57,8 @@ def distill_log(models: dict[str, str], tokenizer: str, layout: str | None, stud
                 sizes, dp = distributed_sizes(layout, world)
                 init["distributed_config"] = DistributedConfig(**sizes)
         else:
-            network, dp = _load(models[student], layout, world)
-        teacher_model, _ = _load(models[teacher], teacher_layout, world)
+            network, dp = load_model(models[student], layout, world)
+        teacher_model, _ = load_model(models[teacher], teacher_layout, world)
         result: dict[str, Any] = {"plain_head_shard": not from_path and plain_head_shard(network), "dp": dp}
         processing_class = AutoTokenizer.from_pretrained(tokenizer)
         processing_class.padding_side = "left"  # what DistillationTrainer asks of its processing class

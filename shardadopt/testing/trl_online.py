@@ -17,7 +17,7 @@ import math
 from typing import Any
 
 from shardadopt.testing.patching import keeps_patch_state
-from shardadopt.testing.trl import _load, plain_head_shard
+from shardadopt.testing.trl import load_model, plain_head_shard
 
 STEPS = 3
 NUM_GENERATIONS = 4
@@ -93,7 +93,7 @@ def online_log(models: dict[str, str], tokenizer: str, kind: str, layout: str | 
             upstream.reset_accelerate_state()  # pooled ranks run several trainers in one process
             result: dict[str, Any] = {"dp": dp}
         else:
-            network, dp = _load(models[model], layout, world, dtype)
+            network, dp = load_model(models[model], layout, world, dtype)
             result = {"plain_head_shard": plain_head_shard(network), "dp": dp}
         with tempfile.TemporaryDirectory(prefix="shardadopt-trl-online-") as out:
             common = dict(output_dir=out, per_device_train_batch_size=PROMPTS_PER_STEP * NUM_GENERATIONS // dp,
@@ -162,7 +162,7 @@ def sampled_tokens(path: str, layout: str | None, *, world: int = 2, exclude: tu
 
     shardadopt.enable(exclude=exclude)
     try:
-        network, _ = _load(path, layout, world)
+        network, _ = load_model(path, layout, world)
         torch.manual_seed(dist.get_rank() if dist.is_initialized() else 0)
         prompt = torch.arange(3, 15).reshape(2, 6)
         with torch.no_grad():

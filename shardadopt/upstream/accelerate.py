@@ -6,46 +6,46 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shardadopt.upstream.base import Target, _attribute
+from shardadopt.upstream.base import Target, attribute
 
 
 def accelerator_models(accelerator: Any) -> list[Any]:
     """``Accelerator._models``: the list ``prepare()`` appends models to (mutable: appending registers a model).
     Checked on accelerate 1.13-1.16."""
-    return _attribute(accelerator, "_models", "accelerator_models", "accelerate")
+    return attribute(accelerator, "_models", "accelerator_models", "accelerate")
 
 
 def accelerator_optimizers(accelerator: Any) -> list[Any]:
     """``Accelerator._optimizers``: the prepared (wrapped) optimizers. Checked on accelerate 1.13-1.16."""
-    return _attribute(accelerator, "_optimizers", "accelerator_optimizers", "accelerate")
+    return attribute(accelerator, "_optimizers", "accelerator_optimizers", "accelerate")
 
 
 def accelerator_schedulers(accelerator: Any) -> list[Any]:
     """``Accelerator._schedulers``: the prepared schedulers. Checked on accelerate 1.13-1.16."""
-    return _attribute(accelerator, "_schedulers", "accelerator_schedulers", "accelerate")
+    return attribute(accelerator, "_schedulers", "accelerator_schedulers", "accelerate")
 
 
 def accelerator_dataloaders(accelerator: Any) -> list[Any]:
     """``Accelerator._dataloaders``: the prepared dataloaders. Checked on accelerate 1.13-1.16."""
-    return _attribute(accelerator, "_dataloaders", "accelerator_dataloaders", "accelerate")
+    return attribute(accelerator, "_dataloaders", "accelerator_dataloaders", "accelerate")
 
 
 def accelerator_custom_objects(accelerator: Any) -> list[Any]:
     """``Accelerator._custom_objects``: what ``register_for_checkpointing`` registered. Checked on accelerate
     1.13-1.16."""
-    return _attribute(accelerator, "_custom_objects", "accelerator_custom_objects", "accelerate")
+    return attribute(accelerator, "_custom_objects", "accelerator_custom_objects", "accelerate")
 
 
 def accelerator_save_state_pre_hooks(accelerator: Any) -> dict[Any, Callable[..., Any]]:
     """``Accelerator._save_model_state_pre_hook``: handle -> hook, from ``register_save_state_pre_hook``. Checked
     on accelerate 1.13-1.16."""
-    return _attribute(accelerator, "_save_model_state_pre_hook", "accelerator_save_state_pre_hooks", "accelerate")
+    return attribute(accelerator, "_save_model_state_pre_hook", "accelerator_save_state_pre_hooks", "accelerate")
 
 
 def accelerator_load_state_pre_hooks(accelerator: Any) -> dict[Any, Callable[..., Any]]:
     """``Accelerator._load_model_state_pre_hook``: handle -> hook, from ``register_load_state_pre_hook``. Checked
     on accelerate 1.13-1.16."""
-    return _attribute(accelerator, "_load_model_state_pre_hook", "accelerator_load_state_pre_hooks", "accelerate")
+    return attribute(accelerator, "_load_model_state_pre_hook", "accelerator_load_state_pre_hooks", "accelerate")
 
 
 def is_accelerate_prepared(obj: Any) -> bool:
@@ -60,8 +60,8 @@ def reset_accelerate_state() -> None:
     accelerate 1.13-1.16."""
     from accelerate.state import AcceleratorState, GradientState
 
-    _attribute(AcceleratorState, "_reset_state", "reset_accelerate_state", "accelerate")(reset_partial_state=True)
-    _attribute(GradientState, "_reset_state", "reset_accelerate_state", "accelerate")()
+    attribute(AcceleratorState, "_reset_state", "reset_accelerate_state", "accelerate")(reset_partial_state=True)
+    attribute(GradientState, "_reset_state", "reset_accelerate_state", "accelerate")()
 
 
 def reset_accelerator_state() -> None:
@@ -70,7 +70,7 @@ def reset_accelerator_state() -> None:
     next ``Accelerator()`` takes its own ``parallelism_config``. Checked on accelerate 1.13-1.16."""
     from accelerate.state import AcceleratorState
 
-    _attribute(AcceleratorState, "_reset_state", "reset_accelerator_state", "accelerate")()
+    attribute(AcceleratorState, "_reset_state", "reset_accelerator_state", "accelerate")()
 
 
 # ``ParallelismConfig._validate_accelerator(accelerator)``, which ``accelerate-cpu-parallelism-config`` wraps.
@@ -84,14 +84,14 @@ PARALLELISM_CONFIG_VALIDATE_ACCELERATOR = Target("accelerate.parallelism_config"
 def validate_parallelism_config(config: Any, accelerator: Any) -> None:
     """``ParallelismConfig._validate_accelerator(accelerator)``: accelerate's check that ``accelerator`` can run
     ``config`` (raises ``ValueError`` when it cannot). Checked on accelerate 1.13-1.16."""
-    _attribute(config, "_validate_accelerator", "validate_parallelism_config", "accelerate")(accelerator)
+    attribute(config, "_validate_accelerator", "validate_parallelism_config", "accelerate")(accelerator)
 
 
 def attach_context_parallel_hooks(model: Any) -> None:
     """``accelerate.big_modeling._attach_context_parallel_hooks(model)``: what ``Accelerator.prepare`` runs on a
     model under context parallelism (refuses a model whose ``supports_context_parallel`` is False; drops each
     ``self_attn``'s attention mask for ``is_causal=True``). Checked on accelerate 1.16."""
-    from shardadopt.upstream.base import _module_attribute
+    from shardadopt.upstream.base import module_attribute
 
-    _module_attribute("accelerate.big_modeling", "_attach_context_parallel_hooks", "attach_context_parallel_hooks",
+    module_attribute("accelerate.big_modeling", "_attach_context_parallel_hooks", "attach_context_parallel_hooks",
                       "accelerate")(model)

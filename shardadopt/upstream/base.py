@@ -30,7 +30,7 @@ class UpstreamChanged(Undecided):
     An :class:`~shardadopt.upstream.probing.Undecided`, so a probe that hits it reports its patch ``unsupported``."""
 
 
-def _changed(accessor: str, what: str, distribution: str) -> UpstreamChanged:
+def changed(accessor: str, what: str, distribution: str) -> UpstreamChanged:
     version = installed_version(distribution)
     return UpstreamChanged(f"shardadopt.upstream.{accessor}: {what} does not exist in {distribution} "
                            f"{version or '(not installed)'} (renamed or removed upstream; shardadopt needs updating)")
@@ -39,25 +39,25 @@ def _changed(accessor: str, what: str, distribution: str) -> UpstreamChanged:
 _MISSING = object()
 
 
-def _attribute(obj: Any, name: str, accessor: str, distribution: str) -> Any:
+def attribute(obj: Any, name: str, accessor: str, distribution: str) -> Any:
     value = getattr(obj, name, _MISSING)
     if value is _MISSING:
         owner = obj if isinstance(obj, (type, ModuleType)) else type(obj)
-        raise _changed(accessor, f"{getattr(owner, '__qualname__', owner.__name__)}.{name}", distribution)
+        raise changed(accessor, f"{getattr(owner, '__qualname__', owner.__name__)}.{name}", distribution)
     return value
 
 
 _IMPORTED: dict[str, ModuleType] = {}  # accessors run per training step: import each module once
 
 
-def _module_attribute(module: str, name: str, accessor: str, distribution: str) -> Any:
+def module_attribute(module: str, name: str, accessor: str, distribution: str) -> Any:
     owner = _IMPORTED.get(module)
     if owner is None:
         try:
             owner = _IMPORTED[module] = importlib.import_module(module)
         except ImportError as exc:
-            raise _changed(accessor, f"module {module}", distribution) from exc
-    return _attribute(owner, name, accessor, distribution)  # looked up each call: a replaced kernel is used
+            raise changed(accessor, f"module {module}", distribution) from exc
+    return attribute(owner, name, accessor, distribution)  # looked up each call: a replaced kernel is used
 
 
 def upstream_method(target: Target, where: str) -> Callable[..., Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.upstream.base import _attribute
+from shardadopt.upstream.base import attribute
 
 
 def array_reconstructor() -> Any:
@@ -14,4 +14,4 @@ def array_reconstructor() -> Any:
     import numpy as np
 
     core = np._core if hasattr(np, "_core") else np.core
-    return _attribute(core.multiarray, "_reconstruct", "array_reconstructor", "numpy")
+    return attribute(core.multiarray, "_reconstruct", "array_reconstructor", "numpy")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from shardadopt.upstream.base import _attribute
+from shardadopt.upstream.base import attribute
 
 
 def module_initializing(module: Any) -> bool:
@@ -17,4 +17,4 @@ def module_initializing(module: Any) -> bool:
 def thread_frame(ident: int | None) -> Any:
     """``sys._current_frames()[ident]``: the innermost Python frame thread ``ident`` is running, or None (no such
     thread). CPython's; the frames of other threads are read without stopping them. Checked on CPython 3.10-3.13."""
-    return _attribute(sys, "_current_frames", "thread_frame", "python")().get(ident)
+    return attribute(sys, "_current_frames", "thread_frame", "python")().get(ident)

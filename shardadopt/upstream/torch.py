@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from shardadopt.upstream.base import Target, _attribute, _module_attribute
+from shardadopt.upstream.base import Target, attribute, module_attribute
 
 if TYPE_CHECKING:
     import torch
@@ -19,13 +19,13 @@ def default_store() -> dist.Store:
     torch 2.13-2.15."""
     import torch.distributed as dist
 
-    return _attribute(dist.distributed_c10d, "_get_default_store", "default_store", "torch")()
+    return attribute(dist.distributed_c10d, "_get_default_store", "default_store", "torch")()
 
 
 def c10d_store_factory() -> Callable[..., dist.Store]:
     """``torch.distributed.rendezvous._create_c10d_store``: the store the ``env://`` and ``tcp://`` rendezvous hand
     ``init_process_group``; under torchrun a client of the agent's store. Checked on torch 2.13-2.15."""
-    return _module_attribute("torch.distributed.rendezvous", "_create_c10d_store", "c10d_store_factory", "torch")
+    return module_attribute("torch.distributed.rendezvous", "_create_c10d_store", "c10d_store_factory", "torch")
 
 
 # The functions ``_create_c10d_store`` calls to choose the torchrun agent's store (2.13:
@@ -66,7 +66,7 @@ DCP_METADATA_GLOBALS = frozenset({
 def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
     """``FileSystemReader._get_metadata_path(rank)``: where a DCP reader finds its ``.metadata`` (``__<rank>`` prefix
     for a rank's own). Checked on torch 2.13-2.15."""
-    return _attribute(reader, "_get_metadata_path", "dcp_metadata_path", "torch")(rank)
+    return attribute(reader, "_get_metadata_path", "dcp_metadata_path", "torch")(rank)
 
 
 def default_group() -> dist.ProcessGroup:
@@ -74,7 +74,7 @@ def default_group() -> dist.ProcessGroup:
     Checked on torch 2.13-2.15."""
     import torch.distributed as dist
 
-    return _attribute(dist.distributed_c10d, "_get_default_group", "default_group", "torch")()
+    return attribute(dist.distributed_c10d, "_get_default_group", "default_group", "torch")()
 
 
 def registered_process_groups() -> list[dist.ProcessGroup]:
@@ -83,8 +83,8 @@ def registered_process_groups() -> list[dist.ProcessGroup]:
     raises ``RuntimeError`` (dictionary changed size) for the caller to retry. Checked on torch 2.13-2.15."""
     import torch.distributed as dist
 
-    world = _attribute(dist.distributed_c10d, "_world", "registered_process_groups", "torch")
-    return list(_attribute(world, "pg_map", "registered_process_groups", "torch"))
+    world = attribute(dist.distributed_c10d, "_world", "registered_process_groups", "torch")
+    return list(attribute(world, "pg_map", "registered_process_groups", "torch"))
 
 
 def process_group_counter() -> int:
@@ -93,8 +93,8 @@ def process_group_counter() -> int:
     0. Checked on torch 2.13-2.15."""
     import torch.distributed as dist
 
-    world = _attribute(dist.distributed_c10d, "_world", "process_group_counter", "torch")
-    return _attribute(world, "group_count", "process_group_counter", "torch")
+    world = attribute(dist.distributed_c10d, "_world", "process_group_counter", "torch")
+    return attribute(world, "group_count", "process_group_counter", "torch")
 
 
 def set_process_group_counter(value: int) -> None:
@@ -102,16 +102,16 @@ def set_process_group_counter(value: int) -> None:
     must set the same value (group names must agree). Checked on torch 2.13-2.15."""
     import torch.distributed as dist
 
-    world = _attribute(dist.distributed_c10d, "_world", "set_process_group_counter", "torch")
-    _attribute(world, "group_count", "set_process_group_counter", "torch")
+    world = attribute(dist.distributed_c10d, "_world", "set_process_group_counter", "torch")
+    attribute(world, "group_count", "set_process_group_counter", "torch")
     world.group_count = value
 
 
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
     """``group._get_backend(device).options._timeout``: the timeout the group's backend for ``device`` was created
     with. Checked on torch 2.13-2.15."""
-    backend = _attribute(group, "_get_backend", "group_timeout", "torch")(device)
-    return _attribute(_attribute(backend, "options", "group_timeout", "torch"), "_timeout", "group_timeout", "torch")
+    backend = attribute(group, "_get_backend", "group_timeout", "torch")(device)
+    return attribute(attribute(backend, "options", "group_timeout", "torch"), "_timeout", "group_timeout", "torch")
 
 
 def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
@@ -119,11 +119,11 @@ def backend_device_types(group: dist.ProcessGroup | None = None) -> list[str]:
     runs collectives on (``["cpu"]`` for gloo on a CPU build). Checked on torch 2.13-2.15."""
     import torch.distributed as dist
 
-    return _attribute(dist.distributed_c10d, "_device_capability", "backend_device_types", "torch")(group)
+    return attribute(dist.distributed_c10d, "_device_capability", "backend_device_types", "torch")(group)
 
 
 def _foreach_utils(name: str, accessor: str) -> Callable[..., Any]:
-    return _module_attribute("torch.utils._foreach_utils", name, accessor, "torch")
+    return module_attribute("torch.utils._foreach_utils", name, accessor, "torch")
 
 
 def has_foreach_support(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
@@ -146,14 +146,14 @@ def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor | float) -> N
     """``torch._foreach_mul_``: in-place multiply of a tensor list. Checked on torch 2.13-2.15."""
     import torch
 
-    _attribute(torch, "_foreach_mul_", "foreach_mul_", "torch")(tensors, scalar)
+    attribute(torch, "_foreach_mul_", "foreach_mul_", "torch")(tensors, scalar)
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float, **kwargs: Any) -> Sequence[torch.Tensor]:
     """``torch._foreach_norm`` (``dtype=`` among ``kwargs``). Checked on torch 2.13-2.15."""
     import torch
 
-    return _attribute(torch, "_foreach_norm", "foreach_norm", "torch")(tensors, ord, **kwargs)
+    return attribute(torch, "_foreach_norm", "foreach_norm", "torch")(tensors, ord, **kwargs)
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
@@ -162,8 +162,8 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     reduce after the last gradient. Checked on torch 2.13-2.15."""
     import torch
 
-    engine = _attribute(torch.autograd.Variable, "_execution_engine", "queue_backward_callback", "torch")
-    _attribute(engine, "queue_callback", "queue_backward_callback", "torch")(callback)
+    engine = attribute(torch.autograd.Variable, "_execution_engine", "queue_backward_callback", "torch")
+    attribute(engine, "queue_callback", "queue_backward_callback", "torch")(callback)
 
 
 def current_graph_task_id() -> int:
@@ -171,7 +171,7 @@ def current_graph_task_id() -> int:
     ``backward()``), -1 outside one. Checked on torch 2.13-2.15."""
     import torch
 
-    return _attribute(torch._C, "_current_graph_task_id", "current_graph_task_id", "torch")()
+    return attribute(torch._C, "_current_graph_task_id", "current_graph_task_id", "torch")()
 
 
 # The op namespaces of torch's collectives as a dispatch mode sees them: ``torch.distributed`` calls (``c10d``) and
@@ -182,13 +182,13 @@ COLLECTIVE_OP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functio
 def torch_dispatch_mode() -> type:
     """``torch.utils._python_dispatch.TorchDispatchMode``: the base class of modes that see every op dispatched below
     autograd (collectives included: what ``CommDebugMode`` derives from). Checked on torch 2.13-2.15."""
-    return _module_attribute("torch.utils._python_dispatch", "TorchDispatchMode", "torch_dispatch_mode", "torch")
+    return module_attribute("torch.utils._python_dispatch", "TorchDispatchMode", "torch_dispatch_mode", "torch")
 
 
 def pytree_flatten(tree: Any) -> tuple[list[Any], Any]:
     """``torch.utils._pytree.tree_flatten``: the leaves of nested lists, tuples and dicts (an op's arguments) and the
     spec whose ``unflatten(leaves)`` rebuilds them. Checked on torch 2.13-2.15."""
-    return _module_attribute("torch.utils._pytree", "tree_flatten", "pytree_flatten", "torch")(tree)
+    return module_attribute("torch.utils._pytree", "tree_flatten", "pytree_flatten", "torch")(tree)
 
 
 def wait_functional_collective(tensor: torch.Tensor) -> torch.Tensor:
@@ -196,27 +196,27 @@ def wait_functional_collective(tensor: torch.Tensor) -> torch.Tensor:
     ``tensor``; the tensor itself when none is pending. Checked on torch 2.13-2.15."""
     import torch.distributed._functional_collectives  # noqa: F401  (registers the op)
 
-    ops = _attribute(torch.ops, "_c10d_functional", "wait_functional_collective", "torch")
-    return _attribute(ops, "wait_tensor", "wait_functional_collective", "torch")(tensor)
+    ops = attribute(torch.ops, "_c10d_functional", "wait_functional_collective", "torch")
+    return attribute(ops, "wait_tensor", "wait_functional_collective", "torch")(tensor)
 
 
 def dtensor_local(tensor: Any) -> torch.Tensor:
     """``DTensor._local_tensor``: the local shard itself, outside autograd (``to_local()`` records a graph node).
     Checked on torch 2.13-2.15."""
-    return _attribute(tensor, "_local_tensor", "dtensor_local", "torch")
+    return attribute(tensor, "_local_tensor", "dtensor_local", "torch")
 
 
 def strided_shard_type() -> type:
     """``torch.distributed.tensor.placement_types._StridedShard``: the placement FSDP x TP layouts use (not a
     ``Shard`` subclass in 2.13-2.15). Checked on torch 2.13-2.15."""
-    return _module_attribute("torch.distributed.tensor.placement_types", "_StridedShard", "strided_shard_type", "torch")
+    return module_attribute("torch.distributed.tensor.placement_types", "_StridedShard", "strided_shard_type", "torch")
 
 
 def compute_local_shape_and_global_offset(global_shape: Any, mesh_shape: Any, coordinate: list[int],
                                           placements: Sequence[Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``: the shape and offset of the
     piece the rank at ``coordinate`` holds. Checked on torch 2.13-2.15."""
-    return _module_attribute("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset",
+    return module_attribute("torch.distributed.tensor._utils", "_compute_local_shape_and_global_offset",
                              "compute_local_shape_and_global_offset", "torch")(
         global_shape, mesh_shape, coordinate, placements)
 
@@ -224,8 +224,8 @@ def compute_local_shape_and_global_offset(global_shape: Any, mesh_shape: Any, co
 def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     """``FSDPModule._get_fsdp_state()._fsdp_param_groups``: the parameter groups (mesh info, reduction settings)
     of a module ``fully_shard`` wrapped. Checked on torch 2.13-2.15."""
-    state = _attribute(module, "_get_fsdp_state", "fsdp_param_groups", "torch")()
-    groups = _attribute(state, "_fsdp_param_groups", "fsdp_param_groups", "torch")
+    state = attribute(module, "_get_fsdp_state", "fsdp_param_groups", "torch")()
+    groups = attribute(state, "_fsdp_param_groups", "fsdp_param_groups", "torch")
     return list(groups) if groups is not None else []
 
 
@@ -233,14 +233,14 @@ def fsdp_lazy_init(module: torch.nn.Module) -> None:
     """``FSDPModule._get_fsdp_state()._lazy_init()``: what FSDP2 does at the first forward it sees, made the root
     of every unit inside ``module`` (a no-op once done). A unit whose forward runs first otherwise takes the root
     role for itself, and the real root's first forward then raises. Checked on torch 2.13-2.15."""
-    state = _attribute(module, "_get_fsdp_state", "fsdp_lazy_init", "torch")()
-    _attribute(state, "_lazy_init", "fsdp_lazy_init", "torch")()
+    state = attribute(module, "_get_fsdp_state", "fsdp_lazy_init", "torch")()
+    attribute(state, "_lazy_init", "fsdp_lazy_init", "torch")()
 
 
 def fsdp_group_syncs_gradients(group: Any) -> bool:
     """``FSDPParamGroup.reduce_grads``: False while gradient reduction waits (``set_requires_gradient_sync(False)``,
     FSDP2's ``no_sync`` under accumulation), True in the micro-batch that reduces. Checked on torch 2.13-2.15."""
-    return bool(_attribute(group, "reduce_grads", "fsdp_group_syncs_gradients", "torch"))
+    return bool(attribute(group, "reduce_grads", "fsdp_group_syncs_gradients", "torch"))
 
 
 def fsdp_managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -250,8 +250,8 @@ def fsdp_managed_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]
     factors) are not among them. Checked on torch 2.13-2.15."""
     params = []
     for group in fsdp_param_groups(module):
-        for fsdp_param in _attribute(group, "fsdp_params", "fsdp_managed_parameters", "torch"):
-            info = _attribute(fsdp_param, "_module_info", "fsdp_managed_parameters", "torch")
+        for fsdp_param in attribute(group, "fsdp_params", "fsdp_managed_parameters", "torch"):
+            info = attribute(fsdp_param, "_module_info", "fsdp_managed_parameters", "torch")
             params.append(getattr(info.module, info.param_name))
     return params
 
@@ -261,25 +261,25 @@ def accelerator_type() -> str:
     ``torch.accelerator.current_accelerator()`` returns None). Checked on torch 2.13-2.15."""
     import torch
 
-    return _attribute(torch._C, "_get_accelerator", "accelerator_type", "torch")().type
+    return attribute(torch._C, "_get_accelerator", "accelerator_type", "torch")().type
 
 
 def module_backward_hooks(module: torch.nn.Module) -> dict[int, Callable[..., Any]]:
     """``nn.Module._backward_hooks``: handle id -> hook of ``register_full_backward_hook`` (mutable: deleting a key
     removes the hook). Checked on torch 2.13-2.15."""
-    return _attribute(module, "_backward_hooks", "module_backward_hooks", "torch")
+    return attribute(module, "_backward_hooks", "module_backward_hooks", "torch")
 
 
 def module_forward_pre_hooks(module: torch.nn.Module) -> dict[int, Callable[..., Any]]:
     """``nn.Module._forward_pre_hooks``: handle id -> hook of ``register_forward_pre_hook`` (mutable: deleting the
     key of a hook registered without ``with_kwargs`` removes it). Checked on torch 2.13-2.15."""
-    return _attribute(module, "_forward_pre_hooks", "module_forward_pre_hooks", "torch")
+    return attribute(module, "_forward_pre_hooks", "module_forward_pre_hooks", "torch")
 
 
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> dict[int, Callable[..., Any]]:
     """``Tensor._post_accumulate_grad_hooks``: handle id -> hook of ``register_post_accumulate_grad_hook``
     (mutable); empty when none was registered (upstream leaves it None). Checked on torch 2.13-2.15."""
-    hooks = _attribute(tensor, "_post_accumulate_grad_hooks", "post_accumulate_grad_hooks", "torch")
+    hooks = attribute(tensor, "_post_accumulate_grad_hooks", "post_accumulate_grad_hooks", "torch")
     return hooks if hooks is not None else {}
 
 
@@ -295,7 +295,7 @@ def clear_sharding_propagation_caches() -> None:
     layout and dim names alone, so after the process groups were re-initialised a hit hands out the output spec
     of an earlier generation's mesh, whose group names are gone or name new, unrelated groups. Checked on torch
     2.13-2.15."""
-    _module_attribute("torch.distributed.tensor.debug", "_clear_sharding_prop_cache",
+    module_attribute("torch.distributed.tensor.debug", "_clear_sharding_prop_cache",
                       "clear_sharding_propagation_caches", "torch")()
 
 
@@ -313,26 +313,26 @@ def cp_custom_ops() -> dict[Any, Callable[..., Any]]:
     """``_context_parallel._attention.custom_ops``: the SDPA kernels (ATen overloads) ring attention serves, mapped
     to their DTensor handler (2.13-2.15: the CUDA flash, efficient and cuDNN kernels and their backwards). Checked
     on torch 2.13-2.15."""
-    return _module_attribute(CP_ATTENTION_MODULE, "custom_ops", "cp_custom_ops", "torch")
+    return module_attribute(CP_ATTENTION_MODULE, "custom_ops", "cp_custom_ops", "torch")
 
 
 def cp_templated_ring_attention() -> Callable[..., Any]:
     """``_context_parallel._attention._templated_ring_attention``: the ring forward around any SDPA kernel that
     returns (output, log-sum-exp, ...). Checked on torch 2.13-2.15."""
-    return _module_attribute(CP_ATTENTION_MODULE, "_templated_ring_attention", "cp_templated_ring_attention", "torch")
+    return module_attribute(CP_ATTENTION_MODULE, "_templated_ring_attention", "cp_templated_ring_attention", "torch")
 
 
 def cp_templated_ring_attention_backward() -> Callable[..., Any]:
     """``_context_parallel._attention._templated_ring_attention_backward``: the ring backward around an SDPA
     backward kernel. Checked on torch 2.13-2.15."""
-    return _module_attribute(CP_ATTENTION_MODULE, "_templated_ring_attention_backward",
+    return module_attribute(CP_ATTENTION_MODULE, "_templated_ring_attention_backward",
                              "cp_templated_ring_attention_backward", "torch")
 
 
 def cp_register_sharding_rules() -> Callable[[], None]:
     """``_context_parallel._sharding_rules.register_cp_sharding_rules``: installs the sequence-sharded strategies of
     the kernels ring attention serves (read by probes). Checked on torch 2.13-2.15."""
-    return _module_attribute(CP_SHARDING_RULES_MODULE, "register_cp_sharding_rules", "cp_register_sharding_rules",
+    return module_attribute(CP_SHARDING_RULES_MODULE, "register_cp_sharding_rules", "cp_register_sharding_rules",
                              "torch")
 
 
@@ -347,7 +347,7 @@ def cp_strategy_context(op: Any, strategy: Callable[..., Any]) -> Any:
     rules = importlib.import_module(CP_SHARDING_RULES_MODULE)
     if hasattr(rules, "_single_dim_strategy_context"):
         return rules._single_dim_strategy_context(op, strategy)
-    return _attribute(rules, "_op_strategy_context", "cp_strategy_context", "torch")(op, strategy)
+    return attribute(rules, "_op_strategy_context", "cp_strategy_context", "torch")(op, strategy)
 
 
 def cp_single_dim_strategies() -> bool:
@@ -361,14 +361,14 @@ def cp_single_dim_strategies() -> bool:
 def sharding_placeholder(dim: int) -> Any:
     """``torch.distributed.tensor._ops.single_dim_strategy._ShardingPlaceholder(dim)``: "sharded on ``dim``" in a
     single-mesh-dim strategy (torch 2.15). Checked on torch 2.15."""
-    return _module_attribute("torch.distributed.tensor._ops.single_dim_strategy", "_ShardingPlaceholder",
+    return module_attribute("torch.distributed.tensor._ops.single_dim_strategy", "_ShardingPlaceholder",
                              "sharding_placeholder", "torch")(dim)
 
 
 def expand_to_full_mesh_op_strategy(mesh: Any, op_schema: Any, strategies: list[list[Any]], input_index: int) -> Any:
     """``torch.distributed.tensor._ops.utils.expand_to_full_mesh_op_strategy``: an ``OpStrategy`` from placements
     per single mesh dim (outputs first, inputs from ``input_index``) (torch 2.13). Checked on torch 2.13-2.15."""
-    return _module_attribute("torch.distributed.tensor._ops.utils", "expand_to_full_mesh_op_strategy",
+    return module_attribute("torch.distributed.tensor._ops.utils", "expand_to_full_mesh_op_strategy",
                              "expand_to_full_mesh_op_strategy", "torch")(mesh, op_schema, strategies,
                                                                          input_index=input_index)
 
@@ -378,13 +378,13 @@ def dtensor_op_dispatcher() -> Any:
     ``wrap``, ``_custom_op_handlers``). Checked on torch 2.13-2.15."""
     from torch.distributed.tensor import DTensor
 
-    return _attribute(DTensor, "_op_dispatcher", "dtensor_op_dispatcher", "torch")
+    return attribute(DTensor, "_op_dispatcher", "dtensor_op_dispatcher", "torch")
 
 
 def dtensor_custom_op_handlers() -> dict[Any, Callable[..., Any]]:
     """``DTensor._op_dispatcher._custom_op_handlers``: ATen overloads DTensor hands to a handler instead of its
     sharding propagation (context parallelism installs its SDPA handlers there). Checked on torch 2.13-2.15."""
-    return _attribute(dtensor_op_dispatcher(), "_custom_op_handlers", "dtensor_custom_op_handlers", "torch")
+    return attribute(dtensor_op_dispatcher(), "_custom_op_handlers", "dtensor_custom_op_handlers", "torch")
 
 
 def set_dtensor_custom_op_handlers(handlers: dict[Any, Callable[..., Any]]) -> None:

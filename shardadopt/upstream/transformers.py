@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from shardadopt.upstream.base import Target, _attribute, _module_attribute
+from shardadopt.upstream.base import Target, attribute, module_attribute
 
 if TYPE_CHECKING:
     import torch
@@ -47,23 +47,23 @@ MOE_GROUPED_LINEAR = "_grouped_linear"
 def trainer_output_dir(trainer: Any, trial: Any) -> str:
     """``Trainer._get_output_dir(trial=trial)``: the run directory checkpoints go to (per trial under HPO).
     Checked on transformers 5.15-5.25."""
-    return _attribute(trainer, "_get_output_dir", "trainer_output_dir", "transformers")(trial=trial)
+    return attribute(trainer, "_get_output_dir", "trainer_output_dir", "transformers")(trial=trial)
 
 
 def trainer_save_scaler(trainer: Any, output_dir: str) -> None:
     """``Trainer._save_scaler(output_dir)``: the grad scaler's state. Checked on transformers 5.15-5.25."""
-    _attribute(trainer, "_save_scaler", "trainer_save_scaler", "transformers")(output_dir)
+    attribute(trainer, "_save_scaler", "trainer_save_scaler", "transformers")(output_dir)
 
 
 def trainer_save_rng_state(trainer: Any, output_dir: str) -> None:
     """``Trainer._save_rng_state(output_dir)``: this process's RNG states. Checked on transformers 5.15-5.25."""
-    _attribute(trainer, "_save_rng_state", "trainer_save_rng_state", "transformers")(output_dir)
+    attribute(trainer, "_save_rng_state", "trainer_save_rng_state", "transformers")(output_dir)
 
 
 def trainer_push_from_checkpoint(trainer: Any, checkpoint_dir: str) -> None:
     """``Trainer._push_from_checkpoint(checkpoint_dir)``: the hub upload of a saved checkpoint. Checked on
     transformers 5.15-5.25."""
-    _attribute(trainer, "_push_from_checkpoint", "trainer_push_from_checkpoint", "transformers")(checkpoint_dir)
+    attribute(trainer, "_push_from_checkpoint", "trainer_push_from_checkpoint", "transformers")(checkpoint_dir)
 
 
 def model_device_mesh(model: Any) -> Any:
@@ -93,8 +93,8 @@ def mesh_manager_meshes(manager: Any) -> tuple[Any, Any]:
     """``(TransformersDeviceMesh._dense_mesh, TransformersDeviceMesh._expert_mesh)``: the (pp, [dp_replicate,]
     fsdp, tp) and (pp, [dp_replicate,] efsdp, ep) meshes (the class exists from 5.19). Checked on transformers
     5.24-5.25."""
-    return (_attribute(manager, "_dense_mesh", "mesh_manager_meshes", "transformers"),
-            _attribute(manager, "_expert_mesh", "mesh_manager_meshes", "transformers"))
+    return (attribute(manager, "_dense_mesh", "mesh_manager_meshes", "transformers"),
+            attribute(manager, "_expert_mesh", "mesh_manager_meshes", "transformers"))
 
 
 def set_model_sharding_sizes(model: Any, tp_size: int, fsdp_size: int) -> None:
@@ -125,19 +125,19 @@ def set_experts_expert_parallel(experts: Any, flag: bool) -> None:
 def experts_apply_gate(experts: Any, projected: torch.Tensor) -> torch.Tensor:
     """``experts._apply_gate(projected)``: the gated activation of a gate+up projection. Checked on transformers
     5.15-5.25."""
-    return _attribute(experts, "_apply_gate", "experts_apply_gate", "transformers")(projected)
+    return attribute(experts, "_apply_gate", "experts_apply_gate", "transformers")(projected)
 
 
 def moe_grouped_linear() -> Callable[..., torch.Tensor]:
     """``transformers.integrations.moe._grouped_linear``: the grouped GEMM (kernel choice included) that
     ``grouped_mm_experts_forward`` calls. Checked on transformers 5.15-5.25."""
-    return _module_attribute("transformers.integrations.moe", MOE_GROUPED_LINEAR, "moe_grouped_linear", "transformers")
+    return module_attribute("transformers.integrations.moe", MOE_GROUPED_LINEAR, "moe_grouped_linear", "transformers")
 
 
 def moe_can_use_grouped_mm(hidden: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> bool:
     """``transformers.integrations.moe._can_use_grouped_mm``: whether ``_grouped_linear`` runs torch's grouped_mm
     kernel for these operands (else its fallback loop). Checked on transformers 5.15-5.25."""
-    return _module_attribute("transformers.integrations.moe", "_can_use_grouped_mm", "moe_can_use_grouped_mm",
+    return module_attribute("transformers.integrations.moe", "_can_use_grouped_mm", "moe_can_use_grouped_mm",
                              "transformers")(hidden, weight, offsets)
 
 

@@ -313,7 +313,7 @@ def _scores_hook(transform):
 def test_router_probe_reads_the_hooks_autograd_graph():
     import torch
 
-    from shardadopt.patches.transformers_ep_router_grad import _probe_hook
+    from shardadopt.patches.transformers_ep_router_grad import probe_hook
 
     class SumOverGroup(torch.autograd.Function):
         @staticmethod
@@ -327,15 +327,15 @@ def test_router_probe_reads_the_hooks_autograd_graph():
     class Detour(SumOverGroup):
         pass
 
-    masked = _probe_hook(_scores_hook(lambda s, m: s.masked_fill(m, 0.0)))
+    masked = probe_hook(_scores_hook(lambda s, m: s.masked_fill(m, 0.0)))
     assert masked.needed, masked.reason
-    summed = _probe_hook(_scores_hook(lambda s, m: SumOverGroup.apply(s).masked_fill(m, 0.0)))
+    summed = probe_hook(_scores_hook(lambda s, m: SumOverGroup.apply(s).masked_fill(m, 0.0)))
     assert not summed.needed, summed.reason
     for unknown in (lambda s, m: s * (~m),  # a mask that is not masked_fill
                     lambda s, m: Detour.apply(s).masked_fill(m, 0.0),  # a custom Function it does not know
                     lambda s, m: s.detach().masked_fill(m, 0.0)):  # a graph that does not reach the scores
         with pytest.raises(Undecided, match="found neither"):
-            _probe_hook(_scores_hook(unknown))
+            probe_hook(_scores_hook(unknown))
 
 
 def test_every_patch_is_decided_on_the_installed_release():
