@@ -82,4 +82,4 @@ def test_every_page_in_docs_is_reachable_from_the_readme_or_another_page():
 def test_patches_page_has_a_section_per_patch():
     sections = anchors(REPO / "docs" / "patches.md")
     missing = [p.id for p in shardadopt._registry().patches() if p.id not in sections]
-    assert not missing, f"docs/patches.md has no `## `patch-id`` section for {missing}"
+    assert not missing, f"docs/patches.md has no `### `patch-id`` section (under its library's heading) for {missing}"
