@@ -40,7 +40,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-PATCH_ID = "accelerate-adopt-sharded-model"
 _MODULE = "accelerate.accelerator"
 
 
@@ -214,7 +213,7 @@ def _target(name: str) -> Target:
 
 
 PATCH = Patch(
-    id=PATCH_ID,
+    id="accelerate-adopt-sharded-model",
     summary="Accelerator.prepare adopts sharded models: dp-rank data split, metrics, no_sync, clipping, optimizers",
     upstream="anticipates huggingface/accelerate (adopt models sharded by transformers DistributedConfig); "
              "huggingface/transformers#45662 (EP experts overwritten)",

@@ -35,7 +35,6 @@ from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream import PARALLELISM_CONFIG_VALIDATE_ACCELERATOR, validate_parallelism_config
 from shardadopt.upstream.versions import supported
 
-PATCH_ID = "accelerate-cpu-parallelism-config"
 _REFUSAL = "ParallelismConfig is only compatible"
 
 
@@ -104,7 +103,7 @@ def probe() -> Probe:
 
 
 PATCH = Patch(
-    id=PATCH_ID,
+    id="accelerate-cpu-parallelism-config",
     summary="ParallelismConfig (TP, HSDP, 2-D) accepted for CPU processes (gloo)",
     upstream="anticipates huggingface/accelerate: count MULTI_CPU as multi-device in ParallelismConfig validation",
     requires=supported("accelerate", "transformers"),

@@ -30,7 +30,6 @@ from __future__ import annotations
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-PATCH_ID = "accelerate-sharded-checkpoint"
 _MODULE = "accelerate.accelerator"
 
 
@@ -103,7 +102,7 @@ def probe() -> Probe:
 
 
 PATCH = Patch(
-    id=PATCH_ID,
+    id="accelerate-sharded-checkpoint",
     summary="save_state/load_state (atomic, resumable DCP), get_state_dict/save_model (full tensors) for "
             "sharded models",
     upstream="anticipates huggingface/accelerate: DCP checkpoints for models sharded outside accelerate's plugins",

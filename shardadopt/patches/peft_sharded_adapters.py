@@ -41,7 +41,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-PATCH_ID = "peft-sharded-adapters"
 _TUNERS = "peft.tuners.tuners_utils"
 _PEFT_MODEL = "peft.peft_model"
 _REDUCTIONS = {"all_reduce", "register_post_accumulate_grad_hook", "fully_shard", "lay_out_adapters"}
@@ -159,7 +158,7 @@ def probe() -> Probe:
     from shardadopt.upstream.probing import names, source_tree, upstream_function
 
     sizes_local = _sizes_tp_bases_locally(source_tree(upstream.peft_in_out_features()))
-    reduces = bool(_REDUCTIONS & names(source_tree(upstream_function(BaseTuner, "inject_adapter", PATCH_ID))))
+    reduces = bool(_REDUCTIONS & names(source_tree(upstream_function(BaseTuner, "inject_adapter", PATCH.id))))
     if reduces and not sizes_local:
         return Probe(False, "peft sizes adapters by the global shape and reduces their gradients")
     why = ["sizes LoRA factors of a tensor-parallel base by its local shard"] if sizes_local else []
@@ -170,7 +169,7 @@ def probe() -> Probe:
 
 
 PATCH = Patch(
-    id=PATCH_ID,
+    id="peft-sharded-adapters",
     summary="PEFT LoRA on sharded models: adapters laid out like their base layers, dp-averaged, exported whole",
     upstream="anticipates huggingface/peft (DTensor TP since #3079 sizes by the local shard); "
              "huggingface/transformers#48792 / #48873 (FSDP adapters never reduced)",

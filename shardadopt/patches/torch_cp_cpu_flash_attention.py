@@ -23,8 +23,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.versions import supported
 
-ID = "torch-cp-cpu-flash-attention"
-
 
 def probe() -> Probe:
     """Look the CPU and CUDA flash kernels up in ring attention's handler table."""
@@ -58,7 +56,7 @@ def _disable(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="torch-cp-cpu-flash-attention",
     summary="context parallelism (torch's ring attention, accelerate's ParallelismConfig(cp_size=N), the Trainer) "
             "runs on CPU: the CPU flash SDPA kernel goes through the same ring code as the CUDA kernels",
     upstream="proposal for pytorch main",

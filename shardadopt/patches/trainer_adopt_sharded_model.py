@@ -41,7 +41,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-PATCH_ID = "trainer-adopt-sharded-model"
 _MODULE = upstream.TRAINER_MODULE
 
 
@@ -133,7 +132,7 @@ def probe() -> Probe:
 
 
 PATCH = Patch(
-    id=PATCH_ID,
+    id="trainer-adopt-sharded-model",
     summary="Trainer: no .to() of load-time-sharded models; optimizer built from the resharded FSDP2 parameters",
     upstream="backports huggingface/transformers: load-time-sharded models stay in place (5.18 `_device_mesh`, "
              "5.19 is_distributed_loading_by_transformers) and FSDP2 reshards before create_optimizer (5.24)",

@@ -40,8 +40,6 @@ from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream import TRAINER_REPORT_TO_HP_SEARCH
 from shardadopt.upstream.versions import supported
 
-PATCH_ID = "trainer-hpo-optuna"
-
 
 def _run_hp_search_optuna(wrapped, instance, args, kwargs):
     from shardadopt.hpo.trainer_backend import run_hp_search_optuna
@@ -78,7 +76,7 @@ def probe() -> Probe:
 
 
 PATCH = Patch(
-    id=PATCH_ID,
+    id="trainer-hpo-optuna",
     summary="Trainer Optuna HPO under torch.distributed: collective trials, pruning, stop and errors on every rank",
     upstream="transformers: run_hp_search_optuna / _report_to_hp_search (FixedTrial on ranks > 0, all 5.x)",
     requires=supported("transformers", "optuna"),

@@ -34,7 +34,6 @@ from __future__ import annotations
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "trainer-model-init-parallelism"
 BUILD = "create_accelerator_and_postprocess"
 INIT = "call_model_init"
 
@@ -59,7 +58,7 @@ def probe() -> Probe:
     from shardadopt.upstream.probing import source_tree, undecided, upstream_function
 
     where = "Trainer.__init__ / Trainer.train / Trainer.call_model_init"
-    trees = {name: source_tree(upstream_function(Trainer, name, f"{ID} probe"))
+    trees = {name: source_tree(upstream_function(Trainer, name, f"{PATCH.id} probe"))
              for name in ("__init__", "train", INIT)}
     if _call_lines(trees[INIT], BUILD):
         return Probe(False, "Trainer.call_model_init rebuilds the accelerator for the model it built")
@@ -77,7 +76,7 @@ def probe() -> Probe:
 
 
 PATCH = Patch(
-    id=ID,
+    id="trainer-model-init-parallelism",
     summary="Trainer(model_init=...) with a tensor-parallel load: the accelerator is rebuilt with the model's "
             "ParallelismConfig (it was built before model_init ran, without one)",
     upstream="proposal for transformers main (not reported yet); upstream-fixes/trainer-model-init-parallelism.diff",

@@ -42,7 +42,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-PATCH_ID = "trainer-sharded-checkpoint"
 _MODULE = upstream.TRAINER_MODULE
 
 
@@ -163,7 +162,7 @@ def probe() -> Probe:
 
 
 PATCH = Patch(
-    id=PATCH_ID,
+    id="trainer-sharded-checkpoint",
     summary="Trainer: resumable, atomic DCP checkpoints and streamed full export for load-time-sharded models",
     upstream="anticipates huggingface/transformers: lift 'Resuming is not supported for models sharded at load "
              "time' by checkpointing through torch.distributed.checkpoint",

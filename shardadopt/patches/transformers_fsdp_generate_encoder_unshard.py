@@ -27,7 +27,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-fsdp-generate-encoder-unshard"
 TARGET = upstream.GENERATION_PREPARE_MULTIMODAL_ENCODER
 # What a method that gathers the FSDP units it reads would call.
 _GATHERS = {"unshard", "register_fsdp_forward_method"}
@@ -90,7 +89,7 @@ def _prepare_multimodal_encoder(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-fsdp-generate-encoder-unshard",
     summary="FSDP: generate() with images on a model loaded with fsdp_size gathers the root unit (vision patch "
             "embedding, projector) for the image encoding it runs before the prefill, and reshards it after",
     upstream="proposal for transformers main (not reported yet); "

@@ -25,7 +25,6 @@ import logging
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-fsdp-plan-unmatched-units"
 MODULE = "transformers.distributed.mixin"
 QWEN_CONFIG = "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl"
 _LOG = logging.getLogger("shardadopt")
@@ -99,7 +98,7 @@ def _maybe_distribute_model(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-fsdp-plan-unmatched-units",
     summary="FSDP at load time: the blocks of a vision tower (and of any sub-model whose FSDP plan rules match "
             "nothing) become FSDP units of their own instead of being gathered whole with the root at every forward",
     upstream=("proposal for transformers main (not reported yet); "

@@ -26,7 +26,6 @@ from typing import Any
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-fused-weight-sharding"
 MODULE = "transformers.core_model_loading"
 SHARDING_MODULE = "transformers.distributed.sharding_utils"
 FULL_SHAPE = "shardadopt_full_shape"  # set on each DtensorShardOperation: its parameter's global shape
@@ -129,7 +128,7 @@ def _convert(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-fused-weight-sharding",
     summary="loading a fused checkpoint tensor (HRM's gqkv_proj) into parameters sharded at load time: converted "
             "whole and each result sharded by its own layout (it was sliced with the first target's bounds "
             "before the split, every rank's q/k/v/gate the wrong rows: silently wrong under TP and FSDP)",

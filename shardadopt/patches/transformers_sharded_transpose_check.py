@@ -27,7 +27,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-sharded-transpose-check"
 MODULE = "transformers.core_model_loading"
 # the WeightConverter whose operations run now: transformers 5.15 keeps its tensor-parallel layer there
 _CONVERTER: contextvars.ContextVar[Any] = contextvars.ContextVar("shardadopt_weight_converter", default=None)
@@ -85,7 +84,7 @@ def _transpose_convert(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-sharded-transpose-check",
     summary="a sharded load's layout check (Transpose(check_dims=True): qwen3_vl_moe's stacked experts) compares "
             "this rank's slice with the shard's shape (it compared it with the global shape and transposed a slice "
             "already in the model's layout: down_proj mismatched and the load raised on fsdp/ep, a square "

@@ -39,7 +39,7 @@ def _assigned_attributes(function) -> set[str]:
 def probe() -> Probe:
     """Parse ``DistributedMixin.maybe_distribute_model``: which attributes it sets on the model next to the mesh."""
     # Only the mixin is inspected: this runs while transformers.modeling_utils is still importing it.
-    where = "transformers-sharding-sizes probe"
+    where = f"{PATCH.id} probe"
     assigned = _assigned_attributes(upstream.upstream_method(Target(MODULE, "DistributedMixin.maybe_distribute_model"),
                                                              where))
     if upstream.MODEL_DEVICE_MESH_ATTRIBUTE not in assigned:

@@ -21,7 +21,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-tp-heads-refused"
 MODULE = "transformers.distributed.mixin"
 DISTRIBUTE = Target(MODULE, "DistributedMixin.maybe_distribute_model")
 TP_APPLY = "apply_tensor_parallelism"
@@ -34,7 +33,7 @@ def probe() -> Probe:
 
     from shardadopt.upstream.probing import calls, names, source_tree, undecided
 
-    where = f"{ID} probe"
+    where = f"{PATCH.id} probe"
     distribute = upstream.upstream_method(DISTRIBUTE, where)
     apply = inspect.unwrap(distribute).__globals__.get(TP_APPLY)
     if not calls(source_tree(distribute), TP_APPLY) or apply is None:
@@ -56,7 +55,7 @@ def _maybe_distribute_model(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-tp-heads-refused",
     summary="TP: a tp_size that does not divide the attention heads the TP plan splits (PaliGemma's one key/value "
             "head on tp_size=2) is refused at load with a clear error, not a reshape error at the first forward",
     upstream="proposal for transformers main (not reported yet); upstream-fixes/transformers-tp-heads-refused@*.diff",

@@ -39,8 +39,6 @@ from shardadopt.upstream import (
 )
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-tp-legacy-layers"
-
 
 def probe() -> Probe:
     from shardadopt.upstream.probing import undecided
@@ -88,7 +86,7 @@ def _tensor_parallel(model, layout) -> bool:
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-tp-legacy-layers",
     summary="TP on transformers 5.15: a vocab-parallel embedding's padding_idx made local to each rank's shard (a "
             "real token's row got no gradient, or the lookup raised) and a rowwise projection's bias kept under its "
             "name (it became `_bias` at the first forward, missing from checkpoints)",

@@ -26,7 +26,6 @@ import logging
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-tp-partial-grad"
 MODULE = "transformers.distributed.mixin"
 PLAN_MODULE = "transformers.models.apertus.configuration_apertus"
 _LOG = logging.getLogger("shardadopt")
@@ -73,7 +72,7 @@ def _tensor_parallel(model, layout) -> bool:
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-tp-partial-grad",
     summary="TP: parameters the plan leaves out inside a sharded region (Apertus xIELU alpha_p/alpha_n) get their "
             "partial gradients summed over the TP group (found by comparing the ranks' copies)",
     upstream="proposal for transformers main (not reported yet); upstream-fixes/transformers-tp-partial-grad.diff",

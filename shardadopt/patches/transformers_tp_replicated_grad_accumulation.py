@@ -32,8 +32,6 @@ from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.probing import package_file
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-tp-replicated-grad-accumulation"
-
 
 def _layout() -> tuple[str, str]:
     """(module, method) through which the installed transformers hooks the style, found without importing it:
@@ -141,7 +139,7 @@ def _hooked_by_upstream(model, layout) -> bool:
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-tp-replicated-grad-accumulation",
     summary="TP replicated_with_grad_allreduce (Qwen3 q_norm/k_norm): reduce each backward's gradient once, so "
             "gradient accumulation is right",
     upstream="anticipates a transformers fix (not reported yet); upstream-fixes/transformers-tp-replicated-grad-"

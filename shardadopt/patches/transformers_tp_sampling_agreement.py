@@ -22,7 +22,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-tp-sampling-agreement"
 GENERATE = Target("transformers.generation.utils", "GenerationMixin.generate")
 # What a generate that makes a model-parallel group's random state agree would call.
 _SHARED_STATE = {"set_rng_state", "broadcast", "broadcast_object_list"}
@@ -57,7 +56,7 @@ def _generate(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-tp-sampling-agreement",
     summary="TP: generate() gives every rank of a tensor-parallel group its first rank's random state, so "
             "per-process seeds (TRL GRPO/RLOO, a user's per-rank seed) sample the same tokens on one replica",
     upstream=("proposal for transformers main (not reported yet); "

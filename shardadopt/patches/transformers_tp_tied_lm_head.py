@@ -24,7 +24,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "transformers-tp-tied-lm-head"
 MODULE = "transformers.distributed.mixin"
 REPRESENTATIVE = ("models", "gemma3", "modeling_gemma3.py")
 REPRESENTATIVE_CLASS = "Gemma3ForConditionalGeneration"
@@ -78,7 +77,7 @@ def _maybe_distribute_model(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="transformers-tp-tied-lm-head",
     summary="TP at load time: a vision-language model's LM head tied to the vocabulary-sharded embedding is sharded "
             "and gathered as a causal LM's (transformers 5.15-5.19 computed logits over part of the vocabulary)",
     upstream="fixed in transformers 5.20 (lm_head in each vision-language class's _tp_plan); "

@@ -29,7 +29,6 @@ from shardadopt.patches.trl_grpo_data_parallel import data_parallel_wrappers, se
 from shardadopt.patching.registry import Patch, Target
 from shardadopt.upstream.versions import supported
 
-ID = "trl-distillation-data-parallel"
 MODULE = "trl.trainer.distillation_trainer"
 INIT = Target(MODULE, "DistillationTrainer.__init__")
 
@@ -49,7 +48,7 @@ def trainer_init(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="trl-distillation-data-parallel",
     summary="TRL DistillationTrainer on TP/2-D students: seeds, sampler blocks, gathers and loss normalisation by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
     upstream="proposal for trl main (not reported yet); upstream-fixes/trl-distillation-data-parallel.diff",

@@ -24,7 +24,6 @@ from shardadopt import upstream
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "trl-distillation-plain-tp-head"
 INIT = Target("trl.trainer.distillation_trainer", "DistillationTrainer.__init__")
 
 
@@ -59,7 +58,7 @@ def checks_head_rows(function) -> bool:
 def probe() -> Probe:
     from shardadopt.upstream.probing import undecided
 
-    where = f"{ID} probe"
+    where = f"{PATCH.id} probe"
     if checks_head_rows(upstream.upstream_method(INIT, where)):
         return Probe(False, "DistillationTrainer refuses an LM head with fewer rows than the vocabulary")
     loss = upstream.upstream_method(upstream.DISTILLATION_COMPUTE_LOSS, where)
@@ -82,7 +81,7 @@ def trainer_init(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="trl-distillation-plain-tp-head",
     summary="TRL DistillationTrainer refused by name on a student or teacher whose LM head is a plain TP shard "
             "(transformers 5.15/5.16), which its loss reads itself",
     upstream="proposal for trl main (not reported yet); upstream-fixes/trl-distillation-plain-tp-head.diff",

@@ -31,7 +31,6 @@ from shardadopt.online.view import gather, gather_object, scoped
 from shardadopt.patching.registry import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
-ID = "trl-grpo-data-parallel"
 MODULE = "trl.trainer.grpo_trainer"
 INIT = Target(MODULE, "GRPOTrainer.__init__")
 CONFIG = Target("trl.trainer.grpo_config", "GRPOConfig.__post_init__")
@@ -100,7 +99,7 @@ def trainer_init(wrapped, instance, args, kwargs):
 
 
 PATCH = Patch(
-    id=ID,
+    id="trl-grpo-data-parallel",
     summary="TRL GRPOTrainer on TP/2-D loads: seeds, generation batch, gathers and advantage slices by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
     upstream="proposal for trl main (not reported yet); upstream-fixes/trl-grpo-data-parallel.diff",

@@ -31,13 +31,12 @@ from shardadopt.patches.trl_grpo_data_parallel import (
 from shardadopt.patching.registry import Patch, Target
 from shardadopt.upstream.versions import supported
 
-ID = "trl-rloo-data-parallel"
 MODULE = "trl.trainer.rloo_trainer"
 INIT = Target(MODULE, "RLOOTrainer.__init__")
 CONFIG = Target("trl.trainer.rloo_config", "RLOOConfig.__post_init__")
 
 PATCH = Patch(
-    id=ID,
+    id="trl-rloo-data-parallel",
     summary="TRL RLOOTrainer on TP/2-D loads: seeds, generation batch, gathers and advantage slices by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
     upstream="proposal for trl main (not reported yet); upstream-fixes/trl-rloo-data-parallel.diff",

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from shardadopt import checkpoint
-from shardadopt.patches.accelerate_sharded_checkpoint import PATCH_ID as ACCELERATE_ID
-from shardadopt.patches.trainer_sharded_checkpoint import PATCH_ID as TRAINER_ID
+from shardadopt.patches.accelerate_sharded_checkpoint import PATCH as ACCELERATE_PATCH
+from shardadopt.patches.trainer_sharded_checkpoint import PATCH as TRAINER_PATCH
 from shardadopt.selftest import checkpoint as scenario
 from shardadopt.testing import RankError, RankPool, RankTimeout
 from shardadopt.testing.accelerator import fresh_accelerator
+
+ACCELERATE_ID, TRAINER_ID = ACCELERATE_PATCH.id, TRAINER_PATCH.id
 
 pytestmark = pytest.mark.multiproc
 # TP through accelerate needs the adoption's data split (tested there); EP only where it is DTensor-based (5.19+):

@@ -507,11 +507,11 @@ def test_generate_with_images_on_fsdp_fails_without_its_patch(pool2, vlm_generat
     """Where transformers-fsdp-generate-encoder-unshard applies (generate encodes the images before the prefill,
     outside any forward: 5.25), leaving it out makes the fsdp cell above raise on every rank: the root unit's
     vision parameters are still shards when the patch embedding runs."""
-    from shardadopt.patches.transformers_fsdp_generate_encoder_unshard import ID, probe
+    from shardadopt.patches.transformers_fsdp_generate_encoder_unshard import PATCH, probe
 
     found = probe()
     if not found.needed:
-        pytest.skip(f"{ID} is not needed here: {found.reason}")
+        pytest.skip(f"{PATCH.id} is not needed here: {found.reason}")
     path, batch, _ = vlm_generation("qwen2_5_vl")
-    results = pool2.run(vlm_generate_rank, path, {"fsdp_size": 2}, batch, None, (ID,), timeout=300)
+    results = pool2.run(vlm_generate_rank, path, {"fsdp_size": 2}, batch, None, (PATCH.id,), timeout=300)
     assert all("DTensor" in result.get("error", "") for result in results), results

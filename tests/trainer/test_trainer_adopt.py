@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from shardadopt.patches.trainer_adopt_sharded_model import PATCH_ID
+from shardadopt.patches.trainer_adopt_sharded_model import PATCH
 from shardadopt.selftest.trainer import (
     LAYOUTS,
     PER_RANK_BATCH,
@@ -29,6 +29,8 @@ from shardadopt.selftest.trainer import (
 )
 from shardadopt.testing.accelerator import forget_accelerate_state
 from shardadopt.testing.layouts import distributed_sizes
+
+PATCH_ID = PATCH.id
 
 pytestmark = pytest.mark.multiproc
 STEPS = 3

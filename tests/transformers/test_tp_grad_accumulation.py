@@ -18,10 +18,12 @@ import pytest
 import torch
 
 import shardadopt
-from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID, MODULE
+from shardadopt.patches.transformers_tp_replicated_grad_accumulation import MODULE, PATCH
 from shardadopt.patching.registry import APPLIED, NOT_NEEDED
 from shardadopt.testing.scripts import load_tool
 from shardadopt.upstream.versions import installed_version
+
+ID = PATCH.id
 
 tool = load_tool("upstream_diffs")
 DIFF = tool.diff_for(tool.load_fixes([ID])[ID], str(installed_version("transformers")))  # the installed release's
@@ -200,7 +202,9 @@ def test_fix_and_partial_grad_patch_each_act_once(pool2, tiny_models, references
     pre-hook) and leave q_norm/k_norm alone, and ``fix_tp_grad_accumulation`` must then find and replace every one
     of them; accumulating 2 micro-batches gives one process's gradients (a missed hook: 50 % off, a second sum:
     2x)."""
-    from shardadopt.patches.transformers_tp_partial_grad import ID as PARTIAL_ID
+    from shardadopt.patches.transformers_tp_partial_grad import PATCH as PARTIAL
+
+    PARTIAL_ID = PARTIAL.id
 
     try:
         states = {s.id: s.state for s in shardadopt.enable(only=[PARTIAL_ID])}

@@ -25,10 +25,12 @@ from packaging.version import Version
 
 import shardadopt
 from shardadopt.cli import main
-from shardadopt.patches.transformers_tp_replicated_grad_accumulation import ID as TP_ID
+from shardadopt.patches.transformers_tp_replicated_grad_accumulation import PATCH as TP_PATCH
 from shardadopt.patching import registry
 from shardadopt.patching.registry import APPLIED, NOT_NEEDED, UNSUPPORTED
 from shardadopt.upstream import versions
+
+TP_ID = TP_PATCH.id
 
 FAKE = {"transformers": "5.99.0", "accelerate": "1.99.0"}
 
