@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt import upstream
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.versions import supported
 
-MODULE = "transformers.distributed.mixin"
 QWEN_CONFIG = "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl"
 _LOG = logging.getLogger("shardadopt")
 
@@ -86,8 +86,8 @@ def probe() -> Probe:
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
     from shardadopt.parallel.fsdpunits import complete_fsdp_plan
 
-    bound = dict(zip(("model", "distributed_config", "mesh"), args)) | kwargs
-    model, config = bound.get("model"), bound.get("distributed_config")
+    call = upstream.bind_maybe_distribute_model(wrapped, args, kwargs)
+    model, config = call.model, call.distributed_config
     shards = (getattr(config, "fsdp_size", None) or 1) * (getattr(config, "dp_replicate_size", None) or 1)
     if model is not None and shards > 1:
         added = complete_fsdp_plan(model)
@@ -104,7 +104,7 @@ PATCH = Patch(
     upstream=("proposal for transformers main (not reported yet); "
               "upstream-fixes/transformers-fsdp-plan-unmatched-units@*.diff"),
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),
     probe=probe,
 )

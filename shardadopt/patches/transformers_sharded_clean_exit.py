@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import inspect
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt import upstream
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.versions import supported
-
-MODULE = "transformers.distributed.mixin"
 
 
 def probe() -> Probe:
@@ -59,9 +58,9 @@ def probe() -> Probe:
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
     from shardadopt.lifecycle.cleanexit import arm_at_exit
 
+    call = upstream.bind_maybe_distribute_model(wrapped, args, kwargs)
     model = wrapped(*args, **kwargs)
-    bound = dict(zip(("model", "distributed_config", "mesh"), args)) | kwargs
-    if bound.get("mesh", bound.get("mesh_manager", bound.get("device_mesh"))) is not None:
+    if call.shards:
         arm_at_exit()
     return model
 
@@ -72,7 +71,7 @@ PATCH = Patch(
             "gloo groups destroyed at a successful exit)",
     upstream="pytorch/pytorch#179291 (abandoned: atexit destroy_process_group); not reported to transformers",
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     probe=probe,
     probe_modules=("torch.distributed.distributed_c10d",),
 )

@@ -24,11 +24,9 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.probing import source_tree, undecided
 from shardadopt.upstream.versions import supported
-
-MODULE = "transformers.distributed.mixin"
 
 
 def _assigned_attributes(function) -> set[str]:
@@ -40,8 +38,7 @@ def probe() -> Probe:
     """Parse ``DistributedMixin.maybe_distribute_model``: which attributes it sets on the model next to the mesh."""
     # Only the mixin is inspected: this runs while transformers.modeling_utils is still importing it.
     where = f"{PATCH.id} probe"
-    assigned = _assigned_attributes(upstream.upstream_method(Target(MODULE, "DistributedMixin.maybe_distribute_model"),
-                                                             where))
+    assigned = _assigned_attributes(upstream.upstream_method(upstream.MAYBE_DISTRIBUTE_MODEL, where))
     if upstream.MODEL_DEVICE_MESH_ATTRIBUTE not in assigned:
         raise undecided("DistributedMixin.maybe_distribute_model", "where it records the model's _device_mesh")
     missing = sorted(set(upstream.MODEL_SHARDING_SIZE_ATTRIBUTES) - assigned)
@@ -53,10 +50,10 @@ def probe() -> Probe:
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
     from shardadopt.loadtime import record_sharding_degrees
 
+    call = upstream.bind_maybe_distribute_model(wrapped, args, kwargs)
     model = wrapped(*args, **kwargs)
-    bound = dict(zip(("model", "distributed_config", "device_mesh"), args)) | kwargs
-    if bound.get("device_mesh", bound.get("mesh_manager")) is not None:
-        record_sharding_degrees(model, bound.get("distributed_config"))
+    if call.shards:
+        record_sharding_degrees(model, call.distributed_config)
     return model
 
 
@@ -71,7 +68,7 @@ PATCH = Patch(
     summary="models sharded at load time record _tp_size/_fsdp_size and expose fsdp_size (Trainer needs them)",
     upstream="huggingface/transformers#48208 (_tp_size), huggingface/transformers#48204 (_fsdp_size, fsdp_size)",
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     needed_by=_sharded,
     probe=probe,
 )

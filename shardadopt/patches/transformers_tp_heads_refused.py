@@ -18,11 +18,10 @@ that reads it means ``not-needed``.
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.versions import supported
 
-MODULE = "transformers.distributed.mixin"
-DISTRIBUTE = Target(MODULE, "DistributedMixin.maybe_distribute_model")
+DISTRIBUTE = upstream.MAYBE_DISTRIBUTE_MODEL
 TP_APPLY = "apply_tensor_parallelism"
 # What a load that checks the heads against tp_size reads.
 _HEAD_CHECKS = {"num_key_value_heads", "get_kv_heads_per_rank"}
@@ -48,9 +47,9 @@ def probe() -> Probe:
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
     from shardadopt.loadtime import refuse_indivisible_heads
 
-    bound = dict(zip(("model", "distributed_config"), args)) | kwargs
-    if bound.get("model") is not None:
-        refuse_indivisible_heads(bound["model"], bound.get("distributed_config"))
+    call = upstream.bind_maybe_distribute_model(wrapped, args, kwargs)
+    if call.model is not None:
+        refuse_indivisible_heads(call.model, call.distributed_config)
     return wrapped(*args, **kwargs)
 
 

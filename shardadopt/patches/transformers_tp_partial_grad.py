@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import logging
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt import upstream
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.versions import supported
 
-MODULE = "transformers.distributed.mixin"
 PLAN_MODULE = "transformers.models.apertus.configuration_apertus"
 _LOG = logging.getLogger("shardadopt")
 
@@ -57,9 +57,8 @@ def _report(name: str) -> None:
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
     from shardadopt.parallel.tp import install_partial_gradient_sums
 
+    config = upstream.bind_maybe_distribute_model(wrapped, args, kwargs).distributed_config
     model = wrapped(*args, **kwargs)
-    bound = dict(zip(("model", "distributed_config", "mesh"), args)) | kwargs
-    config = bound.get("distributed_config")
     if (getattr(config, "tp_size", None) or 1) > 1 and model is not None:
         install_partial_gradient_sums(model, on_partial=_report)
     return model
@@ -77,7 +76,7 @@ PATCH = Patch(
             "partial gradients summed over the TP group (found by comparing the ranks' copies)",
     upstream="proposal for transformers main (not reported yet); upstream-fixes/transformers-tp-partial-grad.diff",
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     needed_by=_tensor_parallel,
     probe=probe,
 )

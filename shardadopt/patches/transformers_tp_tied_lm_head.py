@@ -21,10 +21,9 @@ import ast
 import logging
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.registry import Patch, Probe
 from shardadopt.upstream.versions import supported
 
-MODULE = "transformers.distributed.mixin"
 REPRESENTATIVE = ("models", "gemma3", "modeling_gemma3.py")
 REPRESENTATIVE_CLASS = "Gemma3ForConditionalGeneration"
 _LOG = logging.getLogger("shardadopt")
@@ -64,8 +63,8 @@ def probe() -> Probe:
 def _maybe_distribute_model(wrapped, instance, args, kwargs):
     from shardadopt.loadtime.plans import TIED_HEAD_STYLE, complete_tied_head_plan
 
-    bound = dict(zip(("model", "distributed_config", "device_mesh"), args)) | kwargs
-    model, config = bound.get("model"), bound.get("distributed_config")
+    call = upstream.bind_maybe_distribute_model(wrapped, args, kwargs)
+    model, config = call.model, call.distributed_config
     if (model is not None and (getattr(config, "tp_size", None) or 1) > 1
             and getattr(config, "tp_plan", None) in (None, "auto")
             and not getattr(config, "enable_expert_parallel", False)):
@@ -83,7 +82,7 @@ PATCH = Patch(
     upstream="fixed in transformers 5.20 (lm_head in each vision-language class's _tp_plan); "
              "upstream-fixes/transformers-tp-tied-lm-head@*.diff",
     requires=supported("transformers"),
-    wrappers={Target(MODULE, "DistributedMixin.maybe_distribute_model"): _maybe_distribute_model},
+    wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),
     probe=probe,
 )

@@ -3,7 +3,9 @@ distributed_config=...)`` sets on a model, the MoE and tensor-parallel internals
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardadopt.upstream.base import Target, attribute, module_attribute
@@ -224,3 +226,46 @@ def model_no_split_modules(model: Any) -> list[str] | None:
     accelerate's FSDP auto-wrap and ``device_map`` keep together); None for a module that is not a transformers
     model or declares none. Checked on transformers 5.15-5.25."""
     return getattr(model, "_no_split_modules", None)
+
+
+# The classmethod ``from_pretrained(..., distributed_config=...)`` shards a freshly built model with (before any
+# weight is read): ``DistributedMixin.maybe_distribute_model(model, distributed_config, <mesh>)``, wrapped by six
+# patches. Its third parameter is ``device_mesh`` (a ``DeviceMesh``) in 5.15 .. 5.17 and ``mesh_manager`` (a
+# ``TransformersDeviceMesh``) from 5.18 on; None for a load that shards nothing. Checked on transformers 5.15-5.25.
+MAYBE_DISTRIBUTE_MODEL = Target("transformers.distributed.mixin", "DistributedMixin.maybe_distribute_model")
+
+
+@dataclass(frozen=True)
+class DistributeArguments:
+    """One call of :data:`MAYBE_DISTRIBUTE_MODEL`, by meaning: whatever upstream names the mesh parameter."""
+
+    model: Any
+    distributed_config: Any
+    mesh: Any  # 5.15 .. 5.17: device_mesh; 5.18+: mesh_manager; None: nothing is sharded
+
+    @property
+    def shards(self) -> bool:
+        """Whether this call shards the model (upstream returns it untouched without a mesh)."""
+        return self.mesh is not None
+
+
+def bind_maybe_distribute_model(wrapped: Callable[..., Any], args: tuple, kwargs: dict) -> DistributeArguments:
+    """The arguments of a ``maybe_distribute_model`` call as a wrapt wrapper receives them, bound by the wrapped
+    function's own signature (positional or keyword, any release's parameter names).
+
+    Args:
+        wrapped: the (bound) ``maybe_distribute_model`` a wrapper was given, possibly wrapped by other patches.
+        args: the call's positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        The model, the distributed config and the mesh (upstream's third parameter).
+
+    Raises:
+        TypeError: the arguments do not fit the signature (as the call itself would raise).
+    """
+    signature = inspect.signature(wrapped)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    model, config, mesh = (bound.arguments.get(name) for name in list(signature.parameters)[:3])
+    return DistributeArguments(model, config, mesh)

@@ -1264,3 +1264,51 @@ def test_attach_context_parallel_hooks():
                                          num_attention_heads=2, num_key_value_heads=2))
     upstream.attach_context_parallel_hooks(model)
     assert upstream.module_forward_pre_hooks(model.model.layers[0].self_attn)
+
+
+# -- maybe_distribute_model: one binding for the patches that wrap it --------------------------------------------------
+
+def test_maybe_distribute_model():
+    """``upstream.MAYBE_DISTRIBUTE_MODEL`` is the classmethod ``from_pretrained`` calls as ``(model,
+    distributed_config, <mesh>)``, the mesh parameter named ``device_mesh`` before 5.18 and ``mesh_manager`` from
+    5.18 on, and ``upstream.bind_maybe_distribute_model`` gives a wrapper the three arguments by meaning, passed
+    positionally or by keyword, through the stack of shardadopt's own wrappers on it."""
+    import wrapt
+
+    import shardadopt
+
+    shardadopt.enable()
+    try:
+        from transformers import modeling_utils
+        from transformers.distributed.mixin import DistributedMixin
+
+        assert upstream.upstream_method(upstream.MAYBE_DISTRIBUTE_MODEL, "test")
+        method = DistributedMixin.maybe_distribute_model  # bound to the class, as a wrapper's ``wrapped`` is
+        names = list(inspect.signature(method).parameters)
+        third = "mesh_manager" if _transformers_at_least("5.18") else "device_mesh"
+        assert names == ["model", "distributed_config", third], names
+        assert re.search(rf"maybe_distribute_model\(model, distributed_config, {third}\)",
+                         inspect.getsource(modeling_utils)), "from_pretrained no longer calls it positionally"
+
+        seen = []
+
+        def record(wrapped, instance, args, kwargs):  # outside every patch's wrapper; upstream is not called
+            seen.append(upstream.bind_maybe_distribute_model(wrapped, args, kwargs))
+            return args[0] if args else kwargs["model"]
+
+        class Recorded(DistributedMixin):
+            maybe_distribute_model = wrapt.FunctionWrapper(DistributedMixin.__dict__["maybe_distribute_model"],
+                                                           record)
+
+        model, config, mesh = object(), SimpleNamespace(tp_size=2), object()
+        assert Recorded.maybe_distribute_model(model, config, mesh) is model
+        Recorded.maybe_distribute_model(model, distributed_config=config, **{third: mesh})
+        Recorded.maybe_distribute_model(model=model, distributed_config=config, **{third: None})
+        assert [(c.model, c.distributed_config, c.mesh, c.shards) for c in seen] == [
+            (model, config, mesh, True), (model, config, mesh, True), (model, config, None, False)]
+        with pytest.raises(TypeError):
+            upstream.bind_maybe_distribute_model(method, (model, config), {"mesh": mesh})
+        # the real stack, called as from_pretrained calls it for a load that shards nothing: the model comes back
+        assert DistributedMixin.maybe_distribute_model(model, None, None) is model
+    finally:
+        shardadopt.disable()
