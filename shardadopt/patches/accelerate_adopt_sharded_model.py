@@ -37,7 +37,7 @@ import inspect
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 _MODULE = "accelerate.accelerator"

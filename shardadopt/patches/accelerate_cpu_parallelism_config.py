@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream import PARALLELISM_CONFIG_VALIDATE_ACCELERATOR, validate_parallelism_config
 from shardadopt.upstream.versions import supported
 

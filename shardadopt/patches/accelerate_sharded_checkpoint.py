@@ -27,7 +27,7 @@ do not manage it (plain models, and FSDP/DeepSpeed plugin runs, keep upstream's 
 
 from __future__ import annotations
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 _MODULE = "accelerate.accelerator"

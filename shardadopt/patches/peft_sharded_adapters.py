@@ -38,7 +38,7 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 _TUNERS = "peft.tuners.tuners_utils"

@@ -20,7 +20,7 @@ while the CUDA flash kernel is there is the gap; the CPU kernel in it, upstream'
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.versions import supported
 
 

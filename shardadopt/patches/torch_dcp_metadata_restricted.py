@@ -25,7 +25,7 @@ import tempfile
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.versions import supported
 
 _REACHED: list[bool] = []

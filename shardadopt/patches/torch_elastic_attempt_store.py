@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ast
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 MODULE = "torch.distributed.distributed_c10d"

@@ -38,7 +38,7 @@ import ast
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 _MODULE = upstream.TRAINER_MODULE

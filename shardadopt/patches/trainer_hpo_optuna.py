@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import inspect
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream import TRAINER_REPORT_TO_HP_SEARCH
 from shardadopt.upstream.versions import supported
 

@@ -31,7 +31,7 @@ gets there too.
 
 from __future__ import annotations
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 BUILD = "create_accelerator_and_postprocess"
@@ -79,8 +79,11 @@ PATCH = Patch(
     id="trainer-model-init-parallelism",
     summary="Trainer(model_init=...) with a tensor-parallel load: the accelerator is rebuilt with the model's "
             "ParallelismConfig (it was built before model_init ran, without one)",
-    upstream="proposal for transformers main (not reported yet); upstream-fixes/trainer-model-init-parallelism.diff",
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers", "accelerate"),
     wrappers={Target("transformers.trainer", "Trainer.call_model_init"): _call_model_init},
     probe=probe,
+    # the accelerator rebuilt here runs upstream's save_only_model checks on the flag as a Trainer(model=...) has it
+    # (lifted for a sharded model by trainer-sharded-checkpoint, which must have seen the model first)
+    wraps_around=("trainer-sharded-checkpoint",),
 )

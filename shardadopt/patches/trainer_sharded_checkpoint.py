@@ -39,7 +39,7 @@ import ast
 import os
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 _MODULE = upstream.TRAINER_MODULE

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.probing import Undecided, callee, calls, names, source_tree, undecided, upstream_function
 from shardadopt.upstream.versions import supported
 

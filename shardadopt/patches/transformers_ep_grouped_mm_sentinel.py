@@ -29,7 +29,7 @@ import ast
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.probing import callee, source_tree, undecided, upstream_function
 from shardadopt.upstream.versions import supported
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import ast
 from types import SimpleNamespace
 
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream import ROUTER_PARALLEL_PREPARE_OUTPUT, tp_layer_output_hook
 from shardadopt.upstream.probing import package_file, undecided
 from shardadopt.upstream.versions import supported

@@ -20,7 +20,7 @@ import importlib
 import warnings
 
 from shardadopt.patches.transformers_ep_router_grad import NO_ROUTER, dispatches_tokens, probe_hook
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream import TENSOR_PARALLEL_MODULE, tp_layer_output_hook
 from shardadopt.upstream.probing import package_file, undecided
 from shardadopt.upstream.versions import supported

@@ -24,7 +24,7 @@ import inspect
 import re
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.versions import supported
 
 TARGET = upstream.GENERATION_PREPARE_MULTIMODAL_ENCODER
@@ -92,8 +92,7 @@ PATCH = Patch(
     id="transformers-fsdp-generate-encoder-unshard",
     summary="FSDP: generate() with images on a model loaded with fsdp_size gathers the root unit (vision patch "
             "embedding, projector) for the image encoding it runs before the prefill, and reshards it after",
-    upstream="proposal for transformers main (not reported yet); "
-             "upstream-fixes/transformers-fsdp-generate-encoder-unshard.diff",
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers"),
     wrappers={TARGET: _prepare_multimodal_encoder},
     probe_modules=("transformers.generation.utils",),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.versions import supported
 
 QWEN_CONFIG = "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl"
@@ -101,10 +101,11 @@ PATCH = Patch(
     id="transformers-fsdp-plan-unmatched-units",
     summary="FSDP at load time: the blocks of a vision tower (and of any sub-model whose FSDP plan rules match "
             "nothing) become FSDP units of their own instead of being gathered whole with the root at every forward",
-    upstream=("proposal for transformers main (not reported yet); "
-              "upstream-fixes/transformers-fsdp-plan-unmatched-units@*.diff"),
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers"),
     wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),
     probe=probe,
+    # the heads refusal checks the model as the load will shard it: after this patch completed its plans
+    wraps_around=("transformers-tp-heads-refused",),
 )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.probing import body_calls, if_chain, if_chains, source_tree, undecided
 from shardadopt.upstream.versions import supported
 

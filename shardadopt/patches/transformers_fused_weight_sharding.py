@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.core_model_loading"
@@ -132,8 +132,7 @@ PATCH = Patch(
     summary="loading a fused checkpoint tensor (HRM's gqkv_proj) into parameters sharded at load time: converted "
             "whole and each result sharded by its own layout (it was sliced with the first target's bounds "
             "before the split, every rank's q/k/v/gate the wrong rows: silently wrong under TP and FSDP)",
-    upstream=("proposal for transformers main (not reported yet); "
-              "upstream-fixes/transformers-fused-weight-sharding@*.diff"),
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers"),
     wrappers={Target(SHARDING_MODULE, "DtensorShardOperation.__init__"): _shard_operation_init,
               Target(MODULE, "spawn_materialize"): _spawn_materialize,

@@ -22,7 +22,7 @@ to reuse (``not-needed``).
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.probing import body_calls, calls, if_chains, source_tree, undecided
 from shardadopt.upstream.versions import supported
 

@@ -24,7 +24,7 @@ import inspect
 from typing import Any
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 MODULE = "transformers.core_model_loading"
@@ -89,8 +89,7 @@ PATCH = Patch(
             "this rank's slice with the shard's shape (it compared it with the global shape and transposed a slice "
             "already in the model's layout: down_proj mismatched and the load raised on fsdp/ep, a square "
             "gate_up_proj was transposed silently)",
-    upstream=("proposal for transformers main (not reported yet); "
-              "upstream-fixes/transformers-sharded-transpose-check.diff"),
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers"),
     wrappers={Target(MODULE, "WeightConverter.convert"): _converter_convert,
               Target(MODULE, "Transpose.convert"): _transpose_convert},

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.probing import source_tree, undecided
 from shardadopt.upstream.versions import supported
 

@@ -18,7 +18,7 @@ that reads it means ``not-needed``.
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.versions import supported
 
 DISTRIBUTE = upstream.MAYBE_DISTRIBUTE_MODEL
@@ -57,7 +57,7 @@ PATCH = Patch(
     id="transformers-tp-heads-refused",
     summary="TP: a tp_size that does not divide the attention heads the TP plan splits (PaliGemma's one key/value "
             "head on tp_size=2) is refused at load with a clear error, not a reshape error at the first forward",
-    upstream="proposal for transformers main (not reported yet); upstream-fixes/transformers-tp-heads-refused@*.diff",
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers"),
     wrappers={DISTRIBUTE: _maybe_distribute_model},
     probe=probe,

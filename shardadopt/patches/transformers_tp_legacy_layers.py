@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream import (
     EMBEDDING_PARALLEL_PREPARE_INPUT,
     ROWWISE_PARALLEL_PREPARE_INPUT,
@@ -90,8 +90,7 @@ PATCH = Patch(
     summary="TP on transformers 5.15: a vocab-parallel embedding's padding_idx made local to each rank's shard (a "
             "real token's row got no gradient, or the lookup raised) and a rowwise projection's bias kept under its "
             "name (it became `_bias` at the first forward, missing from checkpoints)",
-    upstream="backport: transformers 5.16 replaced these layers with DTensor ones; "
-             "upstream-fixes/transformers-tp-legacy-layers.diff",
+    upstream="backport: transformers 5.16 replaced these layers with DTensor ones",
     requires=supported("transformers"),
     wrappers={EMBEDDING_PARALLEL_PREPARE_INPUT: _prepare_input_fn,
               ROWWISE_PARALLEL_PREPARE_INPUT: _prepare_input_fn,

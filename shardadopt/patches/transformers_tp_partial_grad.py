@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.versions import supported
 
 PLAN_MODULE = "transformers.models.apertus.configuration_apertus"
@@ -74,7 +74,7 @@ PATCH = Patch(
     id="transformers-tp-partial-grad",
     summary="TP: parameters the plan leaves out inside a sharded region (Apertus xIELU alpha_p/alpha_n) get their "
             "partial gradients summed over the TP group (found by comparing the ranks' copies)",
-    upstream="proposal for transformers main (not reported yet); upstream-fixes/transformers-tp-partial-grad.diff",
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers"),
     wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     needed_by=_tensor_parallel,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib
 import threading
 
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.probing import package_file
 from shardadopt.upstream.versions import supported
 
@@ -142,8 +142,7 @@ PATCH = Patch(
     id="transformers-tp-replicated-grad-accumulation",
     summary="TP replicated_with_grad_allreduce (Qwen3 q_norm/k_norm): reduce each backward's gradient once, so "
             "gradient accumulation is right",
-    upstream="anticipates a transformers fix (not reported yet); upstream-fixes/transformers-tp-replicated-grad-"
-             "accumulation@<release>.diff",
+    upstream="anticipates a transformers fix (not reported yet)",
     requires=supported("transformers"),
     wrappers={Target(MODULE, f"ReplicatedWithGradAllReduce.{METHOD}"): _install},
     needed_by=_hooked_by_upstream,

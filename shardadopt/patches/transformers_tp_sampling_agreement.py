@@ -19,7 +19,7 @@ nothing (it warns, as every unsupported patch does).
 from __future__ import annotations
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 GENERATE = Target("transformers.generation.utils", "GenerationMixin.generate")
@@ -59,8 +59,7 @@ PATCH = Patch(
     id="transformers-tp-sampling-agreement",
     summary="TP: generate() gives every rank of a tensor-parallel group its first rank's random state, so "
             "per-process seeds (TRL GRPO/RLOO, a user's per-rank seed) sample the same tokens on one replica",
-    upstream=("proposal for transformers main (not reported yet); "
-              "upstream-fixes/transformers-tp-sampling-agreement.diff"),
+    upstream="proposal for transformers main (not reported yet)",
     requires=supported("transformers"),
     wrappers={GENERATE: _generate},
     probe=probe,

@@ -21,7 +21,7 @@ import ast
 import logging
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe
+from shardadopt.patching.contract import Patch, Probe
 from shardadopt.upstream.versions import supported
 
 REPRESENTATIVE = ("models", "gemma3", "modeling_gemma3.py")
@@ -79,10 +79,11 @@ PATCH = Patch(
     id="transformers-tp-tied-lm-head",
     summary="TP at load time: a vision-language model's LM head tied to the vocabulary-sharded embedding is sharded "
             "and gathered as a causal LM's (transformers 5.15-5.19 computed logits over part of the vocabulary)",
-    upstream="fixed in transformers 5.20 (lm_head in each vision-language class's _tp_plan); "
-             "upstream-fixes/transformers-tp-tied-lm-head@*.diff",
+    upstream="fixed in transformers 5.20 (lm_head in each vision-language class's _tp_plan)",
     requires=supported("transformers"),
     wrappers={upstream.MAYBE_DISTRIBUTE_MODEL: _maybe_distribute_model},
     probe_modules=("transformers.modeling_utils",),
     probe=probe,
+    # the heads refusal checks the TP plan the load will apply: with this patch's head entry in it
+    wraps_around=("transformers-tp-heads-refused",),
 )

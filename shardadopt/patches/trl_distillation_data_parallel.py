@@ -26,7 +26,7 @@ from __future__ import annotations
 from shardadopt import upstream
 from shardadopt.online.view import scoped
 from shardadopt.patches.trl_grpo_data_parallel import data_parallel_wrappers, seeding_probe
-from shardadopt.patching.registry import Patch, Target
+from shardadopt.patching.contract import Patch, Target
 from shardadopt.upstream.versions import supported
 
 MODULE = "trl.trainer.distillation_trainer"
@@ -51,7 +51,7 @@ PATCH = Patch(
     id="trl-distillation-data-parallel",
     summary="TRL DistillationTrainer on TP/2-D students: seeds, sampler blocks, gathers and loss normalisation by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
-    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-distillation-data-parallel.diff",
+    upstream="proposal for trl main (not reported yet)",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init, upstream.DISTILLATION_TRAIN_SAMPLER: scoped,
               Target(MODULE, "DistillationTrainer.get_train_dataloader"): scoped,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ast
 
 from shardadopt import upstream
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 INIT = Target("trl.trainer.distillation_trainer", "DistillationTrainer.__init__")
@@ -84,7 +84,7 @@ PATCH = Patch(
     id="trl-distillation-plain-tp-head",
     summary="TRL DistillationTrainer refused by name on a student or teacher whose LM head is a plain TP shard "
             "(transformers 5.15/5.16), which its loss reads itself",
-    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-distillation-plain-tp-head.diff",
+    upstream="proposal for trl main (not reported yet)",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init},
     probe=probe,

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from shardadopt import upstream
 from shardadopt.online.view import gather, gather_object, scoped
-from shardadopt.patching.registry import Patch, Probe, Target
+from shardadopt.patching.contract import Patch, Probe, Target
 from shardadopt.upstream.versions import supported
 
 MODULE = "trl.trainer.grpo_trainer"
@@ -102,7 +102,7 @@ PATCH = Patch(
     id="trl-grpo-data-parallel",
     summary="TRL GRPOTrainer on TP/2-D loads: seeds, generation batch, gathers and advantage slices by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
-    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-grpo-data-parallel.diff",
+    upstream="proposal for trl main (not reported yet)",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init, CONFIG: config_post_init,
               **data_parallel_wrappers(MODULE, "GRPOTrainer", upstream.GRPO_PREPARE_INPUTS)},

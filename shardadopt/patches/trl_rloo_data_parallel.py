@@ -28,7 +28,7 @@ from shardadopt.patches.trl_grpo_data_parallel import (
     seeding_probe,
     trainer_init,
 )
-from shardadopt.patching.registry import Patch, Target
+from shardadopt.patching.contract import Patch, Target
 from shardadopt.upstream.versions import supported
 
 MODULE = "trl.trainer.rloo_trainer"
@@ -39,7 +39,7 @@ PATCH = Patch(
     id="trl-rloo-data-parallel",
     summary="TRL RLOOTrainer on TP/2-D loads: seeds, generation batch, gathers and advantage slices by "
             "data-parallel rank (DDP's); refused where vLLM would sync sharded weights",
-    upstream="proposal for trl main (not reported yet); upstream-fixes/trl-rloo-data-parallel.diff",
+    upstream="proposal for trl main (not reported yet)",
     requires=supported("trl", "transformers", "accelerate"),
     wrappers={INIT: trainer_init, CONFIG: config_post_init,
               **data_parallel_wrappers(MODULE, "RLOOTrainer", upstream.RLOO_PREPARE_INPUTS)},

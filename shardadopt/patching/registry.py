@@ -10,6 +10,18 @@ A patch may name others it ``depends_on``: it applies only once those are ``appl
 ``unsupported`` (naming the dependency) while one is off or unsupported. Every state change is logged once, on
 rank 0, to the ``shardadopt`` logger at INFO, a patch that could not decide or apply at WARNING (the package adds no
 handler but ``logging.NullHandler``).
+
+Stacking: where several patches wrap one attribute, one rule orders them, whenever and in whatever order they
+apply (:mod:`shardadopt.patching.stacking`). Take the registry's order (``shardadopt.patches`` registers patches
+sorted by id) and move each patch after every patch it ``depends_on`` or ``wraps_around``; on a shared attribute a
+patch earlier in that order wraps inside a later one (runs nearer to upstream's code). A patch whose wrapper must
+see or change what another's does declares it: ``wraps_around=("<other id>",)`` on the outer one, and only for a
+patch it shares a target with; everything else on a shared target must not depend on its place.
+
+Files: a patch's fix as a change to upstream's own source is ``upstream-fixes/fixes/<id with _>.py``, its generated
+diffs ``upstream-fixes/<id>.diff`` or, per upstream release, ``upstream-fixes/<id>@<release>.diff``
+(``Patch.fix_file``, ``Patch.diff_files``); ``upstream`` is the hand-written status of the fix upstream, and
+``PatchStatus.upstream`` adds where the diff lives.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -27,78 +39,15 @@ import wrapt
 from packaging.specifiers import SpecifierSet
 
 from shardadopt import upstream
+from shardadopt.patching.contract import Patch, PatchStatus
+from shardadopt.patching.stacking import Stack, check_constraints, stack_order
 from shardadopt.patching.states import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED
 from shardadopt.upstream import Target
 from shardadopt.upstream.probing import Undecided
 from shardadopt.upstream.versions import installed_version
 
 DISABLE_ENV = "SHARDADOPT_DISABLE"
-
 logger = logging.getLogger("shardadopt")
-
-# A wrapper in wrapt's convention: wrapper(wrapped, instance, args, kwargs).
-Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
-
-
-@dataclass(frozen=True)
-class Probe:
-    """What a probe found: whether the installed upstream still needs the patch, and why."""
-
-    needed: bool
-    reason: str
-
-
-@dataclass
-class Patch:
-    """One fix for one upstream shortcoming.
-
-    ``requires`` maps a distribution name to the version range the patch was written and tested against; outside
-    it the patch is ``unsupported``. Inside it, ``probe()`` decides (upstream backports fixes, so versions alone go
-    stale). ``wrappers`` maps each target to the wrapt wrapper that replaces it.
-    """
-
-    id: str
-    summary: str
-    upstream: str
-    requires: dict[str, str]
-    wrappers: dict[Target, Wrapper]
-    probe: Callable[[], Probe]
-    # Modules that must be imported before the probe can look (defaults to the targets' modules).
-    probe_modules: tuple[str, ...] = ()
-    # Patches this one only works on top of (each must be applied or not-needed first).
-    depends_on: tuple[str, ...] = ()
-    # (model, topology) -> whether a model sharded at load time needs this fix to train right; such a model is
-    # refused at accelerate prepare / Trainer while the patch is unsupported (shardadopt.patching.refusal).
-    needed_by: Callable[[Any, Any], bool] | None = None
-
-    @property
-    def targets(self) -> tuple[Target, ...]:
-        return tuple(self.wrappers)
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        names = [t.module for t in self.wrappers] + list(self.probe_modules)
-        return tuple(dict.fromkeys(names))
-
-
-@dataclass(frozen=True)
-class PatchStatus:
-    id: str
-    state: str
-    reason: str
-    summary: str = ""
-    upstream: str = ""
-
-    def as_dict(self) -> dict[str, str]:
-        return {"id": self.id, "state": self.state, "reason": self.reason, "summary": self.summary,
-                "upstream": self.upstream}
-
-
-@dataclass
-class _Applied:
-    owner: Any
-    attribute: str
-    original: Any
 
 
 @dataclass
@@ -106,7 +55,7 @@ class _Entry:
     patch: Patch
     state: str = OFF
     reason: str = "not enabled"
-    applied: list[_Applied] = field(default_factory=list)
+    applied: list[tuple[int, str]] = field(default_factory=list)  # keys of the Registry's stacks it joined
     blocked: bool = False  # unsupported because a dependency is off or unsupported
 
 
@@ -159,8 +108,8 @@ def _resolve(target: Target) -> tuple[Any, str, Any]:
 
 
 class Registry:
-    """Applies a fixed list of patches. The process-wide instance is :func:`process_wide`
-    (``shardadopt.patches.process_registry()`` creates it)."""
+    """Applies a fixed list of patches, stacked on shared targets in :func:`~shardadopt.patching.stacking.stack_order`.
+    The process-wide instance is :func:`process_wide` (``shardadopt.patches.process_registry()`` creates it)."""
 
     def __init__(self, patches: Sequence[Patch]):
         ids = [p.id for p in patches]
@@ -171,10 +120,12 @@ class Registry:
             unknown = [d for d in patch.depends_on if d not in ids or d == patch.id]
             if unknown:
                 raise ValueError(f"patch {patch.id} depends on {unknown}, which is not another registered patch")
+        check_constraints(patches)
+        self._rank = {pid: i for i, pid in enumerate(stack_order(patches))}
+        self._stacks: dict[tuple[int, str], Stack] = {}  # (id(owner), attribute) -> what patches replaced there
         self._entries = {p.id: _Entry(p) for p in patches}
         self._lock = threading.RLock()
         self._hooked_modules: set[str] = set()
-        self._applied_order: list[_Entry] = []
         self._enabled = False
 
     @property
@@ -231,11 +182,15 @@ class Registry:
 
     def status(self) -> list[PatchStatus]:
         with self._lock:
-            return [PatchStatus(e.patch.id, e.state, e.reason, e.patch.summary, e.patch.upstream)
+            return [PatchStatus(e.patch.id, e.state, e.reason, e.patch.summary, e.patch.upstream_status)
                     for e in self._entries.values()]
 
     def patches(self) -> list[Patch]:
         return [e.patch for e in self._entries.values()]
+
+    def stack_order(self) -> list[str]:
+        """The patch ids in stacking order, innermost first (see :mod:`shardadopt.patching.stacking`)."""
+        return sorted(self._rank, key=self._rank.__getitem__)
 
     # -- internals -------------------------------------------------------------------------------------------------
 
@@ -333,39 +288,32 @@ class Registry:
         except Exception as exc:
             self._revert(entry, UNSUPPORTED, f"could not patch: {type(exc).__name__}: {exc}")
             return
-        self._applied_order.append(entry)
         self._set(entry, APPLIED, found.reason)
 
-    @staticmethod
-    def _wrap(entry: _Entry) -> None:
+    def _wrap(self, entry: _Entry) -> None:
+        # Each target's stack is rebuilt in stack order, so this wrapper lands at its place whatever applied before.
         for target, wrapper in entry.patch.wrappers.items():
             try:
                 owner, attribute, original = _resolve(target)
             except (KeyError, AttributeError) as exc:
                 raise AttributeError(f"{target} not found ({exc})") from exc
-            setattr(owner, attribute, wrapt.FunctionWrapper(original, wrapper))
-            entry.applied.append(_Applied(owner, attribute, original))
+            key = (id(owner), attribute)
+            stack = self._stacks.setdefault(key, Stack(owner, attribute, original))
+            stack.wrappers[entry.patch.id] = wrapper
+            entry.applied.append(key)
+            stack.rebuild(self._rank)
 
-    @staticmethod
-    def _unwrap(entry: _Entry) -> None:
-        for applied in reversed(entry.applied):
-            setattr(applied.owner, applied.attribute, applied.original)
+    def _unwrap(self, entry: _Entry) -> None:
+        for key in reversed(entry.applied):
+            stack = self._stacks[key]
+            stack.wrappers.pop(entry.patch.id, None)
+            stack.rebuild(self._rank)  # the original itself once no wrapper is left
+            if not stack.wrappers:
+                del self._stacks[key]
         entry.applied.clear()
 
     def _revert(self, entry: _Entry, state: str, reason: str, blocked: bool = False) -> None:
-        if entry in self._applied_order:
-            # Patches applied later may wrap the same attributes on top of this one: peel them off newest
-            # first, remove this one, then wrap the later ones again around what is left.
-            position = self._applied_order.index(entry)
-            later = self._applied_order[position + 1:]
-            for other in reversed(later):
-                self._unwrap(other)
-            self._unwrap(entry)
-            for other in later:
-                self._wrap(other)
-            del self._applied_order[position]
-        else:
-            self._unwrap(entry)  # a partial application that failed
+        self._unwrap(entry)  # also a partial application that failed
         self._set(entry, state, reason, blocked)
 
 

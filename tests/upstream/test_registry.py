@@ -6,6 +6,7 @@ import importlib
 import itertools
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import shardadopt
-from shardadopt.patching.registry import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Patch, Probe, Registry, Target
+from shardadopt.patching.contract import Patch, Probe
+from shardadopt.patching.registry import APPLIED, NOT_NEEDED, OFF, PENDING, UNSUPPORTED, Registry, Target
 
 REPO = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
@@ -134,7 +136,7 @@ def test_reverting_one_of_two_stacked_patches_keeps_the_other(upstream):
     assert states_after(registry.enable(exclude=["inner"])) == {"inner": OFF, "outer": APPLIED}
     assert module.compute(1) == (1 + 1) * 3, "the outer patch must survive reverting the inner one"
     registry.enable()
-    assert module.compute(1) == (1 + 1) * 3 + 10  # inner now wraps outside
+    assert module.compute(1) == (1 + 1 + 10) * 3, "re-enabled, the inner patch goes back inside (stack order)"
     registry.disable()
     assert module.compute is original
 
@@ -399,15 +401,192 @@ def test_documented_subpackages_work_after_a_plain_import():
     assert missing == []
 
 
+# -- the contract: files, discovery, stacking ------------------------------------------------------------------------
+
+def test_every_patch_has_its_fix_and_diffs():
+    """Each patch's fix (``upstream-fixes/fixes/<id_>.py``) and at least one diff built from it
+    (``upstream-fixes/<id>.diff`` or ``<id>@<release>.diff``) exist, and every fix and diff there belongs to a
+    registered patch; the ``upstream`` field is the status in words, the files are derived from the id."""
+    patches = shardadopt._registry().patches()
+    ids = {p.id for p in patches}
+    missing = {}
+    for patch in patches:
+        assert "upstream-fixes/" not in patch.upstream, f"{patch.id}: the files follow from the id, not upstream="
+        diffs = [*REPO.glob(f"upstream-fixes/{patch.id}.diff"), *REPO.glob(f"upstream-fixes/{patch.id}@*.diff")]
+        if not (REPO / patch.fix_file).is_file() or not diffs:
+            missing[patch.id] = (patch.fix_file, patch.diff_files)
+        assert patch.upstream_status == f"{patch.upstream}; upstream-fixes/{patch.id}[@<release>].diff"
+    assert not missing, f"patches without their fix file or any diff: {missing}"
+    orphans = sorted({f.name for f in (REPO / "upstream-fixes" / "fixes").glob("*.py")}
+                     - {p.fix_file.rsplit("/", 1)[1] for p in patches})
+    orphans += sorted(f.name for f in (REPO / "upstream-fixes").glob("*.diff")
+                      if f.name.removesuffix(".diff").split("@")[0] not in ids)
+    assert not orphans, f"fixes or diffs of no registered patch: {orphans}"
+    status = {s.id: s.upstream for s in shardadopt.status()}
+    assert status == {p.id: p.upstream_status for p in patches}
+
 
 def test_every_file_a_patch_names_exists():
-    """A patch module's docstring and its ``upstream`` field (shown by ``shardadopt doctor``) name files under
-    ``upstream-fixes/`` (``<id>@*.diff`` for a diff split by upstream release): each must match a file in the
-    checkout."""
-    repo = Path(__file__).resolve().parents[2]
+    """A patch module names files under ``upstream-fixes/`` in its docstring (``<id>@*.diff`` for a diff split by
+    upstream release): each must match a file in the checkout."""
     missing = {}
-    for module in sorted((repo / "shardadopt" / "patches").glob("*.py")):
+    for module in sorted((REPO / "shardadopt" / "patches").glob("*.py")):
         for name in set(re.findall(r"upstream-fixes/[\w@*.+/-]+\.(?:diff|py)", module.read_text())):
-            if not list(repo.glob(name)):
+            if not list(REPO.glob(name)):
                 missing.setdefault(module.name, []).append(name)
     assert not missing, f"files named by patch modules that do not exist: {missing}"
+
+
+@pytest.fixture
+def extra_patch_modules(tmp_path, monkeypatch):
+    """A folder added to ``shardadopt.patches``' search path; the modules written there are forgotten after."""
+    import shardadopt.patches as package
+
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    yield tmp_path
+    for name in [n for n in sys.modules if n.startswith("shardadopt.patches.") and
+                 (tmp_path / f"{n.rsplit('.', 1)[1]}.py").exists()]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("name, source, error", [
+    ("a_patch_misnamed", 'PATCH = Patch(id="another-name", summary="", upstream="", requires={}, wrappers={}, '
+                         'probe=lambda: Probe(False, ""))', r"rename the module to another_name\.py"),
+    ("helpers_only", "HELPER = 1", r"defines no PATCH = Patch"),
+])
+def test_discovery_refuses_a_module_that_breaks_the_contract(extra_patch_modules, name, source, error):
+    from shardadopt.patches import discover
+
+    (extra_patch_modules / f"{name}.py").write_text(
+        f"from shardadopt.patching.contract import Patch, Probe\n{source}\n")
+    with pytest.raises((TypeError, ValueError), match=error):
+        discover()
+
+
+def test_discovery_finds_a_new_module_without_a_list(extra_patch_modules):
+    from shardadopt.patches import ALL_PATCHES, discover
+
+    (extra_patch_modules / "zz_new_patch.py").write_text(
+        "from shardadopt.patching.contract import Patch, Probe\n"
+        'PATCH = Patch(id="zz-new-patch", summary="", upstream="", requires={}, wrappers={}, '
+        'probe=lambda: Probe(False, ""))\n')
+    assert [p.id for p in discover()] == [*(p.id for p in ALL_PATCHES), "zz-new-patch"]
+
+
+def test_discovery_order_is_deterministic():
+    """Patches are registered sorted by id and stacked in the same order in every process (whatever the hash seed
+    or the file system's listing order)."""
+    code = ("import json; from shardadopt.patches import ALL_PATCHES, process_registry; "
+            "print(json.dumps([[p.id for p in ALL_PATCHES], process_registry().stack_order()]))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      cwd=REPO, env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
+            for seed in ("1", "2")]
+    assert runs[0] == runs[1]
+    ids, order = runs[0]
+    assert ids == sorted(ids) == [p.id for p in shardadopt._registry().patches()]
+    assert sorted(order) == ids
+
+
+def test_a_declared_wraps_around_decides_the_stack_whatever_applies_first(upstream):
+    """On a shared target the patch that ``wraps_around`` another wraps outside it: registered first, applied
+    first, or re-enabled last, the arithmetic shows the same stack; declared the other way round it is reversed."""
+    module = importlib.import_module(upstream)
+
+    def outer(wraps_around: tuple[str, ...] = ("fix-compute",)) -> Patch:  # "a-..." sorts before "fix-compute"
+        return Patch(id="a-triples", summary="triples", upstream="example/upstream#2", requires={"wrapt": ">=2"},
+                     wrappers={Target(upstream, "compute"): times_three}, probe=lambda: Probe(True, "needed"),
+                     wraps_around=wraps_around)
+
+    registry = Registry([outer(), make_patch(upstream)])
+    assert registry.stack_order() == ["fix-compute", "a-triples"]
+    registry.enable(only=["a-triples"])  # the outer one applies first ...
+    registry.enable()  # ... the inner one later, and still lands inside
+    assert module.compute(1) == (1 + 1 + 10) * 3
+    registry.enable(exclude=["a-triples"])
+    registry.enable()
+    assert module.compute(1) == (1 + 1 + 10) * 3
+    registry.disable()
+
+    inner_first = make_patch(upstream)
+    inner_first.wraps_around = ("a-triples",)
+    reversed_registry = Registry([outer(()), inner_first])
+    reversed_registry.enable()
+    assert module.compute(1) == (1 + 1) * 3 + 10
+    reversed_registry.disable()
+    assert module.compute(1) == 2
+
+
+@pytest.mark.parametrize("declared, error", [
+    ({"a": ("nope",)}, "wraps_around 'nope', which is not another registered patch"),
+    ({"a": ("b",), "b": ("a",)}, "in a cycle"),
+])
+def test_impossible_wraps_around_is_refused(upstream, declared, error):
+    patches = [make_patch(upstream, "a"), make_patch(upstream, "b")]
+    for patch in patches:
+        patch.wraps_around = declared.get(patch.id, ())
+    with pytest.raises(ValueError, match=error):
+        Registry(patches)
+
+
+def test_wraps_around_needs_a_shared_target(upstream):
+    elsewhere = Patch(id="elsewhere", summary="", upstream="", requires={"wrapt": ">=2"},
+                      wrappers={Target(upstream, "Engine.step"): times_three}, probe=lambda: Probe(True, ""))
+    alone = Patch(id="alone", summary="", upstream="", requires={"wrapt": ">=2"},
+                  wrappers={Target(upstream, "compute"): times_three}, probe=lambda: Probe(True, ""),
+                  wraps_around=("elsewhere",))
+    with pytest.raises(ValueError, match="wrap no target in common"):
+        Registry([elsewhere, alone])
+
+
+# Every upstream attribute that several shipped patches wrap, and the patches on it. A patch joining one: read the
+# wrappers, declare ``wraps_around`` where the order changes what a call does, then add it here.
+SHARED_TARGETS = {
+    "DistributedMixin.maybe_distribute_model": {
+        "transformers-sharding-sizes", "transformers-sharded-clean-exit", "transformers-tp-partial-grad",
+        "transformers-fsdp-plan-unmatched-units", "transformers-tp-tied-lm-head", "transformers-tp-heads-refused"},
+    "Accelerator.prepare_model": {"accelerate-cpu-parallelism-config", "accelerate-adopt-sharded-model"},
+    "Trainer.call_model_init": {"trainer-sharded-checkpoint", "trainer-model-init-parallelism"},
+    "WeightConverter.convert": {"transformers-fused-weight-sharding", "transformers-sharded-transpose-check"},
+    "DistillationTrainer.__init__": {"trl-distillation-data-parallel", "trl-distillation-plain-tp-head"},
+}
+# (outer, inner) where the order matters: the heads refusal checks the plans the load applies, after the patches
+# that complete them; the accelerator rebuilt for a model_init model sees save_only_model as Trainer(model=) does.
+ORDER_MATTERS = [("transformers-tp-tied-lm-head", "transformers-tp-heads-refused"),
+                 ("transformers-fsdp-plan-unmatched-units", "transformers-tp-heads-refused"),
+                 ("trainer-model-init-parallelism", "trainer-sharded-checkpoint")]
+
+
+def test_shared_targets_stack_in_the_declared_order():
+    """The shipped patches that share a target are the ones listed above; where their order matters it is declared
+    (``wraps_around``), and on the installed upstream each shared attribute is wrapped in stack order, the
+    registry's, innermost first."""
+    from collections import defaultdict
+
+    from shardadopt.patching.registry import _resolve
+
+    registry = shardadopt._registry()
+    shared = defaultdict(set)
+    for patch in registry.patches():
+        for target in patch.targets:
+            shared[target].add(patch.id)
+    shared = {target: ids for target, ids in shared.items() if len(ids) > 1}
+    assert {t.qualname: ids for t, ids in shared.items()} == SHARED_TARGETS
+    order = registry.stack_order()
+    for outer, inner in ORDER_MATTERS:
+        assert order.index(inner) < order.index(outer), f"{outer} must wrap around {inner}"
+    owners = {id(w): p.id for p in registry.patches() for w in p.wrappers.values()}
+    shardadopt.enable()
+    try:
+        for target, ids in shared.items():
+            try:
+                importlib.import_module(target.module)
+            except ImportError:  # an optional integration (trl) not installed
+                continue
+            applied = {s.id for s in shardadopt.status() if s.state == APPLIED}
+            value, stack = _resolve(target)[2], []
+            while hasattr(value, "_self_wrapper"):
+                stack.append(owners[id(value._self_wrapper)])
+                value = value.__wrapped__
+            assert stack[::-1] == [pid for pid in order if pid in ids & applied], target
+    finally:
+        shardadopt.disable()
