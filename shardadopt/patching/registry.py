@@ -188,6 +188,16 @@ class Registry:
     def patches(self) -> list[Patch]:
         return [e.patch for e in self._entries.values()]
 
+    def stacked(self, target: Target) -> list[str]:
+        """The ids of the applied patches wrapping ``target``, innermost first (empty where none is)."""
+        with self._lock:
+            try:
+                owner, attribute, _ = _resolve(target)
+            except (KeyError, AttributeError):
+                return []
+            stack = self._stacks.get((id(owner), attribute))
+            return sorted(stack.wrappers, key=self._rank.__getitem__) if stack else []
+
     def stack_order(self) -> list[str]:
         """The patch ids in stacking order, innermost first (see :mod:`shardadopt.patching.stacking`)."""
         return sorted(self._rank, key=self._rank.__getitem__)

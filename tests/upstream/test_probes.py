@@ -186,7 +186,7 @@ def test_tied_head_probe_reads_the_representative_class_body(body, expected, tmp
     source.write_text(f"class {tied.REPRESENTATIVE_CLASS}:\n{body}")
     monkeypatch.setattr(shardadopt.upstream.probing, "package_file",
                         lambda package, *parts: str(source) if parts == tied.REPRESENTATIVE else None)
-    state, reason = state_of(tied.ID)
+    state, reason = state_of(tied.PATCH.id)
     assert state == expected, reason
 
 
@@ -297,7 +297,7 @@ def test_tp_grad_accumulation_probe_refuses_an_installer_that_reduces_nothing(mo
 
     style = importlib.import_module(patch.MODULE).ReplicatedWithGradAllReduce
     monkeypatch.setattr(style, patch.METHOD, lambda self, module, mesh, **kwargs: module)
-    state, reason = state_of(patch.ID)
+    state, reason = state_of(patch.PATCH.id)
     assert state == UNSUPPORTED and "neither each gradient reduced once" in reason, reason
 
 

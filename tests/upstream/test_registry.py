@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import wrapt
 
 import shardadopt
 from shardadopt.patching.contract import Patch, Probe
@@ -574,7 +575,6 @@ def test_shared_targets_stack_in_the_declared_order():
     order = registry.stack_order()
     for outer, inner in ORDER_MATTERS:
         assert order.index(inner) < order.index(outer), f"{outer} must wrap around {inner}"
-    owners = {id(w): p.id for p in registry.patches() for w in p.wrappers.values()}
     shardadopt.enable()
     try:
         for target, ids in shared.items():
@@ -583,10 +583,11 @@ def test_shared_targets_stack_in_the_declared_order():
             except ImportError:  # an optional integration (trl) not installed
                 continue
             applied = {s.id for s in shardadopt.status() if s.state == APPLIED}
-            value, stack = _resolve(target)[2], []
-            while hasattr(value, "_self_wrapper"):
-                stack.append(owners[id(value._self_wrapper)])
-                value = value.__wrapped__
-            assert stack[::-1] == [pid for pid in order if pid in ids & applied], target
+            stacked = registry.stacked(target)
+            assert stacked == [pid for pid in order if pid in ids & applied], target
+            value, layers = _resolve(target)[2], 0
+            while isinstance(value, wrapt.FunctionWrapper):
+                value, layers = value.__wrapped__, layers + 1
+            assert layers == len(stacked), f"{target}: {layers} wrappers on it, the registry stacked {stacked}"
     finally:
         shardadopt.disable()
