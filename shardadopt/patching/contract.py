@@ -71,7 +71,7 @@ class Patch:
 
     @property
     def upstream_status(self) -> str:
-        """What ``status()`` and ``shardadopt doctor`` show as the patch's ``upstream``: the status and the diff."""
+        """What ``status()`` and ``shardadopt doctor --json`` show as the patch's ``upstream``: status and diff."""
         return f"{self.upstream}; {self.diff_files}"
 
     @property
