@@ -265,7 +265,18 @@ def bind_maybe_distribute_model(wrapped: Callable[..., Any], args: tuple, kwargs
         TypeError: the arguments do not fit the signature (as the call itself would raise).
     """
     signature = inspect.signature(wrapped)
+    named = [p.name for p in signature.parameters.values()
+             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)][:3]
+    if len(named) < 3:  # a stand-in that takes (*args, **kwargs): upstream's order and the releases' names
+        values = dict(zip(_DISTRIBUTE_PARAMETERS, args)) | kwargs
+        mesh = next((values[name] for name in _MESH_PARAMETERS if name in values), None)
+        return DistributeArguments(values.get("model"), values.get("distributed_config"), mesh)
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
-    model, config, mesh = (bound.arguments.get(name) for name in list(signature.parameters)[:3])
+    model, config, mesh = (bound.arguments.get(name) for name in named)
     return DistributeArguments(model, config, mesh)
+
+
+# maybe_distribute_model's parameters, the mesh under each release's name (5.15 .. 5.17, 5.18+)
+_MESH_PARAMETERS = ("device_mesh", "mesh_manager")
+_DISTRIBUTE_PARAMETERS = ("model", "distributed_config", "device_mesh")

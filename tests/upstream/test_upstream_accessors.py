@@ -1308,6 +1308,9 @@ def test_maybe_distribute_model():
             (model, config, mesh, True), (model, config, mesh, True), (model, config, None, False)]
         with pytest.raises(TypeError):
             upstream.bind_maybe_distribute_model(method, (model, config), {"mesh": mesh})
+        stand_in = lambda *args, **kwargs: None  # noqa: E731  (a test's stand-in for upstream: upstream's order)
+        assert upstream.bind_maybe_distribute_model(stand_in, (model,), {"distributed_config": config, third: mesh}
+                                                    ) == upstream.DistributeArguments(model, config, mesh)
         # the real stack, called as from_pretrained calls it for a load that shards nothing: the model comes back
         assert DistributedMixin.maybe_distribute_model(model, None, None) is model
     finally:
