@@ -13,8 +13,9 @@ accessors, because
 ``shardadopt.enable()`` (which imports the patch modules, and so the constants here) must not import them.
 
 One module per upstream library (``torch``, ``transformers``, ``accelerate``, ``peft``, ``trl``, ``optuna``,
-``numpy``, ``python``), the one place the private-name guard allows such names, so that a new release of a library
-is checked in one file; this package re-exports them all, so callers write ``upstream.<accessor>``.
+``numpy``, ``python``; torch's context parallelism has its own, ``torch_context_parallel``), the one place the
+private-name guard allows such names, so that a new release of a library is checked in its own files; this package
+re-exports them all, so callers write ``upstream.<accessor>``.
 """
 
 from __future__ import annotations
@@ -61,10 +62,6 @@ from shardadopt.upstream.python import (
 from shardadopt.upstream.torch import (
     AGENT_STORE_CHECKS,
     COLLECTIVE_OP_NAMESPACES,
-    CP_ATTENTION_MODULE,
-    CP_DISABLE_DISPATCHER,
-    CP_ENABLE_DISPATCHER,
-    CP_SHARDING_RULES_MODULE,
     DCP_METADATA_GLOBALS,
     DCP_METADATA_MODULE,
     DCP_READ_METADATA,
@@ -76,21 +73,12 @@ from shardadopt.upstream.torch import (
     clear_sharding_propagation_caches,
     compiled_original,
     compute_local_shape_and_global_offset,
-    cp_custom_ops,
-    cp_register_sharding_rules,
-    cp_single_dim_strategies,
-    cp_strategy_context,
-    cp_templated_ring_attention,
-    cp_templated_ring_attention_backward,
     current_graph_task_id,
     dcp_metadata_path,
     default_group,
     default_store,
     device_has_foreach_support,
-    dtensor_custom_op_handlers,
     dtensor_local,
-    dtensor_op_dispatcher,
-    expand_to_full_mesh_op_strategy,
     foreach_mul_,
     foreach_norm,
     fsdp_group_syncs_gradients,
@@ -107,13 +95,28 @@ from shardadopt.upstream.torch import (
     pytree_flatten,
     queue_backward_callback,
     registered_process_groups,
-    sdpa_flash_kernels,
-    set_dtensor_custom_op_handlers,
     set_process_group_counter,
-    sharding_placeholder,
     strided_shard_type,
     torch_dispatch_mode,
     wait_functional_collective,
+)
+from shardadopt.upstream.torch_context_parallel import (
+    CP_ATTENTION_MODULE,
+    CP_DISABLE_DISPATCHER,
+    CP_ENABLE_DISPATCHER,
+    CP_SHARDING_RULES_MODULE,
+    cp_custom_ops,
+    cp_register_sharding_rules,
+    cp_single_dim_strategies,
+    cp_strategy_context,
+    cp_templated_ring_attention,
+    cp_templated_ring_attention_backward,
+    dtensor_custom_op_handlers,
+    dtensor_op_dispatcher,
+    expand_to_full_mesh_op_strategy,
+    sdpa_flash_kernels,
+    set_dtensor_custom_op_handlers,
+    sharding_placeholder,
 )
 from shardadopt.upstream.transformers import (
     CLASS_TIED_WEIGHTS_ATTRIBUTE,
