@@ -4,8 +4,8 @@ record the verdicts.
 For each layout (``fsdp``, ``tp``, ``ep``: 2 ranks; ``hsdp``, ``2d``: 4 ranks, where the release loads them) and
 each model type it applies to (every causal LM for FSDP/HSDP; those with a tensor-/expert-parallel plan for
 TP/2-D/EP), a tiny random model derived from the type's default config runs the ordinary accelerate loop after
-``shardadopt.enable()`` against one process (``shardadopt/testing/sweep.py`` states the check and its
-tolerances). All types of one layout share one process group. The verdicts go to
+``shardadopt.enable()`` against one process (``shardadopt/testing/sweep.py`` states the check,
+``sweep_compare.py`` its tolerances). All types of one layout share one process group. The verdicts go to
 ``shardadopt/data/arch_matrix/transformers-<minor>.json`` (one file per release line, cells merged, written after each
 type so a long run keeps its progress; runs of different layouts at once merge their cells into the file under a
 lock); ``tests/project/test_arch_sweep.py`` checks ``docs/architectures.md`` against them and re-runs a fixed sample
@@ -166,7 +166,7 @@ def _settled(cell: dict | None) -> bool:
     """Whether ``--resume`` keeps a recorded cell: any verdict but "not testable here", which is about the harness
     of its day (glm4v_moe's image processor, found once the harness used an MoE type's dense sibling's: a resumed
     run kept the old cells) rather than the model."""
-    from shardadopt.testing.sweep import NOT_TESTABLE
+    from shardadopt.testing.sweep_compare import NOT_TESTABLE
 
     return cell is not None and cell["verdict"] != NOT_TESTABLE
 
@@ -174,7 +174,7 @@ def _settled(cell: dict | None) -> bool:
 def run(layouts: list[str], only_types: list[str] | None, root: Path, timeout: float, resume: bool,
         task: str = CAUSAL_LM) -> int:
     sys.path.insert(0, str(REPO))
-    from shardadopt.testing import sweep
+    from shardadopt.testing import sweep, sweep_compare, sweep_run
 
     versions = _versions()
     path = release_file(versions["transformers"], task)
@@ -186,9 +186,10 @@ def run(layouts: list[str], only_types: list[str] | None, root: Path, timeout: f
         if matrix and matrix["transformers"] != versions["transformers"]:
             matrix["cells"] = {}  # another patch release of the line: start over rather than mix releases
         matrix.update({"generated_by": "tools/arch_sweep.py", **versions,
-                       "tolerances": {"grad_rtol": sweep.GRAD_RTOL, "grad_floor": sweep.GRAD_FLOOR,
-                                      "step_rtol": sweep.STEP_RTOL, "noise_factor": sweep.NOISE_FACTOR,
-                                      "steps": sweep.STEPS, "accumulation": sweep.ACCUM}})
+                       "tolerances": {"grad_rtol": sweep_compare.GRAD_RTOL, "grad_floor": sweep_compare.GRAD_FLOOR,
+                                      "step_rtol": sweep_compare.STEP_RTOL,
+                                      "noise_factor": sweep_compare.NOISE_FACTOR,
+                                      "steps": sweep_run.STEPS, "accumulation": sweep_run.ACCUM}})
         if task != CAUSAL_LM:
             matrix["task"] = task
         matrix.setdefault("cells", {})
@@ -241,7 +242,7 @@ def _line(transformers_version: str) -> str:
 
 def coverage_section(matrices: list[dict]) -> str:
     """The coverage table and notes of ``docs/architectures.md``, derived from the recorded matrices."""
-    from shardadopt.testing.sweep import VERDICTS
+    from shardadopt.testing.sweep_compare import VERDICTS
 
     lines = ["| transformers | layout | types | " + " | ".join(VERDICTS) + " | run time |",
              "|---|---|---|" + "---|" * len(VERDICTS) + "---|"]

@@ -79,7 +79,7 @@ def test_readme_vision_language_counts_are_the_recorded_ones():
 
 @pytest.mark.parametrize("task", ["causal-lm", "image-text-to-text"])
 def test_every_recorded_cell_has_a_known_verdict_and_a_reason(task):
-    from shardadopt.testing.sweep import VERDICTS, VERIFIED
+    from shardadopt.testing.sweep_compare import VERDICTS, VERIFIED
 
     matrices = load_tool("arch_sweep").load_matrices(task)
     assert matrices, f"no recorded {task} matrix"
@@ -95,7 +95,7 @@ def test_every_recorded_cell_has_a_known_verdict_and_a_reason(task):
 def test_resume_retries_only_the_cells_not_testable_here():
     """``--resume`` keeps a recorded model verdict but retries "not testable here", a verdict about the harness of
     its day (glm4v_moe's cells said no image processor long after the harness used its dense sibling's)."""
-    from shardadopt.testing.sweep import NOT_TESTABLE, VERDICTS
+    from shardadopt.testing.sweep_compare import NOT_TESTABLE, VERDICTS
 
     settled = load_tool("arch_sweep")._settled
     assert not settled(None) and not settled({"verdict": NOT_TESTABLE, "detail": "LookupError"})
@@ -115,7 +115,8 @@ def test_the_matrix_covers_every_type_with_a_tp_or_ep_plan():
 @pytest.mark.parametrize(("task", "layout"), [("causal-lm", layout) for layout in sorted(SAMPLE)]
                          + [("image-text-to-text", layout) for layout in sorted(VLM_SAMPLE)])
 def test_sample_of_the_sweep_gives_its_recorded_verdicts(pool2, tmp_path_factory, task, layout):
-    from shardadopt.testing.sweep import VERIFIED, sweep_layout
+    from shardadopt.testing.sweep import sweep_layout
+    from shardadopt.testing.sweep_compare import VERIFIED
 
     sample = (SAMPLE if task == "causal-lm" else VLM_SAMPLE)[layout]
     recorded = _installed_matrix(task)["cells"]
@@ -157,7 +158,7 @@ def unsplit_fused_projections(pool2, path: str) -> dict[str, list[str]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shardadopt.testing.sweep import _whole
+    from shardadopt.testing.sweep_compare import _whole
 
     reference = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
     wrong = {}
@@ -223,7 +224,7 @@ def test_stacked_experts_of_either_stored_layout_load_into_their_shards(pool2, t
     from transformers import AutoModelForImageTextToText
 
     from shardadopt.testing.layouts import distributed_sizes, unloadable_reason
-    from shardadopt.testing.sweep import _whole
+    from shardadopt.testing.sweep_compare import _whole
 
     wrong = {}
     for stored, path in _expert_layouts(tmp_path).items():
