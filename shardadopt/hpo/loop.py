@@ -30,7 +30,7 @@ each live trial a directory of its own and ``resume_checkpoint`` finds the dead 
 running, retries it once, and counts the earlier attempts' trials against ``n_trials``.
 
 Rank 0's study loop and the other ranks' worker loop answer each other message by message, so they stay in one
-module (a little over 400 lines).
+module; ``optimize``'s options are in ``shardadopt.hpo.options``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ import contextlib
 import gc
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import optuna
@@ -53,6 +52,7 @@ from shardadopt.hpo.attach import attach_study, resume_checkpoint, trial_checkpo
 from shardadopt.hpo.channel import OP_COMMAND, OP_ROOT_CALL, Channel
 from shardadopt.hpo.durability import ATTR_CHECKPOINT_DIR, TrialHeartbeat, checkpoint_name
 from shardadopt.hpo.errors import PeerLostError
+from shardadopt.hpo.options import MOVED_OPTIONS, ControlOptions, DurabilityOptions, StudySpec
 from shardadopt.hpo.provenance import (
     ATTR_PARAMS_HASH,
     check_space_version,
@@ -69,76 +69,7 @@ Objective = Callable[[DistributedTrial], Any]
 ATTR_RANK = "failure_rank"
 
 _START, _STOP = "start", "stop"
-DEFAULT_HEARTBEAT_INTERVAL = 30.0  # seconds between a running trial's heartbeats (requeue's grace: 180 s)
 _PROGRESS_BAR_TRIALS = 20  # studies at least this long show optuna's progress bar on rank 0 (on a terminal)
-
-
-@dataclass(frozen=True)
-class StudySpec:
-    """The study ``optimize`` creates or attaches to on rank 0, so that many torchrun jobs can share it.
-
-    ``storage``: a URL or an Optuna storage (``None`` with ``output_dir``: a journal file there). Jobs giving the
-    same ``study_name`` attach as workers (``load_if_exists``). ``sampler`` defaults to ``default_sampler()`` (TPE,
-    multivariate, constant liar).
-    """
-
-    storage: str | os.PathLike | optuna.storages.BaseStorage | None = None
-    study_name: str | None = None
-    load_if_exists: bool = True
-    direction: str | None = None
-    directions: Sequence[str] | None = None
-    sampler: optuna.samplers.BaseSampler | None = None
-    pruner: optuna.pruners.BasePruner | None = None
-    output_dir: str | None = None
-
-
-@dataclass(frozen=True)
-class DurabilityOptions:
-    """What rank 0 records on every trial and how it keeps a running trial visibly alive.
-
-    ``space_version`` (default, given ``hp_space``: a hash of its source) versions the search space; attaching to a
-    study created with another version raises ``SpaceVersionMismatch`` unless ``allow_space_mismatch``.
-    ``data_snapshot`` and ``topology`` (default from ``$LOCAL_WORLD_SIZE``) are recorded on every trial.
-    ``heartbeat_interval`` (seconds; None: off) paces the heartbeat of a running trial on persistent storages.
-    ``unpruned_trials``: the first N sampled trials of the study run to the end whatever the pruner says, for
-    ``shardadopt hpo check-pruning`` (``shardadopt.hpo.pruning_check``). ``warm_start_from``: with a ``StudySpec``,
-    enqueue the ``warm_start_top`` best configurations of that study (an older space version, same storage) into
-    this one on attach, mapped onto ``hp_space`` (``shardadopt.hpo.warmstart``; idempotent).
-    """
-
-    hp_space: Callable[..., Any] | None = None
-    space_version: str | None = None
-    allow_space_mismatch: bool = False
-    data_snapshot: str | None = None
-    topology: str | None = None
-    heartbeat_interval: float | None = DEFAULT_HEARTBEAT_INTERVAL
-    unpruned_trials: int = 0
-    warm_start_from: str | None = None
-    warm_start_top: int = 5
-
-
-@dataclass(frozen=True)
-class ControlOptions:
-    """The control plane (see ``DistributedTrial``): the gloo ``group`` its messages use (default: a dedicated
-    one; a given group turns the fault fence and hang detection off, with a ``FenceOffWarning``), ``timeout``,
-    the seconds after which a silent peer counts as lost (default ``$SHARDADOPT_HPO_TIMEOUT``, 600 s), and
-    ``hang_timeout``, the seconds a rank may go without progress inside a trial before it counts as hung (default
-    ``$SHARDADOPT_HANG_TIMEOUT``, 900 s; ``math.inf``: off): the trial fails as ``hang`` against that rank, or,
-    when it cannot be interrupted, every rank exits with ``shardadopt.fence.HANG_EXIT_CODE`` (see
-    ``shardadopt.fence``)."""
-
-    group: Any = None
-    timeout: float | None = None
-    hang_timeout: float | None = None
-
-
-# optimize()'s former keyword arguments and what replaces each (pre-1.0 API change).
-_MOVED = {name: f"StudySpec({name}=...) as the study" for name in (
-    "storage", "study_name", "load_if_exists", "direction", "directions", "sampler", "pruner", "output_dir")}
-_MOVED.update({name: f"durability=DurabilityOptions({name}=...)" for name in (
-    "hp_space", "space_version", "allow_space_mismatch", "data_snapshot", "topology", "heartbeat_interval")})
-_MOVED.update(group="control=ControlOptions(group=...)", control_timeout="control=ControlOptions(timeout=...)",
-              hang_timeout="control=ControlOptions(hang_timeout=...)")
 
 
 def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None, objective: Objective,
@@ -182,11 +113,11 @@ def optimize(study: optuna.Study | StudySpec | Callable[[], optuna.Study] | None
         The study on rank 0, None on the other ranks.
     """
     if moved:
-        unknown = sorted(set(moved) - set(_MOVED))
+        unknown = sorted(set(moved) - set(MOVED_OPTIONS))
         if unknown:
             raise TypeError(f"optimize() got unexpected keyword arguments {unknown}")
         raise TypeError("optimize() options moved: " + "; ".join(
-            f"instead of {name}=, pass {_MOVED[name]}" for name in sorted(moved)))
+            f"instead of {name}=, pass {MOVED_OPTIONS[name]}" for name in sorted(moved)))
     durability = durability if durability is not None else DurabilityOptions()
     control = control if control is not None else ControlOptions()
     if isinstance(catch, type):
@@ -428,5 +359,4 @@ def _record_failure(trial: optuna.Trial, outcome: Outcome) -> None:
         pass
 
 
-__all__ = ["optimize", "StudySpec", "DurabilityOptions", "ControlOptions", "run_on_root", "ATTR_RANK",
-           "trial_checkpoint_dir", "resume_checkpoint"]
+__all__ = ["optimize", "run_on_root", "ATTR_RANK", "trial_checkpoint_dir", "resume_checkpoint"]

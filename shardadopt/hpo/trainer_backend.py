@@ -73,7 +73,8 @@ def run_hp_search_optuna(trainer: Any, n_trials: int, direction: str | list[str]
     from transformers.trainer_utils import BestRun
 
     from shardadopt.hpo.channel import Channel
-    from shardadopt.hpo.loop import ControlOptions, DurabilityOptions, StudySpec, optimize, run_on_root
+    from shardadopt.hpo.loop import optimize, run_on_root
+    from shardadopt.hpo.options import ControlOptions, DurabilityOptions, StudySpec
 
     report_unit = kwargs.pop("report_unit", "examples")
     control_timeout = kwargs.pop("control_timeout", None)
