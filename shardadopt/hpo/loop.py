@@ -15,7 +15,7 @@ ends, for whatever reason, it sends STOP, carrying the error when it ended with 
 - a dead or stuck peer raises ``PeerLostError`` naming it on the survivors, within the control timeout, and stops
   the study (the process group cannot be trusted any more);
 - an exception anywhere in the objective, even while the other ranks wait in a training collective, ends the
-  trial on every rank within a fraction of a second (the trial's fault fence, see ``shardadopt.hpo.trial``) and
+  trial on every rank within a fraction of a second (the trial's fault fence, see ``shardadopt.hpo.rounds``) and
   the process groups are rebuilt, so with ``catch`` the next trial trains on working groups.
 
 Durable, multi-job studies: pass ``StudySpec(storage=..., study_name=...)`` (a URL or an Optuna storage) instead of
@@ -61,7 +61,8 @@ from shardadopt.hpo.provenance import (
     space_version,
 )
 from shardadopt.hpo.pruning_check import keep_unpruned, mark_unpruned
-from shardadopt.hpo.trial import COMPLETE, FAIL, PRUNED, DistributedTrial, Outcome, TrialInfo
+from shardadopt.hpo.rounds import COMPLETE, FAIL, PRUNED, Outcome, TrialInfo
+from shardadopt.hpo.trial import DistributedTrial
 
 Objective = Callable[[DistributedTrial], Any]
 
