@@ -106,7 +106,7 @@ def _from_override(model: nn.Module, override: Mapping[str, int]) -> Topology:
     dp_replicate_rank = rank // (sizes["tp"] * sizes["dp_shard"])
     return Topology("override", world, rank, sizes["dp_replicate"], dp_replicate_rank, sizes["dp_shard"],
                     dp_shard_rank, sizes["tp"], tp_rank, sizes["ep"], rank % sizes["ep"],
-                    meshes=param_meshes(model), _plain_counts=plain_shard_counts(model, world))
+                    meshes=param_meshes(model), plain_counts=plain_shard_counts(model, world))
 
 
 class _CallableModule(types.ModuleType):

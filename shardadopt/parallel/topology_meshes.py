@@ -62,7 +62,7 @@ def from_transformers(model: nn.Module, config: Any) -> Topology:
         meshes.insert(0, mesh)
     return Topology("transformers", world, rank, replicate, ranks["dp_replicate"], fsdp, ranks["fsdp"], tp,
                     ranks["tp"], ep, ranks["ep"], meshes=_distinct(meshes),
-                    _plain_counts=plain_shard_counts(model, world))
+                    plain_counts=plain_shard_counts(model, world))
 
 
 def _named_rank(mesh: Any, name: str, size: int) -> int:

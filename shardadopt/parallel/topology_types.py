@@ -42,7 +42,7 @@ class Topology:
     meshes: tuple[Any, ...] = ()
     # id(parameter) -> number of ranks holding an identical copy, for plain parameters that are not replicated
     # on every rank (local TP shards / EP experts of old transformers). Missing: held by every rank.
-    _plain_counts: Mapping[int, int] = field(default_factory=dict, repr=False)
+    plain_counts: Mapping[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def dp_size(self) -> int:
@@ -67,7 +67,7 @@ class Topology:
             The number of ranks holding the same values (the world size for a parameter the topology did not
             record).
         """
-        return self._plain_counts.get(id(parameter), self.world_size)
+        return self.plain_counts.get(id(parameter), self.world_size)
 
     def tp_group(self) -> Any:
         """The process group of this rank's tensor-parallel group (the model's mesh's ``tp`` dim, or its only dim
@@ -91,10 +91,10 @@ class Topology:
             for a tensor it does not know).
         """
         world = self.world_size
-        if not self._plain_counts:
+        if not self.plain_counts:
             return lambda grad: world
-        counts = {id(p.grad): self._plain_counts[id(p)] for p in parameters
-                  if p.grad is not None and id(p) in self._plain_counts}
+        counts = {id(p.grad): self.plain_counts[id(p)] for p in parameters
+                  if p.grad is not None and id(p) in self.plain_counts}
         return lambda grad: counts.get(id(grad), world)
 
     def describe(self) -> str:
