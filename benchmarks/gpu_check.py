@@ -29,6 +29,14 @@ Items (each with its own timeout; a failed item never stops the next):
 - ``bf16-parity``: the examples' accelerate loop on a tiny llama in bf16, ``fsdp_size=--nproc``, against one process
   in bf16 on the same global batches: losses and grad norms within 2 %, every parameter element within 2 LR per
   step plus one bf16 ulp of its value.
+- ``cp-ring-attention``: context parallelism through torch's ring attention with the CUDA SDPA kernels on an adopted
+  model: the accelerate loop of docs/long-context.md (``maybe_context_parallel``, shifted labels, global position
+  ids) on a tiny Llama loaded with ``fsdp_size=N`` and ``ParallelismConfig(cp_size=N)``, ``N = --nproc`` (NCCL, a
+  GPU per rank; on one GPU 2 ranks share it over gloo, after the check that gloo collectives work on CUDA tensors),
+  against one process on the whole sequence on the same device: fp32 with the memory-efficient kernel (losses and
+  grad norms within 1e-4, parameters within LR / 2) and bf16 with the flash kernel (within 2 %), each kernel forced
+  with ``sdpa_kernel``; every forward must see 1/N of the positions. The dry run checks fp32 with the CPU flash
+  kernel (the patch ``torch-cp-cpu-flash-attention``).
 - ``selftest``: every ``shardadopt selftest`` scenario on ``--nproc`` ranks (at least 2): NCCL with a GPU per
   rank (fsdp, tp, ep+fsdp; 2-D and the 4-rank layouts at 4), else the ranks share the GPU over gloo after the
   selftest checked that gloo collectives work on CUDA tensors on this torch (it refuses with the reason if not).
@@ -254,6 +262,87 @@ def bf16_rank(path: str, device: str) -> dict[str, Any]:
     return train_rank(path, {"fsdp_size": world}, world, cpu=device == "cpu", dtype="bfloat16")
 
 
+CP_SEQ, CP_STEPS, CP_LR, CP_MAX_NORM = 64, 3, 1e-3, 1e9
+# (model dtype, the SDPA kernel forced on CUDA, rtol of losses and grad norms against one process). On CPU the flash
+# kernel is the only one ring attention runs (the patch adds it), whatever the dtype.
+CP_CASES = (("float32", "EFFICIENT_ATTENTION", 1e-4), ("bfloat16", "FLASH_ATTENTION", 2e-2))
+
+
+def cp_train(path: str, device: str, dtype: str, kernel: str) -> dict[str, Any]:
+    """The accelerate loop of docs/long-context.md, ``CP_STEPS`` steps on one sequence of ``CP_SEQ`` tokens per step
+    (the same on every rank): inside a process group, on a model loaded with ``fsdp_size`` = the world and
+    ``ParallelismConfig(cp_size=world)``; outside one, one process on the whole sequence. The SDPA ``kernel`` is
+    forced on CUDA. Losses, grad norms, the positions each forward saw, the parameters after training (rank 0)."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from accelerate import ParallelismConfig
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AutoModelForCausalLM
+
+    import shardadopt
+    from shardadopt.testing import full
+    from shardadopt.testing.accelerator import fresh_accelerator
+
+    dev = _device(device)
+    sharded = dist.is_available() and dist.is_initialized()
+    cp = dist.get_world_size() if sharded else 1
+    shardadopt.enable()
+    try:
+        torch.manual_seed(0)
+        kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "attn_implementation": "sdpa"}
+        if sharded:
+            from transformers.distributed import DistributedConfig
+
+            kwargs["distributed_config"] = DistributedConfig(fsdp_size=cp)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=CP_LR, weight_decay=0.0, foreach=False)
+        accelerator = None
+        if sharded:
+            accelerator = fresh_accelerator(cpu=device == "cpu", parallelism_config=ParallelismConfig(cp_size=cp))
+            model, optimizer = accelerator.prepare(model, optimizer)
+        else:
+            model = model.to(dev)
+        seen: list[int] = []
+        model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+        generator = torch.Generator().manual_seed(7)
+        vocab = model.config.vocab_size
+        def forced():  # a fresh context each step (sdpa_kernel's is single-use)
+            return sdpa_kernel(getattr(SDPBackend, kernel)) if device == "cuda" else contextlib.nullcontext()
+
+        losses, norms = [], []
+        for _ in range(CP_STEPS):
+            input_ids = torch.randint(0, vocab, (1, CP_SEQ), generator=generator).to(dev)
+            labels = input_ids.clone()
+            shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+            position_ids = torch.arange(CP_SEQ, device=dev).unsqueeze(0)
+            buffers = [input_ids, labels, shift_labels, position_ids]
+            split = (accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1, 1],
+                                                        no_restore_buffers=set(buffers))
+                     if sharded else contextlib.nullcontext())
+            with forced(), split:
+                loss = model(input_ids=input_ids, labels=labels, shift_labels=shift_labels,
+                             position_ids=position_ids).loss
+                (accelerator.backward(loss) if sharded else loss.backward())
+            if sharded:
+                norms.append(float(accelerator.clip_grad_norm_(model.parameters(), CP_MAX_NORM)))
+                losses.append(float(accelerator.reduce(loss.detach().float(), "mean")))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CP_MAX_NORM)))
+                losses.append(float(loss.detach()))
+            optimizer.step()
+            optimizer.zero_grad()
+        params = {n: full(p).detach().float().cpu() for n, p in model.named_parameters()}
+        return {"losses": losses, "norms": norms, "seen": seen,
+                "params": params if not sharded or dist.get_rank() == 0 else None}
+    except Exception as exc:  # noqa: BLE001  (reported as the item's failure)
+        return {"error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"}
+    finally:
+        shardadopt.disable()
+
+
 # -- items (run in the launcher) -----------------------------------------------------------------------------------
 
 @dataclass
@@ -328,6 +417,57 @@ def bf16_parity(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, s
     detail = (f"llama bf16, fsdp_size={args.nproc} on {args.device}: losses {[f'{x:.4f}' for x in result['losses']]}"
               f" vs one process {[f'{x:.4f}' for x in expected['losses']]}, params within {worst:.2f}x the bf16 "
               f"tolerance ({BF16_PARAM_STEPS_OF_LR:g} LR per step + {BF16_PARAM_RTOL:g} |p|)")
+    return ("FAIL", "; ".join(problems) + "\n" + detail) if problems else ("PASS", detail)
+
+
+def cp_ring_attention(args: argparse.Namespace, state: dict[str, Any]) -> tuple[str, str]:
+    """Ring attention with the device's SDPA kernels on an adopted model (fsdp_size = cp_size = N) against one
+    process on the whole sequence, per dtype (``CP_CASES``)."""
+    import torch
+
+    from shardadopt.testing import RankPool, tiny_checkpoints
+
+    nproc, backend, shared = args.nproc, None, ""
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        from shardadopt.selftest.device_check import gloo_collectives_problem
+
+        problem = gloo_collectives_problem("cuda", timeout=_seconds(args, state))
+        if problem:
+            return "SKIP", f"one GPU, and gloo cannot carry CUDA tensors here for ranks sharing it: {problem}"
+        nproc, backend, shared = 2, "gloo", " (2 ranks sharing one GPU over gloo)"
+    if nproc < 2:
+        return "SKIP", "context parallelism needs 2 ranks or more (--nproc)"
+    if CP_SEQ % (2 * nproc):
+        return "SKIP", f"the check's {CP_SEQ} tokens do not split into 2 x {nproc} chunks"
+    problems, details = [], []
+    with tempfile.TemporaryDirectory(prefix="shardadopt-gpu-check-") as root:
+        path = tiny_checkpoints(root, ["llama"])["llama"]
+        with RankPool(nproc, device=args.device, backend=backend,
+                      env={"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}) as pool:
+            # on CPU both dtypes run the one flash kernel through the same ring code: fp32 alone says it all
+            for dtype, kernel, rtol in CP_CASES if args.device == "cuda" else CP_CASES[:1]:
+                kernel_name = kernel.lower() if args.device == "cuda" else "cpu flash"
+                expected = cp_train(path, args.device, dtype, kernel)
+                results = pool.run(cp_train, path, args.device, dtype, kernel, timeout=_seconds(args, state))
+                errors = [r["error"] for r in (expected, *results) if "error" in r]
+                if errors:
+                    problems.append(f"{dtype} ({kernel_name}): {errors[0]}")
+                    continue
+                got = results[0]
+                if any(r["seen"] != [CP_SEQ // nproc] * CP_STEPS for r in results):
+                    problems.append(f"{dtype}: the forwards saw {[r['seen'] for r in results]} positions, not "
+                                    f"{CP_SEQ // nproc} each")
+                for what in ("losses", "norms"):
+                    if not torch.allclose(torch.tensor(got[what]), torch.tensor(expected[what]), rtol=rtol):
+                        problems.append(f"{dtype} ({kernel_name}): per-step {what} {got[what]} != one process "
+                                        f"{expected[what]}")
+                worst = max(float((got["params"][n] - p).abs().max()) for n, p in expected["params"].items())
+                if dtype == "float32" and worst >= 0.5 * CP_LR:
+                    problems.append(f"float32: parameters differ from one process by up to {worst:.2e} (>= LR / 2)")
+                details.append(f"{dtype} {kernel_name}: losses {[f'{x:.4f}' for x in got['losses']]} vs one process "
+                               f"{[f'{x:.4f}' for x in expected['losses']]}, params within {worst:.1e}")
+    detail = (f"llama fsdp_size={nproc} x cp_size={nproc} on {args.device}{shared}, {CP_SEQ} tokens "
+              f"({CP_SEQ // nproc} per forward), {CP_STEPS} steps:\n" + "\n".join(details))
     return ("FAIL", "; ".join(problems) + "\n" + detail) if problems else ("PASS", detail)
 
 
@@ -432,7 +572,8 @@ def _env() -> dict[str, str]:
 ITEMS = [Item("environment", environment), Item("grouped-mm-sentinel", grouped_mm_sentinel),
          Item("fused-adamw-mesh", fused_adamw_mesh), Item("checkpoint-cuda-rng", checkpoint_cuda_rng),
          Item("hpo-gloo-beside-nccl", hpo_gloo_beside_nccl), Item("fence-fault", fence_fault),
-         Item("fence-hang", fence_hang), Item("bf16-parity", bf16_parity), Item("selftest", selftest_ranks)]
+         Item("fence-hang", fence_hang), Item("bf16-parity", bf16_parity), Item("cp-ring-attention", cp_ring_attention),
+         Item("selftest", selftest_ranks)]
 
 
 def _row(status: str, name: str, seconds: float, detail: str) -> str:

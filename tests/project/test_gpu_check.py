@@ -39,7 +39,8 @@ def test_dry_run_on_two_ranks_runs_every_item():
                           "--timeout", "600", "--scenarios", "accelerate-fsdp", "accelerate-2d"],
                          capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr
-    for item in ["environment", *RANK_ITEMS, "fence-fault", "fence-hang", "bf16-parity", "selftest"]:
+    for item in ["environment", *RANK_ITEMS, "fence-fault", "fence-hang", "bf16-parity", "cp-ring-attention",
+                 "selftest"]:
         assert f"PASS  {item}" in out.stdout, out.stdout
     assert "SKIP  grouped-mm-sentinel" in out.stdout
     # each fence item: every rank broke its groups (the count per rank is the breaks times the groups: a loaded
@@ -47,4 +48,23 @@ def test_dry_run_on_two_ranks_runs_every_item():
     aborts = re.findall(r"last of 2 ranks out .*?ProcessGroup\.abort\(\) calls per rank: \[(\d+), (\d+)\]", out.stdout)
     assert len(aborts) == 2 and all(int(n) >= 1 for pair in aborts for n in pair), out.stdout
     assert "      SKIP  accelerate-2d" in out.stdout and "1 passed, 0 failed, 1 skipped" in out.stdout, out.stdout
-    assert "8 passed, 0 failed, 1 skipped" in out.stdout, out.stdout
+    # ring attention on an adopted model (fsdp_size=2 x cp_size=2) against one process, each forward on half
+    assert "llama fsdp_size=2 x cp_size=2 on cpu, 64 tokens (32 per forward)" in out.stdout, out.stdout
+    assert "9 passed, 0 failed, 1 skipped" in out.stdout, out.stdout
+
+
+def test_cp_item_skips_what_cannot_split(capsys, monkeypatch):
+    """Context parallelism over one rank means nothing: the item skips with the reason. On one GPU it would let 2
+    ranks share it over gloo, and skips with the device check's reason when gloo cannot carry CUDA tensors there."""
+    gpu_check = _script(monkeypatch)
+    assert gpu_check.main(["--dry-run", "--nproc", "1", "--only", "cp-ring-attention"]) == 0
+    assert "SKIP  cp-ring-attention" in capsys.readouterr().out
+    import torch
+
+    from shardadopt.selftest import device_check
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(device_check, "gloo_collectives_problem", lambda device, timeout: f"{device}: SIGSEGV")
+    args = gpu_check.argparse.Namespace(device="cuda", nproc=1, timeout=10.0)
+    status, detail = gpu_check.cp_ring_attention(args, {"deadline": gpu_check.time.monotonic() + 60})
+    assert status == "SKIP" and "one GPU" in detail and "cuda: SIGSEGV" in detail, detail
