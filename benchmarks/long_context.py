@@ -13,7 +13,8 @@ must equal cp 1's (fp32).
 
     python benchmarks/long_context.py                          # 1k..16k tokens, cp 1 2 4, fresh ranks per run
     python benchmarks/long_context.py --seqs 2048 8192 32768 --cps 1 2     # pick lengths and cp sizes
-    python benchmarks/long_context.py --quick                  # CI: tiny model and lengths, cp 1 and 2; asserts
+    python benchmarks/long_context.py --quick                  # CI: tiny model and lengths, cp 1 and 2, a pool per
+                                                               # cp; asserts the split and the losses
 """
 
 from __future__ import annotations
