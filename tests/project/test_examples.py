@@ -43,14 +43,17 @@ BLOCK_TIMEOUT = 900  # seconds: a hang fails the test instead of stalling CI
 #   against DDP) and test_adapters (save_pretrained, reload in one process) on the oldest set.
 # - grpo tp (TRL's fused LM head needs DTensor TP shards, transformers 5.17+, so newest only): test_online (GRPO and
 #   RLOO on fsdp and ep against DDP, TP refused by name) on the oldest set.
+# - long_context: test_context_parallel (the accelerate loop and the Trainer with cp_size=2 against one process).
 # The ep and 2d blocks are on neither list: the oldest transformers cannot load those layouts (skip_reason).
 ONE_SET_BLOCKS = {"accelerate_loop-fsdp": "oldest", "accelerate_loop-tp": "oldest", "trainer_finetune": "oldest",
                   "custom_loop_hpo": "oldest", "hpo_search": "newest", "lora_sft-tp": "newest",
-                  "grpo-tp": "newest"}
+                  "grpo-tp": "newest", "long_context": "oldest"}
 
 
 def page() -> str:
-    return (ROOT / "docs" / "examples.md").read_text()
+    """docs/examples.md, then the "## Example" section of docs/long-context.md (its other code is prose's)."""
+    long_context = (ROOT / "docs" / "long-context.md").read_text().split("\n## Example\n", 1)[1]
+    return (ROOT / "docs" / "examples.md").read_text() + "\n" + long_context.split("\n## ", 1)[0]
 
 
 def blocks(language: str) -> list[str]:
@@ -320,6 +323,13 @@ def check_grpo(block: str, work: Path, out: str, tiny_models: dict[str, str]) ->
     assert "the 2 tensor-parallel ranks sampled the same completions" in out, out[-3000:]
 
 
+def check_long_context(block: str, work: Path, out: str, tiny_models: dict[str, str]) -> None:
+    steps, seq = int(option(block, "--steps")), int(option(block, "--seq-len"))
+    losses = [float(x) for x in re.findall(r"step \d+ loss (\S+) grad_norm", out)]
+    assert len(losses) == steps and all(0 < x < 100 for x in losses), out[-3000:]
+    assert f"each rank's forward saw {seq // 2} of {seq} positions (cp_size=2)" in out, out[-3000:]
+
+
 CHECKS = {"accelerate_loop.py": check_accelerate_loop, "trainer_finetune.py": check_trainer_finetune,
           "hpo_search.py": check_hpo_search, "custom_loop_hpo.py": check_custom_loop_hpo,
-          "lora_sft.py": check_lora_sft, "grpo.py": check_grpo}
+          "lora_sft.py": check_lora_sft, "grpo.py": check_grpo, "long_context.py": check_long_context}
