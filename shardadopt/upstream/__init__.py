@@ -106,6 +106,7 @@ from shardadopt.upstream.torch_context_parallel import (
     CP_ENABLE_DISPATCHER,
     CP_SHARDING_RULES_MODULE,
     cp_custom_ops,
+    cp_load_balanced,
     cp_register_sharding_rules,
     cp_single_dim_strategies,
     cp_strategy_context,

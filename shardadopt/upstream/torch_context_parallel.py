@@ -115,3 +115,12 @@ def sdpa_flash_kernels() -> dict[str, Any]:
     return {"cpu": aten._scaled_dot_product_flash_attention_for_cpu.default,
             "cpu_backward": aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
             "cuda": aten._scaled_dot_product_flash_attention.default}
+
+
+def cp_load_balanced() -> bool:
+    """``_context_parallel._attention._cp_options.enable_load_balance``: inside ``context_parallel``, whether the
+    buffers were split head-tail (rank ``r`` of ``N`` holds chunks ``r`` and ``2N-1-r`` of ``2N``; torch sets it
+    to whether the sequence divides into ``2N`` chunks) rather than in ``N`` contiguous chunks. Checked on torch
+    2.13-2.15."""
+    return bool(attribute(module_attribute(CP_ATTENTION_MODULE, "_cp_options", "cp_load_balanced", "torch"),
+                          "enable_load_balance", "cp_load_balanced", "torch"))

@@ -3,9 +3,9 @@
 The accelerate loop as accelerate documents ``maybe_context_parallel`` (labels shifted before the split, position
 ids passed) and the Trainer with ``TrainingArguments(parallelism_config=...)`` train as one process on the whole
 sequence: per-step loss and grad norm, and the parameters after 3 fp32 steps. Each rank's forward sees half of the
-positions (the split happened). Traps: labels shifted after the split, local position ids, unequal valid-token
-counts per chunk (``-100`` padding in one chunk), gradients reduced over the CP group once; and the patch
-``torch-cp-cpu-flash-attention`` off (the first forward raises).
+positions (the split happened). Unequal valid-token counts per chunk (``-100`` on the last labels, the Trainer's
+``num_items_in_batch``); ``Trainer.evaluate`` after training gives one process's evaluation loss; the patch
+``torch-cp-cpu-flash-attention`` off (the first forward raises). The other traps: test_context_parallel_traps.py.
 """
 
 from __future__ import annotations
@@ -38,8 +38,23 @@ def batches(padded: bool) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def eval_batches() -> list[dict[str, torch.Tensor]]:
+    """Evaluation batches: in each, one row's last 6 labels are ``-100`` (the CP chunks hold different numbers of
+    valid tokens, and so do the batches)."""
+    from shardadopt.testing.models import token_batch
+
+    out = []
+    for step in range(2):
+        ids = token_batch(300 + step, BATCH, SEQ)
+        labels = ids.clone()
+        labels[step, -6:] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
 def one_process(path: str, padded: bool) -> dict[str, Any]:
-    """One process on the whole sequence: losses, grad norms, final parameters."""
+    """One process on the whole sequence: losses, grad norms, final parameters, and the evaluation loss after
+    training as the Trainer reports it (the mean over evaluation batches of each batch's loss)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -53,11 +68,13 @@ def one_process(path: str, padded: bool) -> dict[str, Any]:
         losses.append(float(loss))
         optimizer.step()
         optimizer.zero_grad()
-    return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    with torch.no_grad():
+        eval_loss = sum(float(model(**batch).loss) for batch in eval_batches()) / len(eval_batches())
+    return {"losses": losses, "norms": norms, "eval_loss": eval_loss,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def cp_loop(path: str, padded: bool, shift_before_split: bool = True, global_positions: bool = True,
-            patch: bool = True) -> dict[str, Any]:
+def cp_loop(path: str, padded: bool, patch: bool = True) -> dict[str, Any]:
     """The user's accelerate loop, as accelerate documents ``maybe_context_parallel``: labels shifted before the
     split (``shift_labels``), position ids passed, every buffer split on its sequence dim."""
     import torch.distributed as dist
@@ -87,11 +104,9 @@ def cp_loop(path: str, padded: bool, shift_before_split: bool = True, global_pos
             buffers = [input_ids, labels, shift_labels, position_ids]
             with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1, 1],
                                                     no_restore_buffers=set(buffers)):
-                if not global_positions:  # the trap: positions counted from 0 in every chunk
-                    position_ids = torch.arange(input_ids.shape[1]).expand(BATCH, -1)
-                kwargs = {"shift_labels": shift_labels} if shift_before_split else {}
                 seen.append(input_ids.shape[1])
-                loss = model(input_ids=input_ids, labels=labels, position_ids=position_ids, **kwargs).loss
+                loss = model(input_ids=input_ids, labels=labels, shift_labels=shift_labels,
+                             position_ids=position_ids).loss
                 accelerator.backward(loss)
             norms.append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
             losses.append(float(accelerator.reduce(loss.detach(), "mean")))
@@ -167,16 +182,18 @@ def cp_trainer(path: str, padded: bool) -> dict[str, Any]:
                 output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=MAX_NORM, optim="adamw_torch",
                 logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                train_sampling_strategy="sequential", disable_tqdm=True,
+                train_sampling_strategy="sequential", disable_tqdm=True, per_device_eval_batch_size=BATCH,
                 parallelism_config=ParallelismConfig(cp_size=2))
             trainer = Trainer(model=model, args=args, train_dataset=rows)
             trainer.remove_callback(PrinterCallback)
             trainer.train()
+            eval_rows = [{k: v[i] for k, v in batch.items()} for batch in eval_batches() for i in range(BATCH)]
+            eval_loss = trainer.evaluate(eval_dataset=eval_rows)["eval_loss"]
         logged = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
         params = {n: full(p).detach().clone() for n, p in trainer.model.named_parameters()}
         return {"seen": [len(ids[0]) for ids in seen], "ids": seen,
                 "losses": [row["loss"] for row in logged], "norms": [float(row["grad_norm"]) for row in logged],
-                "params": params if dist.get_rank() == 0 else None}
+                "eval_loss": eval_loss, "params": params if dist.get_rank() == 0 else None}
     except Exception as exc:  # noqa: BLE001  (the test reads what each rank raised)
         import traceback
 
@@ -191,26 +208,21 @@ def test_trainer_matches_one_process(pool2, tiny_models, reference, padded):
     results = pool2.run(cp_trainer, tiny_models["llama"], padded, timeout=300)
     for result in results:
         assert "error" not in result, result["error"]
-        assert result["seen"] == [SEQ // 2] * STEPS, result["seen"]
+        assert result["seen"][:STEPS] == [SEQ // 2] * STEPS, result["seen"]  # training; then evaluation's
         assert mismatch(result, reference[padded]) is None, mismatch(result, reference[padded])
+        # Trainer.evaluate under CP (transformers 5.25 splits evaluation batches too): one process's loss, not
+        # cp_size times it nor one chunk's
+        assert result["eval_loss"] == pytest.approx(reference[padded]["eval_loss"], rel=1e-5), result["eval_loss"]
     # both CP ranks hold chunks of the same rows
     assert results[0]["ids"] != results[1]["ids"]
 
 
 @pytest.mark.multiproc
-def test_traps(pool2, tiny_models, reference):
-    """What makes context-parallel training wrong, each caught: without torch-cp-cpu-flash-attention the first
-    forward raises; labels the model would shift after the split are refused by name; position ids counted from 0
-    in each chunk (RoPE) train other numbers than one process."""
-    path = tiny_models["llama"]
-    for result in pool2.run(cp_loop, path, False, patch=False, timeout=300):
+def test_patch_off_raises(pool2, tiny_models):
+    """Without torch-cp-cpu-flash-attention the first forward raises (the other traps:
+    test_context_parallel_traps.py)."""
+    for result in pool2.run(cp_loop, tiny_models["llama"], False, patch=False, timeout=300):
         assert "NotImplementedError" in result.get("error", "") and "sharding strategy" in result["error"], result
-    for result in pool2.run(cp_loop, path, False, shift_before_split=False, timeout=300):
-        error = result.get("error", "")
-        assert error.startswith("AdoptionError") and "shift_labels = F.pad(labels" in error, result
-    for result in pool2.run(cp_loop, path, False, global_positions=False, timeout=300):
-        assert "error" not in result, result["error"]
-        assert mismatch(result, reference[False]) is not None
 
 
 def test_probe_decides_by_the_handler_table():
