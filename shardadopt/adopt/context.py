@@ -41,9 +41,19 @@ def _cp_enabled(accelerator: Any) -> bool:
     return config is not None and config.cp_enabled and getattr(config, "cp_backend", "torch") == "torch"
 
 
+_PREPARED_ATTR = "_shardadopt_cp_models"  # the sharded models prepare_without_adoption saw, on their Accelerator
+
+
+def _cp_models(accelerator: Any) -> list[nn.Module]:
+    """The sharded models ``accelerator`` prepared: adopted, or prepared in evaluation mode (Trainer 5.19+)."""
+    state = adopted(accelerator)
+    return list(state.models) if state is not None else list(getattr(accelerator, _PREPARED_ATTR, ()))
+
+
 def context_parallel_group(accelerator: Any) -> dist.ProcessGroup | None:
-    """The CP process group of ``accelerator`` when it runs torch's context parallelism on models it adopted."""
-    if not _cp_enabled(accelerator) or adopted(accelerator) is None:
+    """The CP process group of ``accelerator`` when it runs torch's context parallelism on sharded models it
+    prepared (adopted, or prepared in evaluation mode as the Trainer 5.19+ does)."""
+    if not _cp_enabled(accelerator) or not _cp_models(accelerator):
         return None
     return accelerator.torch_device_mesh["cp"].get_group()
 
@@ -73,6 +83,12 @@ def prepare_without_adoption(accelerator: Any, model: nn.Module, layout: Topolog
         return
     _refuse_untested_layout(accelerator, layout)
     upstream.attach_context_parallel_hooks(model)
+    models = getattr(accelerator, _PREPARED_ATTR, None)
+    if models is None:
+        models = []
+        setattr(accelerator, _PREPARED_ATTR, models)
+    if all(m is not model for m in models):  # the checks of token_weighted_context apply to it too
+        models.append(model)
 
 
 def _refuse_untested_layouts(accelerator: Any) -> None:
@@ -244,8 +260,9 @@ def token_weighted_context(accelerator: Any, inner: AbstractContextManager[Any])
     group = context_parallel_group(accelerator)
     if group is None:
         return inner
-    _refuse_untested_layouts(accelerator)
-    cp_size, models = accelerator.parallelism_config.cp_size, adopted(accelerator).models
+    if adopted(accelerator) is not None:  # models prepared in evaluation mode were checked by prepare_without_adoption
+        _refuse_untested_layouts(accelerator)
+    cp_size, models = accelerator.parallelism_config.cp_size, _cp_models(accelerator)
     _refuse_windowed_attention(models, cp_size)
     return _checked(inner, models, group, cp_size)
 

@@ -38,11 +38,14 @@ CASES: dict[str, dict[str, Any]] = {
     "length-17": {"seq": 17},
     "generate-inside": {"generate": "inside"},
     "generate-outside": {"generate": "outside"},
+    "trainer-right-padding": {"padding": "right", "trainer": True},
+    "trainer-left-padding": {"padding": "left", "trainer": True},
 }
 REFUSED = {  # case: what the error must name
     "positions-per-chunk": ("position_ids", "count from 0 in its own chunk"),
     "labels-not-shifted": ("labels passed without shift_labels", "shift_labels = F.pad(labels"),
     "left-padding": ("padding (attention_mask 0) at position 0", "padding_side = 'right'"),
+    "trainer-left-padding": ("padding (attention_mask 0) at position 0", "padding_side = 'right'"),
     "sliding-window": ("sliding", "context parallelism"),
     "length-17": ("17 positions does not split into 2 equal chunks", "pad_to_multiple_of=4"),
     "generate-inside": ("generate() inside maybe_context_parallel", "outside the context"),
@@ -51,7 +54,7 @@ REFUSED = {  # case: what the error must name
 
 def _case(name: str) -> dict[str, Any]:
     return {"model": "llama", "seq": 16, "padding": None, "positions": "global", "shift": True, "generate": None,
-            **CASES[name]}
+            "trainer": False, **CASES[name]}
 
 
 def batches(seq: int, padding: str | None) -> list[dict[str, torch.Tensor]]:
@@ -154,11 +157,57 @@ def cp_case(path: str, seq: int, padding: str | None, positions: str, shift: boo
         shardadopt.disable()
 
 
+def cp_trainer_case(path: str, padding: str) -> dict[str, Any]:
+    """``Trainer`` with ``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2))`` on the padded rows
+    (it passes ``num_items_in_batch``, counted before the split, and splits the padding mask as a buffer)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+    from shardadopt.testing.accelerator import forget_accelerate_state
+    from shardadopt.testing.models import full
+
+    rows = [{k: v[i] for k, v in batch.items()} for batch in batches(16, padding) for i in range(BATCH)]
+    shardadopt.enable()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
+                                                     distributed_config=DistributedConfig(fsdp_size=2))
+        seen: list[int] = []
+        model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+        forget_accelerate_state()
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(
+                output_dir=out, per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR,
+                lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=MAX_NORM, optim="adamw_torch",
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                train_sampling_strategy="sequential", disable_tqdm=True,
+                parallelism_config=ParallelismConfig(cp_size=2))
+            trainer = Trainer(model=model, args=args, train_dataset=rows)
+            trainer.remove_callback(PrinterCallback)
+            trainer.train()
+        logged = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
+        params = {n: full(p).detach().clone() for n, p in trainer.model.named_parameters()}
+        return {"seen": seen, "losses": [row["loss"] for row in logged], "tokens": None,
+                "norms": [float(row["grad_norm"]) for row in logged],
+                "params": params if dist.get_rank() == 0 else None}
+    except Exception as exc:  # noqa: BLE001  (the test reads what each rank raised)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        shardadopt.disable()
+
+
 def cp_cases(paths: dict[str, str], cases: list[str]) -> dict[str, dict[str, Any]]:
     """Every case in one pool call."""
     out = {}
     for name in cases:
         case = _case(name)
+        if case["trainer"]:
+            out[name] = cp_trainer_case(paths[case["model"]], case["padding"])
+            continue
         out[name] = cp_case(paths[case["model"]], case["seq"], case["padding"], case["positions"], case["shift"],
                             case["generate"])
     return out
