@@ -16,11 +16,15 @@ pre-hook on each adopted model exchanges, in one all-gather over the CP group, w
   (left padding: it would be attended), chunks of unequal length (ring attention aborts the process), a forward with
   a key/value cache and ``generate()`` inside the context; on entering it, sliding-window or chunked-attention
   models (accelerate 1.13 does not refuse them) and layouts not yet tested with context parallelism.
+
+Outside the context, an evaluation forward given ``num_items_in_batch`` is refused: every CP rank then runs the whole
+sequence with a count divided by ``cp_size`` (``Trainer.evaluate`` before transformers 5.25), ``cp_size`` x the loss.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -89,6 +93,7 @@ def prepare_without_adoption(accelerator: Any, model: nn.Module, layout: Topolog
         setattr(accelerator, _PREPARED_ATTR, models)
     if all(m is not model for m in models):  # the checks of token_weighted_context apply to it too
         models.append(model)
+    _guard_evaluation(model, accelerator.parallelism_config.cp_size)
 
 
 def _refuse_untested_layouts(accelerator: Any) -> None:
@@ -264,6 +269,8 @@ def token_weighted_context(accelerator: Any, inner: AbstractContextManager[Any])
         _refuse_untested_layouts(accelerator)
     cp_size, models = accelerator.parallelism_config.cp_size, _cp_models(accelerator)
     _refuse_windowed_attention(models, cp_size)
+    for model in models:
+        _guard_evaluation(model, cp_size)
     return _checked(inner, models, group, cp_size)
 
 
@@ -271,6 +278,7 @@ def token_weighted_context(accelerator: Any, inner: AbstractContextManager[Any])
 def _checked(inner: AbstractContextManager[Any], models: list[nn.Module], group: dist.ProcessGroup,
               cp_size: int) -> Iterator[None]:
     with inner:
+        _INSIDE.update(models)
         handles = [m.register_forward_pre_hook(_forward_hook(group, cp_size), with_kwargs=True) for m in models]
         generating = [m for m in models if callable(getattr(m, "generate", None)) and "generate" not in vars(m)]
         for model in generating:  # an instance attribute over the class's method while the context is open
@@ -278,10 +286,36 @@ def _checked(inner: AbstractContextManager[Any], models: list[nn.Module], group:
         try:
             yield
         finally:
+            _INSIDE.difference_update(models)
             for handle in handles:
                 handle.remove()
             for model in generating:
                 del model.generate
+
+
+_INSIDE: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose maybe_context_parallel is open
+_GUARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _guard_evaluation(model: nn.Module, cp_size: int) -> None:
+    """An evaluation forward outside the context on a model prepared for context parallelism, given
+    ``num_items_in_batch``: the Trainer before transformers 5.25 evaluates so (each CP rank runs the whole sequence,
+    but its count is divided by ``cp_size`` as for a split one), and reported ``cp_size`` x the evaluation loss."""
+    if model in _GUARDED:
+        return
+    _GUARDED.add(model)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training or module in _INSIDE or kwargs.get("num_items_in_batch") is None:
+            return
+        raise AdoptionError(
+            f"context parallelism (cp_size={cp_size}): an evaluation forward given num_items_in_batch outside "
+            f"maybe_context_parallel. Every CP rank runs the whole sequence while the count is divided by cp_size "
+            f"as for a split one, so the loss would be {cp_size} x one process's (Trainer.evaluate before "
+            f"transformers 5.25, which evaluates under context parallelism). Upgrade transformers to 5.25, or "
+            f"evaluate without cp_size")
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _refuse_generate(*args: Any, **kwargs: Any) -> Any:

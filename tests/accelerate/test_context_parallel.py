@@ -166,6 +166,7 @@ def cp_trainer(path: str, padded: bool) -> dict[str, Any]:
     from transformers.distributed import DistributedConfig
 
     import shardadopt
+    from shardadopt.adopt import AdoptionError
     from shardadopt.testing.accelerator import forget_accelerate_state
     from shardadopt.testing.models import full
 
@@ -188,7 +189,10 @@ def cp_trainer(path: str, padded: bool) -> dict[str, Any]:
             trainer.remove_callback(PrinterCallback)
             trainer.train()
             eval_rows = [{k: v[i] for k, v in batch.items()} for batch in eval_batches() for i in range(BATCH)]
-            eval_loss = trainer.evaluate(eval_dataset=eval_rows)["eval_loss"]
+            try:
+                eval_loss = trainer.evaluate(eval_dataset=eval_rows)["eval_loss"]
+            except AdoptionError as exc:  # transformers before 5.25 (see the test)
+                eval_loss = f"AdoptionError: {exc}"
         logged = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
         params = {n: full(p).detach().clone() for n, p in trainer.model.named_parameters()}
         return {"seen": [len(ids[0]) for ids in seen], "ids": seen,
@@ -210,9 +214,14 @@ def test_trainer_matches_one_process(pool2, tiny_models, reference, padded):
         assert "error" not in result, result["error"]
         assert result["seen"][:STEPS] == [SEQ // 2] * STEPS, result["seen"]  # training; then evaluation's
         assert mismatch(result, reference[padded]) is None, mismatch(result, reference[padded])
-        # Trainer.evaluate under CP (transformers 5.25 splits evaluation batches too): one process's loss, not
-        # cp_size times it nor one chunk's
-        assert result["eval_loss"] == pytest.approx(reference[padded]["eval_loss"], rel=1e-5), result["eval_loss"]
+        # Trainer.evaluate under CP: transformers 5.25 splits evaluation batches too and gives one process's loss (not
+        # cp_size times it, nor one chunk's); 5.15 runs the whole sequence on each rank with its count divided by
+        # cp_size (cp_size x the loss): refused by name
+        if result["seen"][STEPS] == SEQ // 2:
+            assert result["eval_loss"] == pytest.approx(reference[padded]["eval_loss"], rel=1e-5), result["eval_loss"]
+        else:
+            assert "outside maybe_context_parallel" in str(result["eval_loss"]), result["eval_loss"]
+            assert "Upgrade transformers to 5.25" in result["eval_loss"]
     # both CP ranks hold chunks of the same rows
     assert results[0]["ids"] != results[1]["ids"]
 
