@@ -82,7 +82,8 @@ def prepare_without_adoption(accelerator: Any, model: nn.Module, layout: Topolog
     """What ``Accelerator.prepare`` does to a model under context parallelism, for the sharded model the Trainer
     (transformers 5.19+) prepares with ``prepare_model(evaluation_mode=True)``, which skips it: accelerate's
     attention hooks (the mask dropped for ``is_causal=True``; a sliding-window or chunked-attention model refused),
-    after refusing the layouts not tested with context parallelism."""
+    after refusing the layouts not tested with context parallelism; and the model is recorded on ``accelerator`` so
+    that :func:`token_weighted_context` checks its forwards as an adopted model's."""
     if not _cp_enabled(accelerator):
         return
     _refuse_untested_layout(accelerator, layout)
@@ -208,7 +209,10 @@ def _forward_hook(group: dist.ProcessGroup, cp_size: int):
         _refuse_traps(facts, batch, cp_size)
         kwargs = dict(kwargs)
         names = list(signature.parameters)
-        if positions is None and "position_ids" in names and names.index("position_ids") >= len(args):
+        # a named parameter not given positionally, or passed on through **kwargs (a PEFT model's forward)
+        takes_positions = names.index("position_ids") >= len(args) if "position_ids" in names else any(
+            p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+        if positions is None and takes_positions:
             # what one process counts on the whole sequence (the model would count from 0 in each chunk)
             kwargs["position_ids"] = index.to(tokens.device).expand(batch, -1)
         if shift_labels is not None and given.get("num_items_in_batch") is None:
