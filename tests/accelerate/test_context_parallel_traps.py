@@ -280,10 +280,3 @@ def test_refused_by_name(results, name):
     for result in results:
         error = result[name].get("error", "")
         assert all(part in error for part in REFUSED[name]), (name, result[name].get("error", result[name]))
-
-
-def test_cp_load_balanced_accessor():
-    """``shardadopt.upstream.torch.cp_load_balanced`` reads torch's flag (True outside a context: its default)."""
-    from shardadopt.upstream.torch import cp_load_balanced
-
-    assert cp_load_balanced() is True

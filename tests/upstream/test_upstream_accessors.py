@@ -1242,6 +1242,7 @@ def test_context_parallel_names():
     assert kernels["cuda"] in upstream.cp_custom_ops()
     assert callable(upstream.cp_templated_ring_attention())
     assert callable(upstream.cp_templated_ring_attention_backward())
+    assert upstream.cp_load_balanced() is True  # torch's default outside a context: head-tail chunks
     assert callable(upstream.cp_register_sharding_rules())
     assert isinstance(upstream.cp_single_dim_strategies(), bool)
     if upstream.cp_single_dim_strategies():
