@@ -63,18 +63,15 @@ def context_parallel_group(accelerator: Any) -> dist.ProcessGroup | None:
 
 
 def shares_batches(accelerator: Any, layout: Topology) -> bool:
-    """Whether the data-parallel ranks of an adopted model are all ranks of one CP group, which must all get the
-    same batch (``fsdp_size=N`` with ``cp_size=N``): adoption then leaves accelerate's loader unsplit (accelerate
-    splits by its data-parallel size, 1). Other layouts with context parallelism are refused by name."""
+    """Whether the CP ranks of an adopted model take the same batches: under context parallelism accelerate's loader
+    already splits by its own data-parallel ranks (the ranks of a CP group get the same rows), so adoption leaves it
+    unsplit. A model whose data-parallel ranks are not accelerate's data-parallel x CP ranks is refused by name
+    (:func:`shardadopt.adopt.context_layouts.check_data_parallel_layout`)."""
     if not _cp_enabled(accelerator) or layout.dp_size == 1:
         return False
-    cp_size = accelerator.parallelism_config.cp_size
-    if layout.dp_size != cp_size:
-        raise AdoptionError(
-            f"context parallelism (ParallelismConfig(cp_size={cp_size})) on a model with {layout.dp_size} "
-            f"data-parallel ranks is supported only when the CP group is the whole FSDP group (load with "
-            f"DistributedConfig(fsdp_size={cp_size}) on {cp_size} processes); data parallelism beside context "
-            f"parallelism is not tested yet")
+    from shardadopt.adopt.context_layouts import check_data_parallel_layout
+
+    check_data_parallel_layout(accelerator.parallelism_config, layout)
     return True
 
 
@@ -104,14 +101,9 @@ def _refuse_untested_layouts(accelerator: Any) -> None:
 
 
 def _refuse_untested_layout(accelerator: Any, layout: Topology) -> None:
-    others = {name: size for name, size in (("tp_size", layout.tp_size), ("ep_size", layout.ep_size)) if size > 1}
-    if others:
-        spelled = ", ".join(f"{name}={size}" for name, size in others.items())
-        raise AdoptionError(
-            f"context parallelism (ParallelismConfig(cp_size={accelerator.parallelism_config.cp_size})) on a "
-            f"model loaded with DistributedConfig({spelled}) is not supported yet (untested: heads split by "
-            f"TP / experts by EP with the sequence split by CP); load with fsdp_size only, or train without "
-            f"cp_size")
+    from shardadopt.adopt.context_layouts import refuse_untested_layout
+
+    refuse_untested_layout(accelerator.parallelism_config, layout)
 
 
 _IGNORE = -100
