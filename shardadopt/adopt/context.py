@@ -65,13 +65,11 @@ def context_parallel_group(accelerator: Any) -> dist.ProcessGroup | None:
 def shares_batches(accelerator: Any, layout: Topology) -> bool:
     """Whether the CP ranks of an adopted model take the same batches: under context parallelism accelerate's loader
     already splits by its own data-parallel ranks (the ranks of a CP group get the same rows), so adoption leaves it
-    unsplit. A model whose data-parallel ranks are not accelerate's data-parallel x CP ranks is refused by name
-    (:func:`shardadopt.adopt.context_layouts.check_data_parallel_layout`)."""
-    if not _cp_enabled(accelerator) or layout.dp_size == 1:
+    unsplit. A layout context parallelism would train wrongly is refused by name
+    (:func:`shardadopt.adopt.context_layouts.check_layout`)."""
+    if not _cp_enabled(accelerator):
         return False
-    from shardadopt.adopt.context_layouts import check_data_parallel_layout
-
-    check_data_parallel_layout(accelerator.parallelism_config, layout)
+    _refuse_untested_layout(accelerator, layout)
     return True
 
 
@@ -101,9 +99,9 @@ def _refuse_untested_layouts(accelerator: Any) -> None:
 
 
 def _refuse_untested_layout(accelerator: Any, layout: Topology) -> None:
-    from shardadopt.adopt.context_layouts import refuse_untested_layout
+    from shardadopt.adopt.context_layouts import check_layout
 
-    refuse_untested_layout(accelerator.parallelism_config, layout)
+    check_layout(accelerator.parallelism_config, layout)
 
 
 _IGNORE = -100

@@ -127,3 +127,113 @@ def mismatch(result: dict[str, Any], expected: dict[str, Any], rtol: float = 1e-
             worst = max(float((result["params"][n] - expected["params"][n]).abs().max()) for n in bad)
             return f"{len(bad)} parameters differ after {STEPS} steps (up to {worst:.3g}): {bad[:3]}"
     return None
+
+
+def cp_trainer(path: str, sizes: dict[str, int], parallelism: dict[str, int], padded: bool) -> dict[str, Any]:
+    """``Trainer`` with ``TrainingArguments(parallelism_config=ParallelismConfig(**parallelism))`` on the same rows
+    (2 per CP group and step): losses and grad norms as it logs them, the shape each forward saw, the parameters."""
+    import tempfile
+
+    import torch.distributed as dist
+    from accelerate import ParallelismConfig
+    from transformers import AutoModelForCausalLM, PrinterCallback, Trainer, TrainingArguments
+    from transformers.distributed import DistributedConfig
+
+    import shardadopt
+    from shardadopt.testing.accelerator import forget_accelerate_state
+    from shardadopt.testing.models import full
+
+    shardadopt.enable()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
+                                                     distributed_config=DistributedConfig(**sizes))
+        seen: list[Any] = []
+        model.register_forward_pre_hook(lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        config = ParallelismConfig(**parallelism)
+        per_rank = ROWS // (config.dp_replicate_size * config.dp_shard_size)
+        forget_accelerate_state()
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(
+                output_dir=out, per_device_train_batch_size=per_rank, max_steps=STEPS, learning_rate=LR,
+                lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=MAX_NORM, optim="adamw_torch",
+                logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                train_sampling_strategy="sequential", disable_tqdm=True, parallelism_config=config)
+            trainer = Trainer(model=model, args=args, train_dataset=rows(padded))
+            trainer.remove_callback(PrinterCallback)
+            trainer.train()
+        logged = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
+        params = {n: full(p).detach().clone() for n, p in trainer.model.named_parameters()}
+        return {"seen": seen, "losses": [row["loss"] for row in logged],
+                "norms": [float(row["grad_norm"]) for row in logged],
+                "params": params if dist.get_rank() == 0 else None}
+    except Exception as exc:  # noqa: BLE001  (the test reads what each rank raised)
+        import traceback
+
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    finally:
+        shardadopt.disable()
+
+
+def run_cases(cases: list[tuple[str, str, dict, dict, bool]]) -> list[dict[str, Any]]:
+    """Several runs in one pool call: (form, path, DistributedConfig sizes, ParallelismConfig sizes, padded)."""
+    workers = {"loop": cp_loop, "trainer": cp_trainer}
+    return [workers[form](path, sizes, parallelism, padded) for form, path, sizes, parallelism, padded in cases]
+
+
+def _loadable(sizes: dict[str, int]) -> str | None:
+    from shardadopt.testing.layouts import unloadable_reason
+
+    return unloadable_reason(sizes)
+
+
+DP_CP = {"dp_shard_size": 2, "cp_size": 2}
+TP_CP = {"tp_size": 2, "cp_size": 2}
+# (name, model, DistributedConfig sizes, ParallelismConfig sizes, form, padded)
+PARITY = [
+    ("fsdp4-loop", "llama", {"fsdp_size": 4}, DP_CP, "loop", False),
+    ("fsdp4-loop-padded", "llama", {"fsdp_size": 4}, DP_CP, "loop", True),
+    ("fsdp4-trainer-padded", "llama", {"fsdp_size": 4}, DP_CP, "trainer", True),
+    ("hsdp-loop-padded", "llama", {"dp_replicate_size": 2, "fsdp_size": 2}, DP_CP, "loop", True),
+    ("fsdp2xtp2-loop-padded", "llama", {"fsdp_size": 2, "tp_size": 2}, TP_CP, "loop", True),
+    ("ep-qwen3moe-loop-padded", "qwen3moe", {"fsdp_size": 4, "ep_size": 2}, DP_CP, "loop", True),
+]
+
+
+def test_layouts_match_one_process(pool4, tiny_models):
+    """Each layout with ``cp_size=2`` on 4 ranks trains as one process on the whole global batch, and each forward
+    saw half of the positions. One pool call for all (a layout this transformers cannot load is left out, named)."""
+    cases, skipped = [], []
+    for name, model, sizes, parallelism, form, padded in PARITY:
+        reason = _loadable(sizes)
+        (skipped.append(f"{name}: {reason}") if reason else
+         cases.append((name, (form, tiny_models[model], sizes, parallelism, padded))))
+    if not cases:
+        pytest.skip("; ".join(skipped))
+    references = {(model, padded): one_process(tiny_models[model], padded)
+                  for _, model, _, _, _, padded in PARITY}
+    results = pool4.run(run_cases, [case for _, case in cases], timeout=900)
+    failures = []
+    for rank, per_rank in enumerate(results):
+        for (name, (*_, padded)), result in zip(cases, per_rank):
+            model = next(m for n, m, *_ in PARITY if n == name)
+            problem = mismatch(result, references[(model, padded)])
+            if problem is None and any(shape[1] != SEQ // 2 for shape in result["seen"]):
+                problem = f"forwards saw {result['seen']}, not {SEQ // 2} of {SEQ} positions"
+            if problem is not None:
+                failures.append(f"{name} rank {rank}: {problem}")
+    assert not failures, "\n".join(failures)
+    if skipped:
+        print("left out on this transformers:", "; ".join(skipped))
+
+
+def test_mismatched_layout_refused_at_prepare(pool4, tiny_models):
+    """A TP model whose accelerate config has no ``tp_size`` (its CP groups would cut across the TP groups and its
+    data-parallel ranks would not be accelerate's dp x cp ranks) is refused by name with the fix, before a step."""
+    sizes = {"fsdp_size": 2, "tp_size": 2}
+    reason = _loadable(sizes)
+    if reason:
+        pytest.skip(reason)
+    for result in pool4.run(cp_loop, tiny_models["llama"], sizes, DP_CP, True, timeout=300):
+        error = result.get("error", "")
+        assert error.startswith("AdoptionError") and "ParallelismConfig(cp_size=2, tp_size=2)" in error, result
+        assert "traceback" in result and "accelerator.prepare(" in result["traceback"], result
