@@ -93,9 +93,12 @@ def prepare_without_adoption(accelerator: Any, model: nn.Module, layout: Topolog
 
 
 def _refuse_untested_layouts(accelerator: Any) -> None:
+    from shardadopt.adopt.context_layouts import check_first_forward
+
     state = adopted(accelerator)
     for model in state.models:
         _refuse_untested_layout(accelerator, state.topologies[id(model)])
+        check_first_forward(model, context_parallel_group(accelerator), accelerator.parallelism_config.cp_size)
 
 
 def _refuse_untested_layout(accelerator: Any, layout: Topology) -> None:

@@ -16,16 +16,23 @@ chunk. Both hold when
 Expert parallelism that exchanges tokens (transformers' ``all_to_all`` EP inside the data-parallel ranks) needs
 nothing more: each rank's tokens go to their experts and come back. EP on a TP group (transformers before 5.21, or
 ``ep_implementation="all_reduce"``) is a TP group above.
+
+Rows that pack several sequences (position ids restarting inside a row) are refused at the step's forward
+(:func:`check_first_forward`): CP drops the attention mask for ``is_causal=True``, so they would attend to each other.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch import nn
+
 from shardadopt.adopt.record import AdoptionError
 from shardadopt.topology import Topology
 
-__all__ = ["check_layout"]
+__all__ = ["check_first_forward", "check_layout"]
 
 
 def check_layout(config: Any, layout: Topology) -> None:
@@ -62,3 +69,45 @@ def check_layout(config: Any, layout: Topology) -> None:
             f"consecutive ranks) must be the model's (rank {layout.rank} is TP rank {layout.tp_rank} of "
             f"{tp_size}). Pass ParallelismConfig(tp_size={tp_size}, cp_size={cp_size}, ...) and load with tp last "
             f"in the mesh, as DistributedConfig does")
+
+
+_PACKED_CHECK_ATTR = "_shardadopt_cp_packed_rows_check"
+
+
+def _refuse_packed_rows(position_ids: torch.Tensor, group: dist.ProcessGroup, cp_size: int) -> None:
+    # the CP group's chunks of every row, gathered: one sequence is one run of consecutive positions; packed rows
+    # (position ids restarting inside a row) repeat positions. Every rank reads the same gather, so all raise.
+    chunks = position_ids.reshape(-1, position_ids.shape[-1]).contiguous()
+    gathered = [torch.empty_like(chunks) for _ in range(cp_size)]
+    dist.all_gather(gathered, chunks, group=group)
+    rows = torch.cat(gathered, dim=-1).sort(dim=-1).values
+    counted_per_chunk = all(bool(g.eq(torch.arange(g.shape[-1], device=g.device)).all()) for g in gathered)
+    # positions counted from 0 in every chunk (not passed as a buffer) are the position-ids trap, not packing
+    if not counted_per_chunk and bool(rows.diff(dim=-1).ne(1).any()):
+        raise AdoptionError(
+            "context parallelism on rows that pack several sequences (position ids restart inside a row: TRL's "
+            "padding_free=True or packing, or packed batches): context parallelism drops the attention mask for "
+            "is_causal=True, so the packed sequences would attend to each other. Train with padding_free=False and "
+            "packing=False (rows padded on the right, pad_to_multiple_of=2 x cp_size), or without cp_size")
+
+
+def check_first_forward(model: nn.Module, group: dist.ProcessGroup, cp_size: int) -> None:
+    """Refuse, at the next forward of ``model`` (the step's, inside ``maybe_context_parallel``), rows that pack
+    several sequences; the check is a collective over the CP group and removes itself after that forward.
+
+    Args:
+        model: an adopted model about to run under context parallelism.
+        group: the CP process group.
+        cp_size: its size.
+    """
+    stale = getattr(model, _PACKED_CHECK_ATTR, None)
+    if stale is not None:  # a context entered without a forward
+        stale.remove()
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        getattr(module, _PACKED_CHECK_ATTR).remove()
+        setattr(module, _PACKED_CHECK_ATTR, None)
+        if kwargs.get("position_ids") is not None:
+            _refuse_packed_rows(kwargs["position_ids"], group, cp_size)
+
+    setattr(model, _PACKED_CHECK_ATTR, model.register_forward_pre_hook(hook, with_kwargs=True))

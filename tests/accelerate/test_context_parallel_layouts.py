@@ -60,9 +60,11 @@ def one_process(path: str, padded: bool) -> dict[str, Any]:
     return {"losses": losses, "norms": norms, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def cp_loop(path: str, sizes: dict[str, int], parallelism: dict[str, int], padded: bool) -> dict[str, Any]:
+def cp_loop(path: str, sizes: dict[str, int], parallelism: dict[str, int], padded: bool,
+            packed: bool = False) -> dict[str, Any]:
     """The accelerate loop as accelerate documents ``maybe_context_parallel`` (labels shifted before the split,
-    global position ids), on a model loaded with ``DistributedConfig(**sizes)``."""
+    global position ids), on a model loaded with ``DistributedConfig(**sizes)``; ``packed``: every row packs two
+    sequences (10 and 6 tokens, position ids restarting at 0)."""
     import torch.distributed as dist
     import torch.nn.functional as F
     from accelerate import ParallelismConfig
@@ -87,7 +89,8 @@ def cp_loop(path: str, sizes: dict[str, int], parallelism: dict[str, int], padde
         for batch in loader:
             input_ids, labels = batch["input_ids"], batch["labels"]
             shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
-            position_ids = torch.arange(SEQ).expand(input_ids.shape[0], -1).contiguous()
+            positions = torch.cat([torch.arange(10), torch.arange(SEQ - 10)]) if packed else torch.arange(SEQ)
+            position_ids = positions.expand(input_ids.shape[0], -1).contiguous()
             buffers = [input_ids, labels, shift_labels, position_ids]
             with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1, 1],
                                                     no_restore_buffers=set(buffers)):
@@ -104,7 +107,8 @@ def cp_loop(path: str, sizes: dict[str, int], parallelism: dict[str, int], padde
     except Exception as exc:  # noqa: BLE001  (the test reads what each rank raised)
         import traceback
 
-        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                "seen": locals().get("seen")}
     finally:
         shardadopt.disable()
 
@@ -237,3 +241,13 @@ def test_mismatched_layout_refused_at_prepare(pool4, tiny_models):
         error = result.get("error", "")
         assert error.startswith("AdoptionError") and "ParallelismConfig(cp_size=2, tp_size=2)" in error, result
         assert "traceback" in result and "accelerator.prepare(" in result["traceback"], result
+
+
+def test_packed_rows_refused_at_first_step(pool4, tiny_models):
+    """Rows packing two sequences (position ids restarting inside the row) under CP, where the attention mask is
+    dropped for ``is_causal=True``: refused by name at the first step's forward, on every rank."""
+    for result in pool4.run(cp_loop, tiny_models["llama"], {"fsdp_size": 4}, DP_CP, False, packed=True,
+                            timeout=300):
+        error = result.get("error", "")
+        assert error.startswith("AdoptionError") and "position ids restart inside a row" in error, result
+        assert "padding_free=False" in error and result["seen"] == [(2, SEQ // 2)], result
