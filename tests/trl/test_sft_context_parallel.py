@@ -51,7 +51,8 @@ def sft_run(path: str, tokenizer: str, cp: bool, padding_free: bool = False) -> 
             config = SFTConfig(
                 output_dir=out, per_device_train_batch_size=GLOBAL_BATCH, max_steps=STEPS, learning_rate=LR,
                 lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                bf16=False, seed=0, disable_tqdm=True, max_length=MAX_LENGTH, pad_to_multiple_of=CP_SPLIT,
+                bf16=False, seed=0, disable_tqdm=True, pad_to_multiple_of=CP_SPLIT,
+                max_length=None if padding_free else MAX_LENGTH,  # TRL: padding_free without packing truncates nothing
                 padding_free=padding_free, train_sampling_strategy="sequential",
                 parallelism_config=ParallelismConfig(cp_size=2) if cp else None)
             trainer = SFTTrainer(model=model, args=config, train_dataset=dataset("sft", STEPS * GLOBAL_BATCH),
@@ -90,3 +91,24 @@ def test_sft_trainer_matches_one_process(pool2, tiny_models, trl_tokenizer):
         assert mismatch(result, expected) is None, f"rank {rank}: {mismatch(result, expected)}"
         # the split happened: each forward saw half of its batch's padded length
         assert all(n * 2 in expected["seen"] for n in result["seen"]), (result["seen"], expected["seen"])
+
+
+def _prepared_without_adoption() -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.19")
+
+
+# transformers 5.19+'s Trainer prepares the model without adoption: shardadopt.adopt.context.token_weighted_context
+# does not reach the check there yet (the change it needs is described in the issue-47 layouts report); strict, so
+# this fails once it does and the mark must go
+@pytest.mark.xfail(_prepared_without_adoption(), strict=True,
+                   reason="the Trainer of transformers 5.19+ does not reach the packed-rows check yet")
+def test_padding_free_refused_at_first_step(pool2, tiny_models, trl_tokenizer):
+    """``padding_free=True`` (TRL flattens the batch into one row, position ids restarting at each sequence), which
+    TRL allows with CP: refused by name at the first step's forward, on every rank."""
+    for result in pool2.run(sft_run, tiny_models["llama"], trl_tokenizer, True, padding_free=True, timeout=300):
+        error = result.get("error", "")
+        assert error.startswith("AdoptionError") and "position ids restart inside a row" in error, result
+        assert "padding_free=False" in error, result
