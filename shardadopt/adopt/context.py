@@ -15,7 +15,8 @@ pre-hook on each adopted model exchanges, in one all-gather over the CP group, w
   token of another chunk), position ids counted from 0 in every chunk, padding before a token whose label counts
   (left padding: it would be attended), chunks of unequal length (ring attention aborts the process), a forward with
   a key/value cache and ``generate()`` inside the context; on entering it, sliding-window or chunked-attention
-  models (accelerate 1.13 does not refuse them) and layouts not yet tested with context parallelism.
+  models (accelerate 1.13 does not refuse them), rows that pack several sequences (position ids restarting inside
+  a row) and layouts context parallelism would train wrongly (:mod:`shardadopt.adopt.context_layouts`).
 
 Outside the context, an evaluation forward given ``num_items_in_batch`` is refused: every CP rank then runs the whole
 sequence with a count divided by ``cp_size`` (``Trainer.evaluate`` before transformers 5.25), ``cp_size`` x the loss.
@@ -93,12 +94,9 @@ def prepare_without_adoption(accelerator: Any, model: nn.Module, layout: Topolog
 
 
 def _refuse_untested_layouts(accelerator: Any) -> None:
-    from shardadopt.adopt.context_layouts import check_first_forward
-
     state = adopted(accelerator)
     for model in state.models:
         _refuse_untested_layout(accelerator, state.topologies[id(model)])
-        check_first_forward(model, context_parallel_group(accelerator), accelerator.parallelism_config.cp_size)
 
 
 def _refuse_untested_layout(accelerator: Any, layout: Topology) -> None:
@@ -257,17 +255,21 @@ def token_weighted_context(accelerator: Any, inner: AbstractContextManager[Any])
         A context manager to enter in its place.
 
     Raises:
-        AdoptionError: an adopted model is tensor- or expert-parallel (not tested with context parallelism yet).
+        AdoptionError: a layout context parallelism would train wrongly
+            (:func:`shardadopt.adopt.context_layouts.check_layout`), or a sliding-window model.
     """
     group = context_parallel_group(accelerator)
     if group is None:
         return inner
     if adopted(accelerator) is not None:  # models prepared in evaluation mode were checked by prepare_without_adoption
         _refuse_untested_layouts(accelerator)
+    from shardadopt.adopt.context_layouts import check_first_forward
+
     cp_size, models = accelerator.parallelism_config.cp_size, _cp_models(accelerator)
     _refuse_windowed_attention(models, cp_size)
     for model in models:
         _guard_evaluation(model, cp_size)
+        check_first_forward(model, group, cp_size)  # rows packing several sequences, adopted or not (Trainer 5.19+)
     return _checked(inner, models, group, cp_size)
 
 

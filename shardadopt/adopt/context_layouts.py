@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardadopt.adopt.record import AdoptionError
-from shardadopt.topology import Topology
+from shardadopt.parallel.topology import Topology
 
 __all__ = ["check_first_forward", "check_layout"]
 
@@ -40,7 +40,7 @@ def check_layout(config: Any, layout: Topology) -> None:
 
     Args:
         config: accelerate's ``ParallelismConfig`` with ``cp_size > 1``.
-        layout: the adopted model's :class:`~shardadopt.topology.Topology`.
+        layout: the adopted model's :class:`~shardadopt.parallel.topology.Topology`.
 
     Raises:
         AdoptionError: the model's data-parallel ranks are not accelerate's data-parallel x CP ranks, or its TP

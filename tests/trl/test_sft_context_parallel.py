@@ -93,18 +93,6 @@ def test_sft_trainer_matches_one_process(pool2, tiny_models, trl_tokenizer):
         assert all(n * 2 in expected["seen"] for n in result["seen"]), (result["seen"], expected["seen"])
 
 
-def _prepared_without_adoption() -> bool:
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) >= Version("5.19")
-
-
-# transformers 5.19+'s Trainer prepares the model without adoption: shardadopt.adopt.context.token_weighted_context
-# does not reach the check there yet (the change it needs is described in the issue-47 layouts report); strict, so
-# this fails once it does and the mark must go
-@pytest.mark.xfail(_prepared_without_adoption(), strict=True,
-                   reason="the Trainer of transformers 5.19+ does not reach the packed-rows check yet")
 def test_padding_free_refused_at_first_step(pool2, tiny_models, trl_tokenizer):
     """``padding_free=True`` (TRL flattens the batch into one row, position ids restarting at each sequence), which
     TRL allows with CP: refused by name at the first step's forward, on every rank."""
