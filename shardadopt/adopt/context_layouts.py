@@ -78,6 +78,11 @@ def _refuse_packed_rows(position_ids: torch.Tensor, group: dist.ProcessGroup, cp
     # the CP group's chunks of every row, gathered: one sequence is one run of consecutive positions; packed rows
     # (position ids restarting inside a row) repeat positions. Every rank reads the same gather, so all raise.
     chunks = position_ids.reshape(-1, position_ids.shape[-1]).contiguous()
+    shape = torch.tensor(chunks.shape, dtype=torch.long, device=chunks.device)
+    shapes = [torch.empty_like(shape) for _ in range(cp_size)]
+    dist.all_gather(shapes, shape, group=group)
+    if any(not torch.equal(other, shape) for other in shapes):
+        return  # chunks of unequal length: the step's own check refuses them by name (a gather of them would abort)
     gathered = [torch.empty_like(chunks) for _ in range(cp_size)]
     dist.all_gather(gathered, chunks, group=group)
     rows = torch.cat(gathered, dim=-1).sort(dim=-1).values
