@@ -1,14 +1,14 @@
 """Build and check ``upstream-fixes/<id>.diff``: each patch's fix written as a change to upstream's own source.
 
-A diff is a build artefact. Its source is ``upstream-fixes/fixes/<id>.py``, which defines ``FIX`` (a ``Fix``):
-exact-text
-``Edit``s of upstream files, an upstream-style test (a ``NewFile`` in its test folder), whether it is a backport of a
-released upstream fix or a proposal for upstream main, and a summary. This script downloads the wheels of the
-releases on which the patch's probe applies it (``tests/data/release_matrix.json``), applies the edits to a
-pristine copy of the oldest one and writes the unified diff with the paths of upstream's repository
-(``tools/upstream_layout.py``: ``src/transformers/`` and ``tests/``, pytorch's ``torch/`` and ``test/``, ...), so it
-applies with ``patch -p1`` at the top of an upstream clone. ``check`` holds every path to that layout and dry-runs
-each diff at the top of a tree laid out the same way, the release's wheel at the repository's source folder.
+A diff is a build artefact. Its source is ``upstream-fixes/fixes/<id_>.py`` (the id with ``-`` -> ``_``), which
+defines ``FIX`` (a ``Fix``): exact-text ``Edit``s of upstream files, an upstream-style test (a ``NewFile`` in its
+test folder), whether it is a backport of a released upstream fix or a proposal for upstream main, and a summary.
+This script downloads the wheels of the releases on which the patch's probe applies it
+(``tests/data/release_matrix.json``), applies the edits to a pristine copy of the oldest one and writes the unified
+diff with the paths of upstream's repository (``tools/upstream_layout.py``: ``src/transformers/`` and ``tests/``,
+pytorch's ``torch/`` and ``test/``, ...), so it applies with ``patch -p1`` at the top of an upstream clone.
+``check`` holds every path to that layout and dry-runs each diff at the top of a tree laid out the same way, the
+release's wheel at the repository's source folder.
 
     python tools/upstream_diffs.py build [ID ...]    # regenerate upstream-fixes/<id>.diff
     python tools/upstream_diffs.py check [ID ...]    # CI: every diff is what its fix generates, and applies
