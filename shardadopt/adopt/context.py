@@ -263,22 +263,23 @@ def token_weighted_context(accelerator: Any, inner: AbstractContextManager[Any])
         return inner
     if adopted(accelerator) is not None:  # models prepared in evaluation mode were checked by prepare_without_adoption
         _refuse_untested_layouts(accelerator)
-    from shardadopt.adopt.context_layouts import check_first_forward
-
     cp_size, models = accelerator.parallelism_config.cp_size, _cp_models(accelerator)
     _refuse_windowed_attention(models, cp_size)
     for model in models:
         _guard_evaluation(model, cp_size)
-        check_first_forward(model, group, cp_size)  # rows packing several sequences, adopted or not (Trainer 5.19+)
     return _checked(inner, models, group, cp_size)
 
 
 @contextmanager
 def _checked(inner: AbstractContextManager[Any], models: list[nn.Module], group: dist.ProcessGroup,
               cp_size: int) -> Iterator[None]:
+    from shardadopt.adopt.context_layouts import check_first_forward
+
     with inner:
         _INSIDE.update(models)
         handles = [m.register_forward_pre_hook(_forward_hook(group, cp_size), with_kwargs=True) for m in models]
+        for model in models:  # after the step's checks: equal chunks, position ids for the whole sequence
+            check_first_forward(model, group, cp_size)  # rows packing several sequences (adopted or Trainer 5.19+)
         generating = [m for m in models if callable(getattr(m, "generate", None)) and "generate" not in vars(m)]
         for model in generating:  # an instance attribute over the class's method while the context is open
             model.generate = _refuse_generate

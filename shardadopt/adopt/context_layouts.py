@@ -77,18 +77,12 @@ _PACKED_CHECK_ATTR = "_shardadopt_cp_packed_rows_check"
 def _refuse_packed_rows(position_ids: torch.Tensor, group: dist.ProcessGroup, cp_size: int) -> None:
     # the CP group's chunks of every row, gathered: one sequence is one run of consecutive positions; packed rows
     # (position ids restarting inside a row) repeat positions. Every rank reads the same gather, so all raise.
+    # (runs after the step's own checks: the chunks are of equal length, the position ids are the whole sequence's)
     chunks = position_ids.reshape(-1, position_ids.shape[-1]).contiguous()
-    shape = torch.tensor(chunks.shape, dtype=torch.long, device=chunks.device)
-    shapes = [torch.empty_like(shape) for _ in range(cp_size)]
-    dist.all_gather(shapes, shape, group=group)
-    if any(not torch.equal(other, shape) for other in shapes):
-        return  # chunks of unequal length: the step's own check refuses them by name (a gather of them would abort)
     gathered = [torch.empty_like(chunks) for _ in range(cp_size)]
     dist.all_gather(gathered, chunks, group=group)
     rows = torch.cat(gathered, dim=-1).sort(dim=-1).values
-    counted_per_chunk = all(bool(g.eq(torch.arange(g.shape[-1], device=g.device)).all()) for g in gathered)
-    # positions counted from 0 in every chunk (not passed as a buffer) are the position-ids trap, not packing
-    if not counted_per_chunk and bool(rows.diff(dim=-1).ne(1).any()):
+    if bool(rows.diff(dim=-1).ne(1).any()):
         raise AdoptionError(
             "context parallelism on rows that pack several sequences (position ids restart inside a row: TRL's "
             "padding_free=True or packing, or packed batches): context parallelism drops the attention mask for "
